@@ -1,0 +1,18 @@
+"""Files shipped with relaunch: provider presets, example recipes, instance-side templates."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+
+
+def _root(package: str) -> Path:
+    return Path(str(files(package)))
+
+
+def recipes_dir() -> Path:
+    return _root("relaunch.recipes")
+
+
+def templates_dir() -> Path:
+    return _root("relaunch.templates")
