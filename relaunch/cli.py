@@ -1,0 +1,279 @@
+"""The command line: parse, call one library function, print. Errors become exit codes here.
+
+Progress goes to stderr; results for scripts (`--json`) to stdout. A bug shows one line and
+leaves the full trace in the debug log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import EvacuationError, Interrupted, RelaunchError, UsageError
+from .host.spec import HostSpec
+from .paths import debug_log_file
+from .ui import UI, redact, setup_logging
+
+log = logging.getLogger("relaunch")
+
+
+class State:
+    ui: UI
+    json: bool = False
+
+
+def common(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+                        help="Override a recipe value (repeatable), e.g. --set checkpoint.keep=3.")(func)
+    func = click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")(func)
+    func = click.option("-v", "--verbose", is_flag=True, help="Show the instance's output live.")(func)
+    func = click.option("--yes", is_flag=True, help="Do not prompt.")(func)
+    return func
+
+
+def load(recipe_path: str, overrides: tuple[str, ...]) -> Any:
+    from .recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, list(overrides))
+    # secret values never reach the screen or the debug log, whatever prints them
+    redact.add(os.environ.get(name, "") for name in recipe.env.secrets)
+    return recipe
+
+
+def ui_for(verbose: bool, as_json: bool) -> UI:
+    return UI(verbose=verbose)
+
+
+def emit(as_json: bool, data: Any) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="relaunch")
+def cli() -> None:
+    """Make a rented cloud GPU disposable: evacuate before you destroy, `up` on the next one."""
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("hosts", nargs=-1, required=True)
+@click.option("--dry-run", is_flag=True, help="Show what would run, change nothing (same as `relaunch plan`).")
+@click.option("--accept-new-host-key", is_flag=True,
+              help="The address was reused by a new instance: forget its recorded host key and record the new one.")
+@common
+def up(recipe: str, hosts: tuple[str, ...], dry_run: bool, accept_new_host_key: bool, overrides: tuple[str, ...],
+       as_json: bool, verbose: bool, yes: bool) -> None:
+    """Bring fresh instance(s) back to training: connect, rebuild the env, restore the newest
+    complete checkpoint, start the command in tmux. HOST is ADDRESS, USER@ADDRESS or USER@ADDRESS:PORT."""
+    from . import cycle
+
+    r = load(recipe, overrides)
+    specs = [HostSpec.parse(h) for h in hosts]
+    ui = ui_for(verbose, as_json)
+    results = cycle.up(r, specs, ui, dry_run=dry_run, accept_new_host_key=accept_new_host_key)
+    if dry_run:
+        for result in results:
+            click.echo(f"# plan for {result.host}: {len(result.actions)} actions, changing nothing")
+            for action in result.actions:
+                click.echo(redact(action.describe()))
+    emit(as_json, [res.as_dict() for res in results])
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("host")
+@common
+def plan(recipe: str, host: str, overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
+    """What `up` would do on HOST: the exact commands and rendered scripts, changing nothing."""
+    from . import cycle
+
+    r = load(recipe, overrides)
+    ui = ui_for(verbose, as_json)
+    results = cycle.up(r, [HostSpec.parse(host)], ui, dry_run=True)
+    for result in results:
+        if as_json:
+            emit(True, {**result.as_dict(), "actions": [
+                {"step": a.step, "title": a.title, "skip": a.skip, "shown": redact(a.shown)} for a in result.actions]})
+            continue
+        click.echo(f"# plan for {result.host}: changing nothing")
+        for action in result.actions:
+            click.echo(redact(action.describe()))
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("host", required=False)
+@common
+def evacuate(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: bool, verbose: bool,
+             yes: bool) -> None:
+    """Before destroying an instance: copy its checkpoints, env lock and log off it, verify every
+    byte, then say `safe to destroy` (exit 0). Any failure: exit 6, DO NOT destroy."""
+    from . import cycle
+
+    r = load(recipe, overrides)
+    ui = ui_for(verbose, as_json)
+    spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
+    report = cycle.evacuate(r, spec, ui)
+    newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint yet"
+    ui.say(f"store {report.store}: copied {len(report.copied)}, already there {len(report.already)}, "
+           f"newest on the instance: {newest}")
+    ui.ok(f"safe to destroy {spec}")
+    emit(as_json, {"safe": True, **{k: v for k, v in report.__dict__.items()}})
+
+
+@cli.command()
+@click.argument("recipe")
+@common
+def check(recipe: str, overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
+    """Validate a recipe (extends resolved, templates rendered) without touching any host."""
+    from .recipe import check_recipe
+
+    r = load(recipe, overrides)
+    notes = check_recipe(r)
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+    click.echo(f"{recipe}: ok (recipe {r.name})")
+    emit(as_json, {"ok": True, "name": r.name, "notes": notes})
+
+
+@cli.command()
+@click.option("--provider", default=None, help="Preset for the SSH user and port (see `relaunch providers`).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None, help="Write here instead of stdout.")
+def init(provider: str | None, output: str | None) -> None:
+    """Write a commented starter recipe."""
+    from .recipe import starter_recipe
+
+    text = starter_recipe(provider)
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    path = Path(output)
+    if path.exists():
+        raise UsageError(f"{path} exists; not overwriting it")
+    path.write_text(text)
+    click.echo(f"wrote {path}", err=True)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+def providers(as_json: bool) -> None:
+    """List the provider presets (SSH user, port, notes)."""
+    from .recipe import load_providers
+
+    presets = load_providers()
+    if as_json:
+        emit(True, {n: {"user": p.user, "port": p.port, "notes": p.notes} for n, p in presets.items()})
+        return
+    for name, p in presets.items():
+        click.echo(f"{name:<14} {p.user:<8} {p.port:<5} {p.notes}")
+
+
+# -- sandbox -------------------------------------------------------------------------------
+@cli.group()
+def sandbox() -> None:
+    """Throwaway local instances (Linux, root): own address, real sshd, empty private disk."""
+
+
+@sandbox.command("create")
+@click.argument("name")
+@click.option("--user", type=click.Choice(["root", "ubuntu"]), default="root", show_default=True)
+@click.option("--disk", default="4G", show_default=True, help="Size of the instance's private home (tmpfs).")
+@click.option("--rate", default=None, help="Shape the link, e.g. 100mbit (tc tbf).")
+@click.option("--key", "key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Public key to authorize (default: relaunch's sandbox key).")
+@click.option("--index", "index", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Serve this package index (a folder with simple/) inside the instance on 127.0.0.1:8765.")
+@click.option("--json", "as_json", is_flag=True)
+def sandbox_create(name: str, user: str, disk: str, rate: str | None, key: str | None, index: str | None,
+                   as_json: bool) -> None:
+    """Create instance NAME and print how to reach it."""
+    from . import sandbox as sb
+
+    inst = sb.create(name, user=user, authorized_key=Path(key) if key else None, disk=disk, rate=rate,
+                     index_dir=Path(index) if index else None)
+    if as_json:
+        emit(True, {**inst.__dict__, "host": inst.host, "key": str(sb.default_key()) if key is None else None})
+        return
+    click.echo(f"{inst.name}: {inst.host}  host key {inst.host_key_fingerprint}")
+    if key is None:
+        click.echo(f"  ssh key: {sb.default_key()}  (recipe: --set ssh.key={sb.default_key()})")
+    if inst.index_url:
+        click.echo(f"  package index inside the instance: {inst.index_url}")
+
+
+@sandbox.command("destroy")
+@click.argument("name")
+def sandbox_destroy(name: str) -> None:
+    """Destroy instance NAME: its processes, disk, address and namespace."""
+    from . import sandbox as sb
+
+    click.echo(f"{name}: {'destroyed' if sb.destroy(name) else 'no such instance'}")
+
+
+@sandbox.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def sandbox_list(as_json: bool) -> None:
+    """List the sandbox instances."""
+    from . import sandbox as sb
+
+    instances = sb.list_instances()
+    if as_json:
+        emit(True, [{**i.__dict__, "host": i.host} for i in instances])
+        return
+    for inst in instances:
+        click.echo(f"{inst.name:<14} {inst.host:<24} {inst.host_key_fingerprint}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        setup_logging(str(debug_log_file()))
+    except OSError:
+        pass
+    command = (argv if argv is not None else sys.argv[1:])[:1]
+    try:
+        cli.main(args=argv, prog_name="relaunch", standalone_mode=False)
+        return 0
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("interrupted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return 2
+    except KeyboardInterrupt:
+        click.echo("interrupted: nothing half-written is trusted; rerun to continue", err=True)
+        if command == ["evacuate"]:
+            click.echo("evacuation NOT verified: DO NOT destroy the instance", err=True)
+        return Interrupted.exit_code
+    except RelaunchError as exc:
+        log.debug("error", exc_info=True)
+        click.echo(redact(f"Error: {exc.message}"), err=True)
+        if exc.hint:
+            click.echo(redact(f"hint: {exc.hint}"), err=True)
+        return exc.exit_code
+    except Exception as exc:  # a bug: one line here, the trace in the debug log
+        log.exception("internal error")
+        click.echo(redact(f"Error: internal error: {type(exc).__name__}: {exc} (full trace in {debug_log_file()})"),
+                   err=True)
+        if command == ["evacuate"]:
+            click.echo("evacuation NOT verified: DO NOT destroy the instance", err=True)
+            return EvacuationError.exit_code
+        return 1
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

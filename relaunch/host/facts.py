@@ -1,0 +1,86 @@
+"""Read-only facts about an instance: one script, one round trip, a pure parser."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..scripts import plain, with_inputs
+
+
+@dataclass
+class HostFacts:
+    home: str = ""
+    user: str = ""
+    uid: int = -1
+    python: str = ""              # interpreter matching env.python, "" if none
+    python3_version: str = ""
+    venv_module: bool = False
+    tools: dict[str, bool] = field(default_factory=dict)
+    can_root: bool = False
+    free_ckpt: int = 0
+    free_venv: int = 0
+    session_alive: bool = False
+    session_since: str = ""
+    gpus: list[str] = field(default_factory=list)   # nvidia-smi csv rows: name, memory, driver
+    venv_freeze: list[str] | None = None            # None: no venv yet
+    missing_apt: list[str] = field(default_factory=list)
+
+    @property
+    def is_root(self) -> bool:
+        return self.uid == 0
+
+    @property
+    def driver(self) -> str:
+        return self.gpus[0].split(",")[-1].strip() if self.gpus else ""
+
+
+# What is installed in the venv itself (not the image's site-packages), like `pip freeze --local`;
+# works in uv venvs, which have no pip.
+FREEZE_PY = (
+    "import importlib.metadata as md, sys\n"
+    "paths = [p for p in sys.path if p.startswith(sys.prefix) and p.endswith('site-packages')]\n"
+    "print('\\n'.join(sorted({f\"{d.metadata['Name']}=={d.version}\" for d in md.distributions(path=paths)},"
+    " key=str.lower)))\n"
+)
+
+
+def facts_script(python: str, venv: str, ckpt: str, session: str, apt: list[str]) -> str:
+    return with_inputs(plain("facts.sh"), py_want=python, venv=venv, ckpt=ckpt, session=session,
+                       apt=" ".join(apt), freeze_py=FREEZE_PY)
+
+
+def parse_facts(text: str) -> HostFacts:
+    facts = HostFacts()
+    values: dict[str, str] = {}
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("missing_apt="):
+            facts.missing_apt.append(line.partition("=")[2].strip())
+            continue
+        if line.startswith("--- "):
+            name = line[4:].strip()
+            current = None if name == "end" else sections.setdefault(name, [])
+            continue
+        if current is not None:
+            if line.strip():
+                current.append(line.strip())
+            continue
+        key, sep, value = line.partition("=")
+        if sep:
+            values[key.strip()] = value.strip()
+    facts.home = values.get("home", "")
+    facts.user = values.get("user", "")
+    facts.uid = int(values["uid"]) if values.get("uid", "").isdigit() else -1
+    facts.python = values.get("python", "")
+    facts.python3_version = values.get("python3_version", "")
+    facts.venv_module = values.get("venv_module") == "1"
+    facts.tools = {k[4:]: v == "1" for k, v in values.items() if k.startswith("has_")}
+    facts.can_root = values.get("can_root") == "1"
+    facts.free_ckpt = int(values.get("free_ckpt") or 0)
+    facts.free_venv = int(values.get("free_venv") or 0)
+    facts.session_alive = values.get("session_alive") == "1"
+    facts.session_since = values.get("session_since", "")
+    facts.gpus = sections.get("gpus", [])
+    facts.venv_freeze = sections.get("freeze")
+    return facts

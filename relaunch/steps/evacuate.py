@@ -1,0 +1,160 @@
+"""Evacuate: copy the newest complete checkpoints off the instance into the store, verified.
+
+Order of trust: files are pulled into the store's staging folder (never trusted), hashed on
+both ends, moved into place, and only then named in the manifest (written last). Training may
+keep writing and rotating checkpoints meanwhile: one that vanishes mid-copy is skipped, never
+recorded. Nothing on the instance is ever deleted or changed.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+
+from ..errors import EvacuationError
+from ..layouts import Checkpoint
+from ..store import CheckpointRecord, FileRecord, LocalStore, StoreManifest, utc_now
+from ..transports.rsync import Rsync
+from .checkpoint import hash_on_instance, list_instance
+from .common import Job
+from .launch import tail_command
+from .preflight import human
+
+LOG_TAIL_LINES = 200
+
+
+@dataclass
+class Report:
+    store: str
+    copied: list[str] = field(default_factory=list)
+    already: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)     # rotated away mid-copy
+    pruned: list[str] = field(default_factory=list)
+    newest: str | None = None                           # newest complete on the instance
+    newest_step: int | None = None
+    bytes_copied: int = 0
+    safe: bool = False
+
+
+def _listing(job: Job) -> list[Checkpoint]:
+    c = job.recipe.checkpoint
+    return list_instance(job.remote, job.paths.ckpt_dir, c.layout, c.pattern, "evacuate (listing checkpoints)",
+                         EvacuationError)
+
+
+def _copy_one(job: Job, store: LocalStore, manifest: StoreManifest, cp: Checkpoint, report: Report) -> bool:
+    """Copy and verify one checkpoint; False if it vanished (rotated away) meanwhile."""
+    files = [e.path for e in cp.files]
+    sizes = {e.path: e.size for e in cp.files}
+    known = manifest.checkpoints.get(cp.name)
+    if known is not None:
+        hashes = hash_on_instance(job.remote, job.paths.ckpt_dir, files, "evacuate (hashing)", EvacuationError)
+        if hashes is None:
+            report.skipped.append(cp.name)
+            return False
+        if set(hashes) == set(known.files) and all(known.files[p].sha256 == h for p, h in hashes.items()):
+            report.already.append(cp.name)
+            return True
+        raise EvacuationError(
+            f"{job.host}: {cp.name} on the instance differs from the verified copy in the store {store.root}",
+            "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right",
+        )
+
+    total = sum(sizes.values())
+    staging = store.staging(cp.name)
+    rsync = Rsync(job.target, job.remote.known_hosts, job.ui)
+    job.say("evacuate", f"copying {cp.name} (step {cp.step}, {len(files)} file(s), {human(total)})")
+    result = rsync.pull_files(job.paths.ckpt_dir, files, staging, f"{cp.name} <- {job.host}", total)
+    if not result.ok:
+        if result.status in (23, 24) and not _still_there(job, cp):
+            job.say("evacuate", f"{cp.name} was rotated away by the trainer during the copy; skipped")
+            report.skipped.append(cp.name)
+            return False
+        raise EvacuationError(f"{job.host}: evacuate: rsync failed ({result.meaning}) copying {cp.name}: "
+                              f"{result.output.strip()[-300:]}")
+    hashes = hash_on_instance(job.remote, job.paths.ckpt_dir, files, "evacuate (hashing)", EvacuationError)
+    if hashes is None or set(hashes) != set(files):
+        job.say("evacuate", f"{cp.name} was rotated away by the trainer during the copy; skipped")
+        report.skipped.append(cp.name)
+        return False
+    expected = {p: FileRecord(size=sizes[p], sha256=hashes[p]) for p in files}
+    problems = store.verify_staged(cp.name, expected)
+    if problems:
+        # one more pass with full checksums: rsync's quick check can trust a damaged partial file
+        rsync.run(rsync.argv("--checksum", "--from0", "--files-from=-",
+                             rsync.remote(job.paths.ckpt_dir.rstrip("/") + "/"), f"{staging}/"),
+                  f"{cp.name} <- {job.host} (again)", total, stdin=b"\0".join(f.encode() for f in files) + b"\0")
+        problems = store.verify_staged(cp.name, expected)
+    if problems:
+        raise EvacuationError(f"{job.host}: evacuate: {cp.name} did not verify: {problems[0]}"
+                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    record = CheckpointRecord(name=cp.name, step=cp.step, files=expected, verified_at=utc_now(), host=job.host)
+    store.commit(record)
+    manifest.add(record)
+    store.save_manifest(manifest)        # after the files: the manifest only names verified bytes
+    report.copied.append(cp.name)
+    report.bytes_copied += total
+    job.say("evacuate", f"{cp.name} verified: {len(files)} file(s), sha256 equal on both ends")
+    return True
+
+
+def _still_there(job: Job, cp: Checkpoint) -> bool:
+    return any(c.name == cp.name for c in _listing(job))
+
+
+def _save_meta(job: Job, store: LocalStore) -> None:
+    facts, paths = job.facts, job.paths
+    if facts.venv_freeze is not None:
+        store.write_meta("freeze.txt", "\n".join(facts.venv_freeze) + "\n")
+    versions = {"python": facts.python3_version, "driver": facts.driver, "gpus": facts.gpus,
+                "host": job.host, "at": utc_now()}
+    store.write_meta("versions.json", json.dumps(versions, indent=2) + "\n")
+    tail = job.remote.exec(tail_command(paths.log, LOG_TAIL_LINES))
+    if tail.ok and tail.stdout:
+        store.write_meta("log-tail.txt", tail.text)
+
+
+def evacuate(job: Job, store: LocalStore, rounds: int = 3) -> Report:
+    """Copy the newest `keep` complete checkpoints (newest first) until the newest is verified."""
+    keep = job.recipe.checkpoint.keep
+    report = Report(store=str(store.root))
+    manifest = store.load_manifest() or StoreManifest(recipe=job.recipe.name)
+    for _ in range(rounds):
+        listing = _listing(job)
+        if not listing:
+            report.newest = None
+            break
+        newest = listing[-1]
+        report.newest, report.newest_step = newest.name, newest.step
+        for cp in reversed(listing[-keep:]):
+            if cp.name in report.copied or cp.name in report.already:
+                continue
+            _copy_one(job, store, manifest, cp, report)
+        latest = _listing(job)
+        if not latest or latest[-1].name in manifest.checkpoints:
+            if latest:
+                report.newest, report.newest_step = latest[-1].name, latest[-1].step
+            break
+        job.say("evacuate", f"training wrote {latest[-1].name} meanwhile; another round")
+    else:
+        raise EvacuationError(
+            f"{job.host}: training keeps writing new checkpoints faster than they can be copied; the newest "
+            f"is not in the store yet", "stop training first (`relaunch evacuate --stop` or kill the tmux "
+            "session), then evacuate again")
+
+    _save_meta(job, store)
+    store.save_manifest(manifest)        # last, again: also records a store with meta only
+    newest_verified = manifest.newest()
+    if report.newest is not None and report.newest not in manifest.checkpoints:
+        raise EvacuationError(f"{job.host}: the newest checkpoint {report.newest} is not verified in the store")
+    if newest_verified is not None and report.copied:
+        report.pruned = store.prune(manifest, keep)
+        for name in report.pruned:
+            job.say("evacuate", f"pruned {name} from the store (keep={keep})")
+    report.safe = True
+    return report
+
+
+def store_command_hint(job: Job) -> str:
+    return f"relaunch evacuate {shlex.quote(str(job.recipe.source))} {job.target.label}"

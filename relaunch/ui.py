@@ -1,0 +1,119 @@
+"""What the user sees: one line per step on stderr, a bar per transfer, nothing secret.
+
+Results for scripts go to stdout (`--json`); progress always goes to stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
+    TransferSpeedColumn
+
+log = logging.getLogger("relaunch")
+
+
+class Redactor:
+    """Replaces every known secret value with `***` in anything shown or logged."""
+
+    def __init__(self) -> None:
+        self.values: set[str] = set()
+
+    def add(self, values: Iterable[str]) -> None:
+        self.values.update(v for v in values if v and len(v) >= 4)
+
+    def __call__(self, text: str) -> str:
+        for value in sorted(self.values, key=len, reverse=True):
+            text = text.replace(value, "***")
+        return text
+
+
+redact = Redactor()
+
+
+class _RedactingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+class UI:
+    def __init__(self, verbose: bool = False, quiet: bool = False) -> None:
+        self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.verbose = verbose
+        self.quiet = quiet
+        self._lock = threading.Lock()
+
+    def _print(self, text: str, style: str | None = None) -> None:
+        text = redact(text)
+        log.info(text)
+        if not self.quiet:
+            with self._lock:
+                self.console.print(escape(text), style=style)
+
+    def step(self, host: str, step: str, text: str) -> None:
+        self._print(f"[{host}] {step}: {text}")
+
+    def say(self, text: str) -> None:
+        self._print(text)
+
+    def ok(self, text: str) -> None:
+        self._print(text, "bold green")
+
+    def warn(self, text: str) -> None:
+        self._print(f"warning: {text}", "yellow")
+
+    def detail(self, text: str) -> None:
+        log.debug(redact(text))
+        if self.verbose and not self.quiet:
+            with self._lock:
+                self.console.print(escape(redact(text)), style="dim")
+
+    def transfer(self, description: str, total: int) -> Transfer:
+        return Transfer(self, description, total)
+
+
+_PROGRESS2 = re.compile(rb"^\s*([\d,]+)\s+(\d+)%")
+
+
+class Transfer:
+    """A rich bar fed by rsync's `--info=progress2` lines (bytes so far, percent)."""
+
+    def __init__(self, ui: UI, description: str, total: int) -> None:
+        self.ui = ui
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TimeRemainingColumn(), console=ui.console, transient=True, disable=ui.quiet,
+        )
+        self.task = self.progress.add_task(escape(description), total=max(total, 1))
+
+    def __enter__(self) -> Transfer:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def feed(self, chunk: bytes) -> None:
+        for part in re.split(rb"[\r\n]", chunk):
+            match = _PROGRESS2.match(part)
+            if match:
+                self.progress.update(self.task, completed=int(match.group(1).replace(b",", b"")))
+
+
+def setup_logging(path: str) -> None:
+    """Full detail (tracebacks included) to the debug log only, secrets redacted, mode 0600."""
+    import os
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(_RedactingFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG)

@@ -1,0 +1,40 @@
+# relaunch: read-only facts about this instance. Changes nothing.
+# Inputs (set above this line by relaunch, shell-quoted): py_want venv ckpt session apt freeze_py
+set -u
+echo "home=$HOME"
+echo "user=$(id -un)"
+echo "uid=$(id -u)"
+py=""
+for c in "python$py_want" python3 python; do
+  p=$(command -v "$c" 2>/dev/null) || continue
+  v=$("$p" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null) || continue
+  case "$v" in "$py_want".*) py=$p; break ;; esac
+done
+echo "python=$py"
+echo "python3_version=$(python3 -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null)"
+if [ -n "$py" ] && "$py" -c 'import venv, ensurepip' 2>/dev/null; then echo "venv_module=1"; else echo "venv_module=0"; fi
+for t in tmux rsync sha256sum apt-get nvidia-smi; do
+  if command -v "$t" >/dev/null 2>&1; then echo "has_$t=1"; else echo "has_$t=0"; fi
+done
+for pkg in $apt; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || echo "missing_apt=$pkg"
+done
+if [ "$(id -u)" = 0 ] || sudo -n true 2>/dev/null; then echo "can_root=1"; else echo "can_root=0"; fi
+free_at() { d=$1; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; df -Pk "$d" | awk 'NR==2 {print $4*1024}'; }
+echo "free_ckpt=$(free_at "$ckpt")"
+echo "free_venv=$(free_at "$venv")"
+if command -v tmux >/dev/null 2>&1 && tmux has-session -t "=$session" 2>/dev/null; then
+  echo "session_alive=1"
+  echo "session_since=$(tmux display-message -p -t "=$session" '#{session_created}' 2>/dev/null)"
+else
+  echo "session_alive=0"
+fi
+if command -v nvidia-smi >/dev/null 2>&1; then
+  echo "--- gpus"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+fi
+if [ -x "$venv/bin/python" ]; then
+  echo "--- freeze"
+  "$venv/bin/python" -c "$freeze_py" 2>&1
+fi
+echo "--- end"
