@@ -117,17 +117,17 @@ def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept
         actions = preflight + env + restore + launch
         if dry_run:
             return UpResult(job.host, "planned", job.checkpoint, job.step, actions)
-        run_actions(preflight)
+        run_actions(preflight, job.say)
         # env and checkpoint do not depend on each other: up takes as long as the slower one
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="step") as pool:
-            futures = [pool.submit(run_actions, env), pool.submit(run_actions, restore)]
+            futures = [pool.submit(run_actions, env, job.say), pool.submit(run_actions, restore, job.say)]
             errors = [f.exception() for f in futures]
         failed = [e for e in errors if e is not None]
         if failed:
             for extra in failed[1:]:
                 ui.warn(str(extra))
             raise failed[0]
-        run_actions(launch)
+        run_actions(launch, job.say)
         remember_host(recipe, job.target)
         return UpResult(job.host, "started", job.checkpoint, job.step)
 

@@ -29,7 +29,10 @@ class Action:
         return f"{head}\n{body}"
 
 
-def run_actions(actions: list[Action]) -> None:
+def run_actions(actions: list[Action], say: Callable[[str, str], None]) -> None:
+    """Run each action; say (step, reason) for those with nothing to do."""
     for action in actions:
-        if action.skip is None and action.run is not None:
+        if action.skip is not None:
+            say(action.step, action.skip)
+        elif action.run is not None:
             action.run()

@@ -32,6 +32,7 @@ KEEPALIVE = 10
 # kernel's ~15 minutes of TCP retransmissions: keepalives keep data in flight and
 # TCP_USER_TIMEOUT aborts the socket when it stays unacknowledged.
 TCP_USER_TIMEOUT_MS = 30_000
+AUTH_GRACE = 60.0
 
 
 @dataclass
@@ -244,7 +245,14 @@ def connect(target: Target, *, accept_new_host_key: bool = False, known_hosts: P
         say(f"forgot the recorded host key of {name} (--accept-new-host-key)")
     recorded = known.recorded(name)
 
+    connect_kwargs: dict[str, object] = {"banner_timeout": 15, "auth_timeout": 20}
+    if target.key:
+        key = Path(target.key).expanduser()
+        if not key.is_file():
+            raise ConnectError(f"ssh.key {key} does not exist", "fix ssh.key or leave it out to use ssh-agent")
+        connect_kwargs.update(key_filename=[str(key)], allow_agent=False, look_for_keys=False)
     deadline = time.monotonic() + max(target.wait, 0)
+    first_auth_failure: float | None = None
     delay, announced = 1.0, ""
     while True:
         conn = Connection(
@@ -252,13 +260,7 @@ def connect(target: Target, *, accept_new_host_key: bool = False, known_hosts: P
             user=target.user,
             port=target.port,
             connect_timeout=15,
-            connect_kwargs={
-                "key_filename": [str(Path(target.key).expanduser())] if target.key else None,
-                "banner_timeout": 15,
-                "auth_timeout": 20,
-                "allow_agent": not target.key,
-                "look_for_keys": not target.key,
-            },
+            connect_kwargs=connect_kwargs,
         )
         client = conn.client
         client.set_missing_host_key_policy(TrustPolicy(known, name, target.host_key, say))
@@ -296,6 +298,11 @@ def connect(target: Target, *, accept_new_host_key: bool = False, known_hosts: P
             conn.close()
             what = _describe(exc)
             remaining = deadline - time.monotonic()
+            if isinstance(exc, paramiko.AuthenticationException):
+                # cloud-init installs the key within a minute of sshd starting; a wrong key or
+                # user should not keep the user waiting for all of ssh.wait
+                first_auth_failure = first_auth_failure or time.monotonic()
+                remaining = min(remaining, AUTH_GRACE - (time.monotonic() - first_auth_failure))
             if remaining <= 0:
                 raise ConnectError(
                     f"{target.label}: could not connect within ssh.wait={target.wait:g}s: {what}",

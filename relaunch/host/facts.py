@@ -77,10 +77,17 @@ def parse_facts(text: str) -> HostFacts:
     facts.venv_module = values.get("venv_module") == "1"
     facts.tools = {k[4:]: v == "1" for k, v in values.items() if k.startswith("has_")}
     facts.can_root = values.get("can_root") == "1"
-    facts.free_ckpt = int(values.get("free_ckpt") or 0)
-    facts.free_venv = int(values.get("free_venv") or 0)
+    facts.free_ckpt = _number(values.get("free_ckpt"))
+    facts.free_venv = _number(values.get("free_venv"))
     facts.session_alive = values.get("session_alive") == "1"
     facts.session_since = values.get("session_since", "")
     facts.gpus = sections.get("gpus", [])
     facts.venv_freeze = sections.get("freeze")
     return facts
+
+
+def _number(text: str | None) -> int:
+    try:
+        return int(float(text or 0))
+    except ValueError:
+        return 0

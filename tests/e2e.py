@@ -1,0 +1,76 @@
+"""Helpers for end-to-end tests: run the real CLI against sandbox instances."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "recipes" / "example"
+
+
+def run_cli(*args: str, home: Path, timeout: float = 900, env: dict[str, str] | None = None,
+            input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`relaunch ARGS` as a user runs it (its own state folder: known_hosts, debug log)."""
+    environ = {**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "relaunch.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=environ, input=input)
+
+
+def write_recipe(folder: Path, data: dict[str, Any], name: str = "recipe.yaml") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def example_recipe(folder: Path, *, name: str, layout: str, key: Path, index_url: str | None,
+                   steps: int = 30, save_every: int = 5, sleep: float = 0.3, keep: int = 2,
+                   store: Path | None = None) -> Path:
+    """The example recipe with its train.py and lock copied beside it; the store under `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(EXAMPLE / "train.py", folder / "train.py")
+    shutil.copy(EXAMPLE / "requirements.lock", folder / "requirements.lock")
+    pattern = {"files": "ckpt-*.pt"}.get(layout, "ckpt-*.pt")
+    data = {
+        "name": name,
+        "provider": "sandbox",
+        "ssh": {"key": str(key), "wait": 30},
+        "env": {"python": "3.11", "venv": "~/venvs/example", "installer": "uv", "lock": "requirements.lock",
+                "index_url": index_url, "files": {"train.py": "~/work/train.py"}},
+        "checkpoint": {"dir": "~/ckpt", "layout": layout, "pattern": pattern, "keep": keep,
+                       "remote": str(store or folder / "store")},
+        "run": {"command": f"python train.py --out ~/ckpt --layout {layout} --steps {steps} "
+                           f"--save-every {save_every} --sleep {sleep} --resume \"{{{{ checkpoint }}}}\" "
+                           "--final ~/final.sha256",
+                "workdir": "~/work"},
+    }
+    return write_recipe(folder, data)
+
+
+def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 300, every: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every)
+
+
+def local_final_hash(tmp: Path, layout: str, steps: int, save_every: int) -> str:
+    """The uninterrupted run, on this machine: what every resumed run must reproduce bit for bit."""
+    out, final = tmp / f"baseline-{layout}", tmp / f"baseline-{layout}.sha256"
+    subprocess.run([sys.executable, str(EXAMPLE / "train.py"), "--out", str(out), "--layout", layout,
+                    "--steps", str(steps), "--save-every", str(save_every), "--final", str(final)],
+                   check=True, capture_output=True, timeout=300)
+    return final.read_text().strip()

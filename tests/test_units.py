@@ -1,0 +1,81 @@
+"""Pure pieces of the core: HOST parsing, facts, lock drift, shell quoting of scripts."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from relaunch.errors import UsageError
+from relaunch.host.facts import facts_script, parse_facts
+from relaunch.host.spec import HostSpec
+from relaunch.steps.common import drift, pins
+from relaunch.steps.preflight import apt_command
+
+
+@pytest.mark.parametrize(
+    "text, address, user, port",
+    [
+        ("1.2.3.4", "1.2.3.4", None, None),
+        ("ubuntu@1.2.3.4", "1.2.3.4", "ubuntu", None),
+        ("root@1.2.3.4:2222", "1.2.3.4", "root", 2222),
+        ("gpu-box.example", "gpu-box.example", None, None),
+        ("root@[2001:db8::1]:22", "2001:db8::1", "root", 22),
+        ("[::1]", "::1", None, None),
+    ],
+)
+def test_host_spec_forms(text: str, address: str, user: str | None, port: int | None) -> None:
+    spec = HostSpec.parse(text)
+    assert (spec.address, spec.user, spec.port) == (address, user, port)
+
+
+@pytest.mark.parametrize("text", ["", "root@", "a@b@c:", "1.2.3.4:0", "1.2.3.4:99999", "1.2.3.4:x",
+                                  "2001:db8::1", "[2001:db8::1", "h;rm -rf /", "$(id)@host"])
+def test_host_spec_rejects(text: str) -> None:
+    with pytest.raises(UsageError):
+        HostSpec.parse(text)
+
+
+def test_facts_script_runs_here_and_parses(tmp_path) -> None:
+    """The real facts script, run by bash on this machine, parses into sensible facts."""
+    venv = tmp_path / "no venv yet"
+    script = facts_script("3.11", str(venv), str(tmp_path / "ck pt"), "no-such-session", ["bash", "nonexistent-pkg-x"])
+    out = subprocess.run(["bash", "-s"], input=script, capture_output=True, text=True, check=True).stdout
+    facts = parse_facts(out)
+    assert facts.python.endswith(("python3.11", "python3"))
+    assert facts.tools["tmux"] and facts.tools["rsync"]
+    assert facts.free_ckpt > 0
+    assert not facts.session_alive
+    assert facts.venv_freeze is None
+    assert facts.missing_apt == ["nonexistent-pkg-x"]
+    assert facts.uid == 0 and facts.is_root
+
+
+def test_facts_of_a_venv_list_its_packages(tmp_path) -> None:
+    venv = tmp_path / "v"
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True)
+    script = facts_script("3.11", str(venv), str(tmp_path), "x", [])
+    facts = parse_facts(subprocess.run(["bash", "-s"], input=script, capture_output=True, text=True).stdout)
+    assert facts.venv_freeze == []
+
+
+def test_facts_script_keeps_hostile_values_as_data(tmp_path) -> None:
+    marker = tmp_path / "pwned"
+    script = facts_script("3.11", f"/x/$(touch {marker})", f"'; touch {marker}; '", "s;touch " + str(marker), [])
+    subprocess.run(["bash", "-s"], input=script, capture_output=True, text=True)
+    assert not marker.exists()
+
+
+def test_drift_and_pins() -> None:
+    lock = ["# comment", "--index-url http://x", "torch==2.13.0+cpu", "typing_extensions==4.16.0", "Jinja2==3.1.6"]
+    same = ["jinja2==3.1.6", "typing-extensions==4.16.0", "torch==2.13.0+cpu", "pip==24.0"]
+    assert drift(lock, same) == []
+    changed = ["jinja2==3.1.5", "torch==2.13.0+cpu", "rich==13"]
+    assert drift(lock, changed) == ["jinja2: lock 3.1.6, installed 3.1.5", "extra rich==13",
+                                    "missing typing-extensions==4.16.0"]
+    assert pins(["pkg[extra]==1.0 ; python_version>'3'"]) == {"pkg": "1.0"}
+
+
+def test_apt_command_uses_sudo_only_when_not_root() -> None:
+    assert apt_command(["tmux"], root=True).startswith("env DEBIAN_FRONTEND")
+    assert "sudo -n env" in apt_command(["tmux", "rsync"], root=False)
