@@ -1,0 +1,313 @@
+"""Sandbox instances, checked with the real OpenSSH client over their own network namespaces."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from relaunch import sandbox as sb
+from relaunch.errors import RelaunchError, UsageError
+
+
+def _out(*argv: str, stdin: str | None = None) -> str:
+    """stdout of a local command."""
+    return subprocess.run(argv, capture_output=True, text=True, input=stdin).stdout
+
+
+def _unroutable(address: str) -> bool:
+    """This machine has no route to address (asked locally; no packet is sent)."""
+    proc = subprocess.run(["ip", "route", "get", address], capture_output=True, text=True)
+    return proc.returncode != 0 and "No route to host" in proc.stderr
+
+
+def _meta(name: str) -> dict:
+    return json.loads((sb.RUN_DIR / name / "instance.json").read_text())
+
+
+def _eventually(what: str, attempt, timeout: float = 60) -> object:
+    """Retry `attempt` until it returns something truthy (the instance is booting)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = attempt()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g}s")
+        time.sleep(0.2)
+
+
+def _mnt_ns(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/mnt")
+
+
+def _pids_in_mnt_ns(ns: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.readlink(entry / "ns" / "mnt") == ns:
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_root_login_empty_private_home_and_tmp(sandbox, ssh) -> None:
+    a, b = sandbox(), sandbox()
+    assert a.host == f"root@{a.address}:22"
+    assert ssh(a, "id -un; echo $HOME; cd && pwd").stdout.split() == ["root", "/root", "/root"]
+    assert ssh(a, "ls -A ~ /tmp").stdout.split() == ["/root:", "/tmp:"]  # both empty
+
+    marker = f"m-{uuid.uuid4().hex}"
+    ssh(a, f"echo disk > ~/{marker}; echo tmp > /tmp/{marker}")
+    # the instance sees its own files, run_in (a console on the instance) too ...
+    assert ssh(a, f"cat ~/{marker} /tmp/{marker}").stdout.split() == ["disk", "tmp"]
+    console = sb.run_in(a.name, ["cat", f"/root/{marker}", f"/tmp/{marker}"], capture_output=True, text=True)
+    assert console.stdout.split() == ["disk", "tmp"]
+    # ... this machine does not, nor does another instance
+    assert not Path("/root", marker).exists() and not Path("/tmp", marker).exists()
+    other = ssh(b, f"ls ~/{marker} /tmp/{marker}", check=False)
+    assert other.returncode != 0 and "No such file" in other.stderr
+    # the machine's pip configuration (local wheel folders, constraints) is not on the instance
+    assert ssh(a, "cat /etc/pip.conf; ls -A /etc/xdg/pip 2>/dev/null; true").stdout.strip() == ""
+
+
+def test_ubuntu_login_sudo_and_home(sandbox, ssh) -> None:
+    u = sandbox(user="ubuntu")
+    assert u.host == f"ubuntu@{u.address}:22" and u.home == "/home/ubuntu"
+    out = ssh(u, "id -un; echo $HOME; stat -c %U:%a ~; ls -A ~ | wc -l").stdout.split()
+    assert out == ["ubuntu", "/home/ubuntu", "ubuntu:755", "0"]
+    assert ssh(u, "sudo -n true && sudo -n id -u").stdout.strip() == "0"
+    marker = f"m-{uuid.uuid4().hex}"
+    ssh(u, f"touch ~/{marker}")
+    assert not Path("/home/ubuntu", marker).exists()
+    assert sb.run_in(u.name, ["test", "-e", f"/home/ubuntu/{marker}"]).returncode == 0
+    # no password logins of any kind
+    assert "PasswordAuthentication no" in (sb.RUN_DIR / u.name / "sshd_config").read_text()
+
+
+def test_each_instance_has_its_own_address_and_new_host_key(sandbox, ssh) -> None:
+    a, b = sandbox(), sandbox(user="ubuntu")
+    assert a.address != b.address
+    assert a.host_key_fingerprint != b.host_key_fingerprint
+    for inst in (a, b):
+        assert inst.host_key_fingerprint.startswith("SHA256:")
+        scan = _out("ssh-keyscan", "-t", "ed25519", "-p", "22", inst.address)
+        assert _out("ssh-keygen", "-lf", "-", stdin=scan).split()[1] == inst.host_key_fingerprint
+        ssh(inst, "true")  # and the client accepted exactly that key
+        assert inst.host_key_fingerprint in _out("ssh-keygen", "-lf", str(ssh.known_hosts(inst)))
+
+
+def test_list_get_and_persisted_state(sandbox) -> None:
+    a = sandbox(disk="64M")
+    assert sb.get(a.name) == a
+    assert a in sb.list_instances()
+    assert _meta(a.name)["disk"] == "64M"
+
+
+def test_disk_is_limited_to_its_size(sandbox, ssh) -> None:
+    a = sandbox(disk="32M")
+    full = ssh(a, "head -c 40M /dev/zero > ~/big", check=False)
+    assert full.returncode != 0 and "No space left" in full.stderr
+
+
+def test_package_index_served_inside(sandbox, ssh, package_index: Path) -> None:
+    page = (package_index / "simple" / "torch" / "index.html").read_text()
+    assert "#sha256=" in page
+    for project in ("uv", "pip", "mpmath"):
+        assert (package_index / "simple" / project / "index.html").exists()
+    # the fragment is the real hash of the file it points at
+    link = re.search(r'href="\.\./\.\./files/(mpmath-[^"#]+)#sha256=([0-9a-f]{64})"', (
+        package_index / "simple" / "mpmath" / "index.html").read_text())  # fmt: skip
+    assert link
+    assert hashlib.sha256((package_index / "files" / link.group(1)).read_bytes()).hexdigest() == link.group(2)
+
+    inst = sandbox(index_dir=package_index)
+    assert inst.index_url == "http://127.0.0.1:8765/simple/"
+    fetch = f"import urllib.request; print(urllib.request.urlopen('{inst.index_url}').read().decode())"
+    assert 'href="torch/"' in ssh(inst, f'python3 -c "{fetch}"').stdout
+    install = ssh(
+        inst,
+        f"python3 -m venv ~/venv && ~/venv/bin/pip install -q --index-url {inst.index_url} mpmath==1.3.0 "
+        "&& ~/venv/bin/python -c 'import mpmath; print(mpmath.__version__)'",
+        timeout=300,
+    )
+    assert install.stdout.strip().splitlines()[-1] == "1.3.0"
+
+
+def test_boot_delay_refuses_then_serves(sandbox, ssh) -> None:
+    inst = sandbox(boot_delay=2)
+    with pytest.raises(ConnectionRefusedError):  # the address is up, nothing listens yet
+        socket.create_connection((inst.address, 22), timeout=5)
+    _eventually("ssh after boot", lambda: ssh(inst, "true", check=False).returncode == 0)
+
+
+def test_destroy_while_booting(ssh_key: Path) -> None:
+    name = f"b{uuid.uuid4().hex[:8]}"
+    inst = sb.create(name, authorized_key=Path(f"{ssh_key}.pub"), boot_delay=600, key_delay=600)
+    starters = [int((sb.RUN_DIR / name / f"{role}.pid").read_text().split()[0]) for role in ("boot", "keys")]
+    assert all(Path(f"/proc/{pid}").exists() for pid in starters)
+    with pytest.raises(UsageError, match="not running"):  # no sshd yet, so no console either
+        sb.run_in(name, ["true"])
+    assert sb.destroy(name) is True
+    assert [pid for pid in starters if _stat_state(pid) not in ("gone", "Z")] == []
+    assert not (sb.RUN_DIR / name).exists() and f"rl-{name}" not in _out("ip", "netns", "list")
+    # the address is gone with the link, and nothing for it leaves by the default route
+    assert _unroutable(inst.address)
+
+
+def test_key_delay_fails_auth_then_works(sandbox, ssh) -> None:
+    inst = sandbox(key_delay=2)
+    early = ssh(inst, "true", check=False)
+    assert early.returncode == 255 and "Permission denied" in early.stderr
+    _eventually("auth after key install", lambda: ssh(inst, "true", check=False).returncode == 0)
+
+
+def test_set_link_outage_and_recovery(sandbox, ssh) -> None:
+    inst = sandbox()
+    ssh(inst, "true")
+    sb.set_link(inst.name, up=False)
+    with pytest.raises(TimeoutError):  # an outage: packets vanish, nothing answers
+        socket.create_connection((inst.address, 22), timeout=1)
+    sb.set_link(inst.name, up=True)
+    _eventually("ssh after link up", lambda: ssh(inst, "true", check=False).returncode == 0)
+
+
+def test_rate_shapes_both_ends(sandbox) -> None:
+    inst = sandbox(rate="8mbit")
+    host_dev, inst_dev = _meta(inst.name)["veth"]
+    assert "rate 8Mbit" in _out("tc", "qdisc", "show", "dev", host_dev)
+    inside = sb.run_in(inst.name, ["tc", "qdisc", "show", "dev", inst_dev], capture_output=True, text=True)
+    assert "rate 8Mbit" in inside.stdout
+
+
+def test_destroy_leaves_nothing_behind(sandbox, ssh, package_index: Path) -> None:
+    inst = sandbox(index_dir=package_index, key_delay=0.1)
+    _eventually("auth", lambda: ssh(inst, "true", check=False).returncode == 0)
+    # what training leaves running: a tmux server and a detached job
+    ssh(inst, "tmux new-session -d -s train 'sleep 1000'; setsid sleep 1001 >/dev/null 2>&1 </dev/null &")
+    meta = _meta(inst.name)
+    host_dev = meta["veth"][0]
+    folder = sb.RUN_DIR / inst.name
+    sshd_pid = int((folder / "sshd.pid").read_text())
+    mnt = _mnt_ns(sshd_pid)
+    pids = [int(p) for p in _out("ip", "netns", "pids", f"rl-{inst.name}").split()]
+    # sshd, the index server, tmux and the two sleeps at least
+    assert len(pids) >= 5
+
+    assert sb.destroy(inst.name) is True
+    assert f"rl-{inst.name}" not in _out("ip", "netns", "list")
+    assert not Path("/sys/class/net", host_dev).exists()
+    addrs = _out("ip", "-o", "addr")
+    assert meta["address"].rsplit(".", 1)[0] + "." not in addrs
+    assert _unroutable(meta["address"])
+    assert [p for p in pids if Path(f"/proc/{p}").exists() and _stat_state(p) != "Z"] == []
+    assert _pids_in_mnt_ns(mnt) == []  # nobody holds the instance's disk mount
+    assert not folder.exists()
+    assert inst not in sb.list_instances()
+    with pytest.raises(UsageError):
+        sb.get(inst.name)
+    assert sb.destroy(inst.name) is False  # idempotent
+
+
+def _stat_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_failing_create_leaves_nothing_behind(ssh_key: Path) -> None:
+    name = f"f{uuid.uuid4().hex[:8]}"
+    links_before = set(os.listdir("/sys/class/net"))
+    # tc rejects the rate only after the namespace, the link and sshd are up
+    with pytest.raises(UsageError, match="bad rate"):
+        sb.create(name, authorized_key=Path(f"{ssh_key}.pub"), rate="fast")
+    assert not (sb.RUN_DIR / name).exists()
+    assert f"rl-{name}" not in _out("ip", "netns", "list")
+    leftovers = [p for p in Path("/proc").iterdir()
+                 if p.name.isdigit() and f"/relaunch-sandbox/{name}/".encode() in _cmdline(p)]  # fmt: skip
+    assert leftovers == []
+    new_links = {dev for dev in set(os.listdir("/sys/class/net")) - links_before if dev.startswith("rlv")}
+    # other sessions may create instances meanwhile: any new link must belong to a live instance
+    live = {sb._veths(json.loads((d / "instance.json").read_text())["slot"])[0]
+            for d in sb.RUN_DIR.iterdir() if (d / "instance.json").exists()}  # fmt: skip
+    assert new_links <= live
+    assert sb.destroy(name) is False
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
+def test_bad_usage_is_a_usage_error(sandbox, ssh, ssh_key: Path, tmp_path: Path) -> None:
+    pub = Path(f"{ssh_key}.pub")
+    for bad in ("", "a" * 13, "a b", "../x", "x/y", "ü"):
+        with pytest.raises(UsageError):
+            sb.create(bad, authorized_key=pub)
+        with pytest.raises(UsageError):
+            sb.destroy(bad)
+        with pytest.raises(UsageError):
+            sb.get(bad)
+    for kw in ({"user": "admin"}, {"disk": "lots"}, {"boot_delay": -1}, {"index_dir": tmp_path}):
+        with pytest.raises(UsageError):
+            sb.create("okname", authorized_key=pub, **kw)
+    (tmp_path / "not-a-key").write_text("hello\n")
+    with pytest.raises(UsageError, match="public key"):
+        sb.create("okname", authorized_key=tmp_path / "not-a-key")
+    assert not (sb.RUN_DIR / "okname").exists()
+    with pytest.raises(UsageError):
+        sb.get(f"n{uuid.uuid4().hex[:8]}")
+    with pytest.raises(UsageError):
+        sb.run_in(f"n{uuid.uuid4().hex[:8]}", ["true"])
+
+    # a duplicate name is refused and does not harm the existing instance
+    inst = sandbox()
+    with pytest.raises(UsageError, match="already exists"):
+        sb.create(inst.name, authorized_key=pub)
+    assert ssh(inst, "echo alive").stdout.strip() == "alive"
+
+
+def test_private_key_path_and_default_key(sandbox, ssh, ssh_key: Path, tmp_path, monkeypatch) -> None:
+    inst = sandbox(authorized_key=ssh_key)  # the private key: its .pub beside it is used
+    ssh(inst, "true")
+    monkeypatch.setenv("RELAUNCH_HOME", str(tmp_path / "home"))
+    key = sb.default_key()
+    assert key == tmp_path / "home" / "id_ed25519" and key.stat().st_mode & 0o777 == 0o600
+    assert sb.default_key() == key and Path(f"{key}.pub").exists()
+    inst2 = sb.create(f"d{uuid.uuid4().hex[:8]}", authorized_key=None)
+    sandbox.names.append(inst2.name)  # destroyed at teardown
+    assert type(ssh)(key, tmp_path)(inst2, "id -un").stdout.strip() == "root"
+
+
+def test_build_index_is_cached(tmp_path: Path, monkeypatch) -> None:
+    req = tmp_path / "requirements.txt"
+    req.write_text("mpmath==1.3.0\n")
+    dest = sb.build_index([req], tmp_path / "index")
+    names = sorted(os.listdir(dest / "simple"))
+    assert {"mpmath", "uv", "pip", "index.html"} <= set(names)
+    files = {p.name: p.stat().st_mtime_ns for p in (dest / "files").iterdir()}
+
+    # from now on pip cannot reach any index: a second build with the same inputs must not need one
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    assert sb.build_index([req], tmp_path / "index") == dest
+    assert {p.name: p.stat().st_mtime_ns for p in (dest / "files").iterdir()} == files
+    # ... and that really would have failed had it tried (new inputs need a download)
+    with pytest.raises(RelaunchError, match="pip download failed"):
+        sb.build_index([req], tmp_path / "index", extra=["sympy==1.14.0"])
+    with pytest.raises(UsageError):
+        sb.build_index([tmp_path / "missing.txt"], tmp_path / "index")
