@@ -1,0 +1,16 @@
+"""The recipe: YAML -> a validated, typed `Recipe` whose errors point at file:line and key.
+
+    recipe = load_recipe("llama.yaml", overrides=["checkpoint.keep=3"])
+    ctx = render_context(recipe, host="1.2.3.4", checkpoint="~/ckpt/ckpt-00000500.pt", step=500)
+    text, env = recipe.render_shell("run.command", ctx)   # export env (shlex.quote), then run text
+"""
+
+from relaunch.recipe.loader import load_recipe
+from relaunch.recipe.model import SSH, Checkpoint, Env, Recipe, Run, Stop
+from relaunch.recipe.providers import Provider, load_providers, starter_recipe
+from relaunch.recipe.render import check_recipe, render_context
+
+__all__ = [
+    "SSH", "Checkpoint", "Env", "Provider", "Recipe", "Run", "Stop",
+    "check_recipe", "load_providers", "load_recipe", "render_context", "starter_recipe",
+]
