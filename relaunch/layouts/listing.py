@@ -1,0 +1,88 @@
+"""Parsers for the two remote commands the layouts depend on: `find -printf` and `sha256sum -z`.
+
+Both use NUL separators because checkpoint names may hold spaces and even newlines, and both
+decode names as UTF-8 with surrogateescape, so a name that is not valid UTF-8 still round-trips
+through `os.fsencode` to the exact bytes on the instance.
+"""
+
+from __future__ import annotations
+
+import re
+
+from relaunch.errors import CheckpointError
+from relaunch.layouts.base import Entry
+
+# The lead runs this on the instance with {dir} shell-quoted. -mindepth 1 leaves out the folder
+# itself; %P is the path relative to it; %T@ is the mtime in seconds (kept, but never used to
+# order checkpoints); find does not follow symlinks by default, so a symlink is one entry "l".
+LISTING_COMMAND = "find {dir} -mindepth 1 -printf '%y %s %T@ %P\\0'"
+
+_SHA_RECORD = re.compile(rb"([0-9a-fA-F]{64}) [ *](.+)", re.DOTALL)
+
+
+def _decode(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _show(record: bytes) -> str:
+    text = _decode(record)
+    return repr(text if len(text) <= 80 else text[:77] + "...")
+
+
+def parse_listing(raw: bytes) -> list[Entry]:
+    """Parse `LISTING_COMMAND` output: NUL-terminated `KIND SIZE MTIME PATH` records.
+
+    The path is everything after the third space, so spaces and newlines in it survive.
+    """
+    entries: list[Entry] = []
+    records = raw.split(b"\0")
+    if records and records[-1] == b"":
+        records.pop()  # the terminator of the last record
+    for n, record in enumerate(records, 1):
+        parts = record.split(b" ", 3)
+        problem = None
+        if len(parts) != 4 or not parts[3]:
+            problem = "expected 'KIND SIZE MTIME PATH'"
+        else:
+            kind_b, size_b, mtime_b, path_b = parts
+            try:
+                kind = kind_b.decode("ascii")
+                size = int(size_b)
+                mtime = float(mtime_b)
+            except ValueError:
+                problem = "bad kind, size or mtime"
+            else:
+                if len(kind) != 1 or size < 0 or path_b.startswith(b"/"):
+                    problem = "bad kind, size or path"
+        if problem:
+            raise CheckpointError(
+                f"could not read the checkpoint listing: record {n} {_show(record)}: {problem}",
+                hint="the listing comes from GNU find's -printf; is findutils installed on the instance?",
+            )
+        entries.append(Entry(path=_decode(path_b), kind=kind, size=size, mtime=mtime))
+    return entries
+
+
+def parse_sha256sum(raw: bytes) -> dict[str, str]:
+    """Parse `sha256sum -z -- FILES` output into {path as given on the command line: hex}.
+
+    With -z each record is `HEX  PATH` (or `HEX *PATH` in binary mode) ended by NUL and the name
+    is not escaped, unlike plain sha256sum, which prefixes a backslash to names with newlines.
+    """
+    result: dict[str, str] = {}
+    records = raw.split(b"\0")
+    if records and records[-1] == b"":
+        records.pop()
+    for n, record in enumerate(records, 1):
+        m = _SHA_RECORD.fullmatch(record)
+        if m is None:
+            raise CheckpointError(
+                f"could not read sha256sum output: record {n} {_show(record)}",
+                hint="expected GNU coreutils `sha256sum -z` output: 64 hex digits, two spaces, the path",
+            )
+        path = _decode(m.group(2))
+        digest = m.group(1).decode("ascii").lower()
+        if result.get(path, digest) != digest:
+            raise CheckpointError(f"sha256sum reported two different hashes for {path!r}")
+        result[path] = digest
+    return result

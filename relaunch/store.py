@@ -1,0 +1,454 @@
+"""The store: the off-machine copy of the checkpoints, here a folder on this machine.
+
+Layout of a store root:
+
+    ckpt-00000500.pt                 each checkpoint under its own name, exactly as training
+    checkpoint-500/...               wrote it (paths relative to the root = relative to
+                                     checkpoint.dir on the instance)
+    .relaunch/manifest.json          the trusted record: every checkpoint's files, size, sha256
+    .relaunch/freeze.txt, versions.json, log-tail.txt
+    .relaunch/partial/<name>/...     staging for transfers in flight; never trusted
+
+Rules this module keeps: a checkpoint is in the manifest only after every file of it was
+verified and moved into place; nothing is overwritten with different bytes; nothing is deleted
+except by `prune`, and then only after the manifest no longer lists it. The manifest is always
+replaced atomically, so a crash leaves either the old one or the new one, never a mix.
+
+One writer at a time: nothing here locks the store against a concurrent sync/evacuate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from relaunch.errors import CheckpointError, EvacuationError, UsageError
+
+META_DIR = ".relaunch"
+MANIFEST = "manifest.json"
+PARTIAL = "partial"
+FORMAT = 1  # manifest format version, written into the file for later migrations
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 1 << 20
+
+
+def utc_now() -> str:
+    """An ISO 8601 UTC timestamp for `verified_at`: 2025-01-31T12:00:00Z."""
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def check_relpath(path: str, what: str = "path") -> str:
+    """A path that stays inside the store and out of `.relaunch/`, or ValueError saying why.
+
+    The manifest decides what `commit` writes and `prune` deletes, so a hand-edited or hostile
+    manifest must not be able to point outside the store.
+    """
+    if not isinstance(path, str):
+        raise ValueError(f"{what} {path!r} is not a string")
+    if not path:
+        raise ValueError(f"{what} is empty")
+    if "\0" in path or path.startswith("/"):
+        raise ValueError(f"{what} {path!r} is not a relative path")
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"{what} {path!r} has an empty, '.' or '..' component")
+    if parts[0] == META_DIR:
+        raise ValueError(f"{what} {path!r} is inside {META_DIR}/")
+    return path
+
+
+@dataclass
+class FileRecord:
+    size: int
+    sha256: str
+
+
+@dataclass
+class CheckpointRecord:
+    name: str
+    step: int
+    files: dict[str, FileRecord]  # path relative to the store root ("checkpoint-500/model.pt")
+    verified_at: str  # ISO 8601 UTC
+    host: str
+
+    def check(self) -> None:
+        """ValueError unless the name and every path are safe and every path is inside the
+        checkpoint (a file shared by two records would be deleted by pruning either)."""
+        check_relpath(self.name, "checkpoint name")
+        if not self.files:
+            raise ValueError(f"checkpoint {self.name!r} lists no files")
+        for path, rec in self.files.items():
+            check_relpath(path, "file path")
+            if path != self.name and not path.startswith(self.name + "/"):
+                raise ValueError(f"file {path!r} is not inside checkpoint {self.name!r}")
+            if not _HEX64.fullmatch(rec.sha256):
+                raise ValueError(f"{path}: sha256 {rec.sha256!r} is not 64 lowercase hex digits")
+            if rec.size < 0:
+                raise ValueError(f"{path}: negative size")
+
+
+@dataclass
+class StoreManifest:
+    recipe: str
+    checkpoints: dict[str, CheckpointRecord] = field(default_factory=dict)
+
+    def ordered(self) -> list[CheckpointRecord]:
+        """Oldest first by step (the name breaks ties)."""
+        return sorted(self.checkpoints.values(), key=lambda r: (r.step, r.name))
+
+    def newest(self) -> CheckpointRecord | None:
+        records = self.ordered()
+        return records[-1] if records else None
+
+    def add(self, record: CheckpointRecord) -> None:
+        self.checkpoints[record.name] = record
+
+    def to_json(self) -> str:
+        doc = {
+            "format": FORMAT,
+            "recipe": self.recipe,
+            # a list, oldest first, reads better than a dict keyed by name
+            "checkpoints": [
+                {
+                    "name": r.name,
+                    "step": r.step,
+                    "verified_at": r.verified_at,
+                    "host": r.host,
+                    "files": {p: {"size": f.size, "sha256": f.sha256} for p, f in sorted(r.files.items())},
+                }
+                for r in self.ordered()
+            ],
+        }
+        return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> StoreManifest:
+        """Parse a manifest; anything wrong is a CheckpointError naming `where`."""
+        try:
+            return cls._parse(json.loads(text))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise CheckpointError(
+                f"{where}: corrupt store manifest: {detail}",
+                hint="it is the store's trusted record and relaunch never writes it half-way; restore "
+                f"it from a backup, or move {META_DIR}/ aside to start a new record (the checkpoint "
+                "files stay, but are not trusted until evacuated again)",
+            ) from None
+
+    @classmethod
+    def _parse(cls, doc: Any) -> StoreManifest:
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"unknown format {doc.get('format')!r} (this relaunch reads {FORMAT})")
+        recipe = doc["recipe"]
+        if not isinstance(recipe, str):
+            raise ValueError("recipe is not a string")
+        manifest = cls(recipe=recipe)
+        for raw in doc["checkpoints"]:
+            step = raw["step"]
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise ValueError(f"checkpoint {raw['name']!r}: step is not an integer")
+            files = {}
+            for path, f in raw["files"].items():
+                size = f["size"]
+                if not isinstance(size, int) or isinstance(size, bool):
+                    raise ValueError(f"{path}: size is not an integer")
+                files[path] = FileRecord(size=size, sha256=f["sha256"])
+            record = CheckpointRecord(
+                name=raw["name"],
+                step=step,
+                files=files,
+                verified_at=str(raw["verified_at"]),
+                host=str(raw["host"]),
+            )
+            record.check()
+            if record.name in manifest.checkpoints:
+                raise ValueError(f"checkpoint {record.name!r} listed twice")
+            manifest.add(record)
+        return manifest
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Temp file in the same folder, fsync, rename over `path`, fsync the folder.
+
+    Any failure (or Ctrl-C) before the rename leaves the old file untouched and no temp file.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+class LocalStore:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.meta = self.root / META_DIR
+        self.manifest_path = self.meta / MANIFEST
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def is_empty(self) -> bool:
+        """True for a missing folder, or one holding nothing but a `.relaunch/` without files
+        (leftovers in `.relaunch/partial/` do not count: they are never trusted)."""
+        if not self.root.exists():
+            return True
+        if not self.root.is_dir():
+            return False
+        if any(child.name != META_DIR for child in self.root.iterdir()):
+            return False
+        if not self.meta.is_dir():
+            return not self.meta.exists()
+        for dirpath, dirnames, filenames in os.walk(self.meta):
+            if Path(dirpath) == self.meta:
+                dirnames[:] = [d for d in dirnames if d != PARTIAL]
+            if filenames:
+                return False
+        return True
+
+    def load_manifest(self) -> StoreManifest | None:
+        """The manifest, or None when the store has none yet; corrupt -> CheckpointError."""
+        try:
+            data = self.manifest_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CheckpointError(f"{self.manifest_path}: cannot read the store manifest: {exc}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{self.manifest_path}: corrupt store manifest: not UTF-8 text") from None
+        return StoreManifest.from_json(text, str(self.manifest_path))
+
+    @staticmethod
+    def hash_file(path: Path) -> str:
+        """sha256 of a file, streamed (checkpoints are bigger than memory)."""
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        return h.hexdigest()
+
+    # -- writing metadata ------------------------------------------------------------------
+
+    def save_manifest(self, m: StoreManifest) -> None:
+        """Replace the manifest atomically (temp file, fsync, rename, fsync folder)."""
+        for record in m.checkpoints.values():
+            try:
+                record.check()
+            except ValueError as exc:
+                raise CheckpointError(f"refusing to save the store manifest: {exc}") from None
+        self.meta.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.manifest_path, m.to_json())
+
+    def write_meta(self, filename: str, text: str) -> None:
+        """Atomically write `.relaunch/<filename>` (freeze.txt, versions.json, log-tail.txt)."""
+        if "/" in filename or filename in ("", ".", "..", MANIFEST, PARTIAL):
+            raise UsageError(f"write_meta: {filename!r} is not a plain metadata file name")
+        self.meta.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.meta / filename, text)
+
+    # -- staging, verifying, committing ----------------------------------------------------
+
+    def _staging_path(self, name: str) -> Path:
+        try:
+            check_relpath(name, "checkpoint name")
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+        return self.meta / PARTIAL / name
+
+    def staging(self, name: str) -> Path:
+        """`.relaunch/partial/<name>/` (created): a mini store root for one checkpoint.
+
+        Transfer the checkpoint so that its store path P lands at `staging(name) / P`, e.g.
+        `.relaunch/partial/checkpoint-500/checkpoint-500/model.pt`.
+        """
+        path = self._staging_path(name)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def verify_staged(self, name: str, expected: dict[str, FileRecord]) -> list[str]:
+        """Check the staged copy of a checkpoint against `expected` (paths relative to the store
+        root, hashes from the instance). Returns the problems; an empty list means verified."""
+        base = self._staging_path(name)
+        problems: list[str] = []
+        for path, want in sorted(expected.items()):
+            try:
+                check_relpath(path, "file path")
+            except ValueError as exc:
+                problems.append(str(exc))
+                continue
+            try:
+                st = os.lstat(base / path)
+            except FileNotFoundError:
+                problems.append(f"{path}: missing")
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                problems.append(f"{path}: not a regular file")
+            elif st.st_size != want.size:
+                problems.append(f"{path}: size {st.st_size}, expected {want.size}")
+            else:
+                got = self.hash_file(base / path)
+                if got != want.sha256:
+                    problems.append(f"{path}: sha256 {got}, expected {want.sha256}")
+        if base.is_dir():
+            for dirpath, dirnames, filenames in os.walk(base):
+                rel_dir = Path(dirpath).relative_to(base)
+                # symlinks to folders show up in dirnames; os.walk does not follow them
+                links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+                for fname in sorted(filenames + links):
+                    rel = (rel_dir / fname).as_posix()
+                    if rel not in expected:
+                        problems.append(f"{rel}: unexpected (not in the instance's listing)")
+        return problems
+
+    def _check_parents(self, path: str) -> None:
+        """No folder between the root and `path` may be a symlink or a file: a symlinked folder
+        would let a write or delete land outside the store."""
+        current = self.root
+        for part in path.split("/")[:-1]:
+            current = current / part
+            try:
+                st = os.lstat(current)
+            except FileNotFoundError:
+                return
+            if not stat.S_ISDIR(st.st_mode):
+                raise EvacuationError(
+                    f"{current} is not a plain folder (symlink or file); refusing to write through it"
+                )
+
+    def commit(self, record: CheckpointRecord) -> None:
+        """Move a verified staged checkpoint into the store, file by file.
+
+        Call after `verify_staged` returned no problems. A store file that already holds the
+        same bytes is kept; one with different bytes is never overwritten (EvacuationError
+        naming it), and that is checked for every file before anything moves. Afterwards the
+        caller adds the record to the manifest and saves it: the manifest is written last.
+        """
+        try:
+            record.check()
+        except ValueError as exc:
+            raise EvacuationError(f"cannot commit checkpoint {record.name!r}: {exc}") from None
+        base = self._staging_path(record.name)
+        to_move: list[str] = []
+        for path, want in sorted(record.files.items()):
+            self._check_parents(path)
+            dst = self.root / path
+            try:
+                st = os.lstat(dst)
+            except FileNotFoundError:
+                st = None
+            if st is not None:
+                same = (
+                    stat.S_ISREG(st.st_mode)
+                    and st.st_size == want.size
+                    and self.hash_file(dst) == want.sha256
+                )
+                if not same:
+                    raise EvacuationError(
+                        f"{dst}: the store already holds different bytes under this name; "
+                        "refusing to overwrite",
+                        hint="the store never overwrites a checkpoint; if the instance rewrote it, "
+                        "move the old copy aside by hand after checking which one is right",
+                    )
+                continue  # identical bytes already there (an earlier interrupted commit)
+            src = base / path
+            try:
+                src_st = os.lstat(src)
+            except FileNotFoundError:
+                raise EvacuationError(f"{path}: not staged in {base}; nothing was committed") from None
+            if not stat.S_ISREG(src_st.st_mode) or src_st.st_size != want.size:
+                raise EvacuationError(f"{src}: staged file does not match the record; verify it first")
+            to_move.append(path)
+
+        touched: set[Path] = set()
+        for path in to_move:
+            src, dst = base / path, self.root / path
+            with open(src, "rb") as f:
+                os.fsync(f.fileno())  # the transfer tool may not have; the manifest will vouch for it
+            self._make_dirs(dst.parent, touched)
+            os.replace(src, dst)
+            touched.add(dst.parent)
+        for folder in sorted(touched, key=lambda p: len(p.parts), reverse=True):
+            _fsync_dir(folder)
+        shutil.rmtree(base, ignore_errors=True)  # only leftovers; staging is never trusted
+
+    def _make_dirs(self, folder: Path, touched: set[Path]) -> None:
+        """mkdir -p, remembering each new folder's parent so its entry gets fsynced too."""
+        missing = []
+        while not folder.exists():
+            missing.append(folder)
+            folder = folder.parent
+        for new in reversed(missing):
+            new.mkdir()
+            touched.add(new.parent)
+
+    # -- pruning ---------------------------------------------------------------------------
+
+    def prune(self, manifest: StoreManifest, keep: int) -> list[str]:
+        """Keep the newest `keep` checkpoints; drop older records from `manifest`, save it FIRST,
+        then delete their files. Never removes the newest. Returns the removed names, oldest first.
+        """
+        if keep < 1:
+            raise UsageError(f"checkpoint.keep must be at least 1, not {keep}")
+        records = manifest.ordered()
+        drop = records[:-keep] if len(records) > keep else []
+        if not drop:
+            return []
+        for record in drop:
+            del manifest.checkpoints[record.name]
+        # The manifest stops listing them before a single byte goes: a crash in between leaves
+        # unlisted files (harmless) and never a listed checkpoint with files missing.
+        self.save_manifest(manifest)
+        still_listed = {p for r in manifest.checkpoints.values() for p in r.files}
+        for record in drop:
+            for path in sorted(record.files):
+                if path in still_listed:
+                    continue
+                try:
+                    self._check_parents(path)
+                except EvacuationError:
+                    continue  # never delete through a symlinked folder
+                (self.root / path).unlink(missing_ok=True)
+            self._remove_empty_dirs(record)
+        return [r.name for r in drop]
+
+    def _remove_empty_dirs(self, record: CheckpointRecord) -> None:
+        """Remove the folders the checkpoint's files left empty, deepest first, up to its name."""
+        folders: set[Path] = set()
+        name_dir = self.root / record.name
+        for path in record.files:
+            folder = (self.root / path).parent
+            while folder != self.root and (folder == name_dir or name_dir in folder.parents):
+                folders.add(folder)
+                folder = folder.parent
+        for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass  # not empty (files we did not write) or already gone: leave it
