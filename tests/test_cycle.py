@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,17 @@ def newest_step(ssh, inst, ckpt: str = "~/ckpt") -> int:
     return max(steps, default=0)
 
 
-def trainers(ssh, inst) -> int:
-    return int(ssh(inst, "pgrep -fc '[t]rain.py --out' || true").stdout.strip() or 0)
+def trainers(inst) -> int:
+    """train.py processes inside this instance (its network namespace; PIDs are shared)."""
+    pids = subprocess.run(["ip", "netns", "pids", f"rl-{inst.name}"], capture_output=True, text=True).stdout.split()
+    count = 0
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        count += any(arg.endswith(b"train.py") for arg in cmdline[:2]) and b"python" in cmdline[0]
+    return count
 
 
 @pytest.mark.parametrize("layout", ["files", "hf-trainer", "dcp"])
@@ -76,7 +86,7 @@ def test_evacuate_destroy_up_elsewhere_resumes_bit_identical(layout, tmp_path, s
     # a second `up` while it trains leaves exactly one trainer
     again = run_cli("up", str(recipe), second.host, home=home)
     assert again.returncode == 0 and "already running" in again.stderr
-    assert trainers(ssh, second) == 1
+    assert trainers(second) == 1
 
     wait_for("training to finish on the second instance",
              lambda: ssh(second, "cat ~/final.sha256 2>/dev/null || true").stdout.strip(), timeout=300)
