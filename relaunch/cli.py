@@ -40,9 +40,10 @@ def common(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def load(recipe_path: str, overrides: tuple[str, ...]) -> Any:
-    from .recipe import load_recipe
+    from .recipe import check_recipe, load_recipe
 
     recipe = load_recipe(recipe_path, list(overrides))
+    check_recipe(recipe)        # templates too: a typo is exit 2 before any host is contacted
     # secret values never reach the screen or the debug log, whatever prints them
     redact.add(os.environ.get(name, "") for name in recipe.env.secrets)
     return recipe

@@ -74,3 +74,18 @@ def local_final_hash(tmp: Path, layout: str, steps: int, save_every: int) -> str
                     "--steps", str(steps), "--save-every", str(save_every), "--final", str(final)],
                    check=True, capture_output=True, timeout=300)
     return final.read_text().strip()
+
+
+def plain_recipe(folder: Path, *, name: str, key: Path, command: str = "sleep 600", **sections: Any) -> Path:
+    """A recipe with no lock (the venv is created, nothing installed): for tests that need no torch."""
+    data: dict[str, Any] = {
+        "name": name,
+        "ssh": {"key": str(key), "wait": 20},
+        "env": {"python": "3.11", "venv": "~/venvs/plain"},
+        "checkpoint": {"dir": "~/ckpt", "layout": "files", "pattern": "ckpt-*.pt", "keep": 2,
+                       "remote": str(folder / "store")},
+        "run": {"command": command, "workdir": "~"},
+    }
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return write_recipe(folder, data)
