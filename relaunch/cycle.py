@@ -141,7 +141,7 @@ def up(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
         futures = [pool.submit(up_one, recipe, spec, ui, dry_run, accept_new_host_key, rank, len(specs), master)
                    for rank, spec in enumerate(specs)]
     results, errors = [], []
-    for spec, future in zip(specs, futures):
+    for spec, future in zip(specs, futures, strict=True):
         exc = future.exception()
         if exc is None:
             results.append(future.result())

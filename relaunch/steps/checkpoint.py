@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, remote_failure
 from ..host.connection import Remote
 from ..layouts import Checkpoint, LISTING_COMMAND, complete_checkpoints, parse_listing, parse_sha256sum
 from ..plan import Action
@@ -24,7 +24,14 @@ def list_instance(remote: Remote, ckpt_dir: str, layout: str, pattern: str, step
                   error: type[CheckpointError] | type = CheckpointError) -> list[Checkpoint]:
     """Complete checkpoints under ckpt_dir on the instance, oldest first ([] if the folder is missing)."""
     q = shlex.quote(ckpt_dir)
-    result = remote.check(f"if [ -d {q} ]; then {LISTING_COMMAND.format(dir=q)}; fi", step, error)
+    command = f"if [ -d {q} ]; then {LISTING_COMMAND.format(dir=q)}; fi"
+    result = remote.exec(command, timeout=600)
+    # find exits 1 when a file vanishes while it walks (trainers rotate checkpoints); the
+    # listing is still good. Anything else it says is a real problem.
+    vanished = all("No such file or directory" in line for line in result.stderr.decode(errors="replace")
+                   .splitlines() if line.strip())
+    if result.status is None or not (result.ok or (result.status == 1 and vanished)):
+        raise remote_failure(error, remote.label, step, command, result.status, result.output)
     return complete_checkpoints(parse_listing(result.stdout), layout, pattern)
 
 

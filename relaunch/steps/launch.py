@@ -26,6 +26,17 @@ def tail_command(path: str, lines: int = 20) -> str:
     return f"tail -n {lines} {shlex.quote(path)} 2>/dev/null"
 
 
+def attach_command(job: Job) -> str:
+    target = job.target
+    parts = ["ssh", "-t"]
+    if target.port != 22:
+        parts += ["-p", str(target.port)]
+    if target.key:
+        parts += ["-i", target.key]
+    parts += [f"{target.user}@{target.address}", "tmux", "attach", "-t", f"={job.recipe.run.session}"]
+    return shlex.join(parts)
+
+
 def plan_launch(job: Job) -> list[Action]:
     paths, session = job.paths, job.recipe.run.session
     script = render_run_script(job)
@@ -35,7 +46,7 @@ def plan_launch(job: Job) -> list[Action]:
     def launch() -> None:
         job.remote.put_bytes(paths.run_script, script.encode(), 0o700)
         result = job.remote.exec(start)
-        if not result.ok and b"duplicate session" in result.output.encode():
+        if not result.ok and "duplicate session" in result.output:
             job.say("launch", f"tmux session {session} appeared meanwhile (another `up`?); leaving it alone")
             return
         if not result.ok:
@@ -45,7 +56,7 @@ def plan_launch(job: Job) -> list[Action]:
         if alive:
             job.ui.ok(f"[{job.host}] training is running in tmux session {session} "
                       f"({'resumed from ' + job.checkpoint if job.checkpoint else 'fresh start'})")
-            job.ui.say(f"  attach: ssh {job.target.label} -t tmux attach -t {session}    log: {paths.log}")
+            job.ui.say(f"  attach: {attach_command(job)}\n  log:    {paths.log}")
             return
         status = job.remote.exec(f"cat {shlex.quote(paths.status_file)} 2>/dev/null").text.strip()
         tail = job.remote.exec(tail_command(paths.log)).text
