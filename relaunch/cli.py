@@ -113,8 +113,9 @@ def plan(recipe: str, host: str, overrides: tuple[str, ...], as_json: bool, verb
 @cli.command()
 @click.argument("recipe")
 @click.argument("host", required=False)
+@click.option("--stop", is_flag=True, help="First ask training to save and exit (run.stop), then evacuate.")
 @common
-def evacuate(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: bool, verbose: bool,
+def evacuate(recipe: str, host: str | None, stop: bool, overrides: tuple[str, ...], as_json: bool, verbose: bool,
              yes: bool) -> None:
     """Before destroying an instance: copy its checkpoints, env lock and log off it, verify every
     byte, then say `safe to destroy` (exit 0). Any failure: exit 6, DO NOT destroy."""
@@ -123,12 +124,93 @@ def evacuate(recipe: str, host: str | None, overrides: tuple[str, ...], as_json:
     r = load(recipe, overrides)
     ui = ui_for(verbose, as_json)
     spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
-    report = cycle.evacuate(r, spec, ui)
+    report = cycle.evacuate(r, spec, ui, stop=stop)
     newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint yet"
     ui.say(f"store {report.store}: copied {len(report.copied)}, already there {len(report.already)}, "
            f"newest on the instance: {newest}")
     ui.ok(f"safe to destroy {spec}")
-    emit(as_json, {"safe": True, **{k: v for k, v in report.__dict__.items()}})
+    emit(as_json, report.as_dict())
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("host", required=False)
+@click.option("--every", type=float, default=None, help="Seconds between rounds (default checkpoint.every).")
+@click.option("--once", is_flag=True, help="One round, then exit (0 verified, 6 not).")
+@common
+def sync(recipe: str, host: str | None, every: float | None, once: bool, overrides: tuple[str, ...], as_json: bool,
+         verbose: bool, yes: bool) -> None:
+    """Copy new complete checkpoints off the instance while training runs, verified, round after
+    round (the same copy + verify as evacuate). One line per round; Ctrl-C stops cleanly."""
+    from . import cycle
+    from .sync import sync as sync_loop
+
+    r = load(recipe, overrides)
+    ui = ui_for(verbose, as_json)
+    spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
+    sync_loop(r, spec, ui, every if every is not None else r.checkpoint.every, once,
+              emit=click.echo if as_json else None)
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("host", required=False)
+@click.option("--lines", default=10, show_default=True, help="Log lines to show.")
+@common
+def status(recipe: str, host: str | None, lines: int, overrides: tuple[str, ...], as_json: bool, verbose: bool,
+           yes: bool) -> None:
+    """Is training alive, its last log lines, GPUs, newest checkpoint on the instance vs newest
+    verified in the store (the lag), free disk, env drift. Exit 0 alive, 4 not, 3 unreachable."""
+    from . import cycle
+    from .errors import EnvError
+    from .status import render, status as get_status
+
+    r = load(recipe, overrides)
+    ui = ui_for(verbose, as_json)
+    spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
+    result = get_status(r, spec, ui, lines)
+    if as_json:
+        emit(True, result.as_dict())
+    else:
+        click.echo(render(result, r))
+    if not result.alive:
+        raise EnvError(f"{result.host}: training is not running (tmux session {r.run.session})",
+                       "see the log lines above; `relaunch up` starts it again from the newest checkpoint")
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("host", required=False)
+@common
+def freeze(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: bool, verbose: bool,
+           yes: bool) -> None:
+    """Write the instance venv's `pip freeze` into the recipe's lock file, showing the diff first."""
+    from . import cycle
+    from .freeze import instance_freeze, local_version_warning, lock_diff, lock_path, write_lock
+
+    r = load(recipe, overrides)
+    ui = ui_for(verbose, as_json)
+    path = lock_path(r)
+    spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
+    new = instance_freeze(r, spec, ui)
+    old = path.read_text().splitlines() if path.exists() else []
+    diff = lock_diff(old, new, path)
+    warning = local_version_warning(r, new)
+    if warning:
+        ui.warn(warning)
+    if not diff:
+        ui.say(f"{path} already matches the instance ({len(new)} packages)")
+        emit(as_json, {"lock": str(path), "changed": False, "packages": len(new)})
+        return
+    click.echo("\n".join(diff))
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UsageError(f"not overwriting {path} without a prompt", "rerun with --yes")
+        if not click.confirm(f"write {len(new)} packages to {path}?", default=True, err=True):
+            raise UsageError(f"{path} left unchanged")
+    write_lock(path, new)
+    ui.ok(f"wrote {path} ({len(new)} packages)")
+    emit(as_json, {"lock": str(path), "changed": True, "packages": len(new)})
 
 
 @cli.command()
@@ -176,6 +258,62 @@ def providers(as_json: bool) -> None:
         return
     for name, p in presets.items():
         click.echo(f"{name:<14} {p.user:<8} {p.port:<5} {p.notes}")
+
+
+@cli.command()
+@click.argument("recipe", required=False)
+@click.argument("host", required=False)
+@click.option("--step-time", metavar="T", help="One training step, e.g. 1.2s (else measured on RECIPE HOST).")
+@click.option("--save-time", metavar="S", help="Saving one checkpoint, e.g. 90s (else measured on RECIPE HOST).")
+@click.option("--mtbi", metavar="M", help="Mean time between interruptions, e.g. 6h (required).")
+@click.option("--badput", "budget", metavar="B", default="5%", show_default=True,
+              help="Budget: the largest share of the run a failure may cost, e.g. 5% or 0.05.")
+@click.option("--every", type=click.IntRange(min=1), metavar="N", default=None,
+              help="Instead: the Badput of saving every N steps.")
+@common
+def interval(recipe: str | None, host: str | None, step_time: str | None, save_time: str | None,
+             mtbi: str | None, budget: str, every: int | None, overrides: tuple[str, ...], as_json: bool,
+             verbose: bool, yes: bool) -> None:
+    """The checkpoint interval (steps and minutes) that keeps Badput = (S + N*T/2)/MTBI under B.
+    Durations: 1.2s, 90s, 90, 250ms, 5m, 6h, 2d, 1h30m. With RECIPE [HOST] instead of --step-time
+    and --save-time, they are measured from the checkpoint timestamps on the instance."""
+    from . import interval as iv
+
+    if mtbi is None:
+        raise UsageError("give --mtbi, the mean time between interruptions (e.g. --mtbi 6h)")
+    t = iv.parse_duration(step_time, "--step-time") if step_time is not None else None
+    s = iv.parse_duration(save_time, "--save-time") if save_time is not None else None
+    m = iv.parse_duration(mtbi, "--mtbi")
+    b = iv.parse_fraction(budget, "--badput")
+    iv.check_inputs(t, s, m)
+    measured, where = None, ""
+    if (t is None or s is None) and recipe is not None:
+        from . import cycle
+
+        r = load(recipe, overrides)
+        ui = ui_for(verbose, as_json)
+        spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
+        measured, where = iv.measure_instance(r, spec, ui, s)
+    elif recipe is not None:
+        click.echo("note: --step-time and --save-time given; nothing to measure on the instance", err=True)
+    result = iv.compute(t, s, m, b, every, measured, where)
+    if as_json:
+        emit(True, result.as_dict())
+        return
+    for line in result.lines():
+        click.echo(line)
+
+
+@cli.command()
+@click.option("--workdir", type=click.Path(file_okay=False), default="relaunch-demo", show_default=True,
+              help="Where the recipe, train.py and the store go (an earlier demo's folder is cleared).")
+@click.option("--keep", is_flag=True, help="Leave the second instance (demo-b) running at the end.")
+def demo(workdir: str, keep: bool) -> None:
+    """The whole story on two local sandbox instances (Linux, root): up, evacuate, destroy, up on a
+    new instance, resumed. Prints and runs the real commands; about a minute."""
+    from .demo import run_demo
+
+    run_demo(Path(workdir), keep=keep)
 
 
 # -- sandbox -------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, EvacuationError, RelaunchError, UsageError
+from .errors import EvacuationError, RelaunchError, UsageError
 from .host.connection import Remote, connect, environ_secrets
 from .host.facts import HostFacts
 from .host.spec import HostSpec, Target
@@ -24,6 +24,7 @@ from .steps.common import Job
 from .steps.env import plan_env
 from .steps.evacuate import Report, evacuate as evacuate_job
 from .steps.launch import plan_launch
+from .steps.stop import stop_training
 from .steps.preflight import gather_facts, plan_preflight
 from .store import LocalStore
 from .ui import UI, redact
@@ -157,19 +158,18 @@ def up(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
     return results
 
 
-def evacuate(recipe: Recipe, spec: HostSpec, ui: UI) -> Report:
+def evacuate(recipe: Recipe, spec: HostSpec, ui: UI, stop: bool = False) -> Report:
     """Any failure becomes exit 6: the instance must not be destroyed."""
     try:
         store = local_store(recipe)
         job = open_job(recipe, spec, ui)
         with job.remote:
+            if stop:
+                stop_training(job)
             return evacuate_job(job, store)
-    except EvacuationError as exc:
-        raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy the instance",
-                              exc.hint) from exc
     except UsageError:
         raise
-    except (RelaunchError, CheckpointError) as exc:
+    except RelaunchError as exc:
         raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy the instance",
                               exc.hint) from exc
 

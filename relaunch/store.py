@@ -80,6 +80,7 @@ class CheckpointRecord:
     files: dict[str, FileRecord]  # path relative to the store root ("checkpoint-500/model.pt")
     verified_at: str  # ISO 8601 UTC
     host: str
+    written_at: float | None = None  # newest file mtime on the instance (epoch s): what lag is measured from
 
     def check(self) -> None:
         """ValueError unless the name and every path are safe and every path is inside the
@@ -124,6 +125,7 @@ class StoreManifest:
                     "step": r.step,
                     "verified_at": r.verified_at,
                     "host": r.host,
+                    **({"written_at": r.written_at} if r.written_at is not None else {}),
                     "files": {p: {"size": f.size, "sha256": f.sha256} for p, f in sorted(r.files.items())},
                 }
                 for r in self.ordered()
@@ -171,6 +173,7 @@ class StoreManifest:
                 files=files,
                 verified_at=str(raw["verified_at"]),
                 host=str(raw["host"]),
+                written_at=float(raw["written_at"]) if raw.get("written_at") is not None else None,
             )
             record.check()
             if record.name in manifest.checkpoints:

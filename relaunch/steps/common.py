@@ -44,6 +44,10 @@ class InstancePaths:
         return f"{self.state}/exit_status"
 
     @property
+    def pgid_file(self) -> str:
+        return f"{self.state}/pgid"
+
+    @property
     def run_script(self) -> str:
         return f"{self.state}/run.sh"
 

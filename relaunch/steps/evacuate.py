@@ -9,7 +9,7 @@ recorded. Nothing on the instance is ever deleted or changed.
 from __future__ import annotations
 
 import json
-import shlex
+import time
 from dataclasses import dataclass, field
 
 from ..errors import EvacuationError
@@ -33,8 +33,29 @@ class Report:
     pruned: list[str] = field(default_factory=list)
     newest: str | None = None                           # newest complete on the instance
     newest_step: int | None = None
+    newest_mtime: float | None = None
+    stored: str | None = None                           # newest verified in the store
+    stored_step: int | None = None
+    stored_written_at: float | None = None
     bytes_copied: int = 0
+    seconds: float = 0.0
     safe: bool = False
+
+    @property
+    def lag_steps(self) -> int | None:
+        """Steps a loss right now would cost: newest on the instance minus newest verified."""
+        if self.newest_step is None:
+            return None
+        return self.newest_step - (self.stored_step or 0)
+
+    @property
+    def lag_seconds(self) -> float | None:
+        if self.newest_mtime is None or self.stored_written_at is None:
+            return None
+        return max(self.newest_mtime - self.stored_written_at, 0.0)
+
+    def as_dict(self) -> dict[str, object]:
+        return {**self.__dict__, "lag_steps": self.lag_steps, "lag_seconds": self.lag_seconds}
 
 
 def _listing(job: Job) -> list[Checkpoint]:
@@ -43,11 +64,15 @@ def _listing(job: Job) -> list[Checkpoint]:
                          EvacuationError)
 
 
-def _copy_one(job: Job, store: LocalStore, manifest: StoreManifest, cp: Checkpoint, report: Report) -> bool:
+def _copy_one(job: Job, store: LocalStore, manifest: StoreManifest, cp: Checkpoint, report: Report,
+              reverify: bool) -> bool:
     """Copy and verify one checkpoint; False if it vanished (rotated away) meanwhile."""
     files = [e.path for e in cp.files]
     sizes = {e.path: e.size for e in cp.files}
     known = manifest.checkpoints.get(cp.name)
+    if known is not None and not reverify and {p: f.size for p, f in known.files.items()} == sizes:
+        report.already.append(cp.name)        # a sync round: same files, same sizes, verified before
+        return True
     if known is not None:
         hashes = hash_on_instance(job.remote, job.paths.ckpt_dir, files, "evacuate (hashing)", EvacuationError)
         if hashes is None:
@@ -67,6 +92,10 @@ def _copy_one(job: Job, store: LocalStore, manifest: StoreManifest, cp: Checkpoi
     job.say("evacuate", f"copying {cp.name} (step {cp.step}, {len(files)} file(s), {human(total)})")
     result = rsync.pull_files(job.paths.ckpt_dir, files, staging, f"{cp.name} <- {job.host}", total)
     if not result.ok:
+        if result.status == 11:
+            raise EvacuationError(f"{job.host}: evacuate: no room in the store {store.root} for {cp.name} "
+                                  f"({human(total)}): {result.output.strip()[-200:]}",
+                                  "free space on this machine (nothing was deleted to make room), then rerun")
         if result.status in (23, 24) and not _still_there(job, cp):
             job.say("evacuate", f"{cp.name} was rotated away by the trainer during the copy; skipped")
             report.skipped.append(cp.name)
@@ -89,7 +118,8 @@ def _copy_one(job: Job, store: LocalStore, manifest: StoreManifest, cp: Checkpoi
     if problems:
         raise EvacuationError(f"{job.host}: evacuate: {cp.name} did not verify: {problems[0]}"
                               + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-    record = CheckpointRecord(name=cp.name, step=cp.step, files=expected, verified_at=utc_now(), host=job.host)
+    record = CheckpointRecord(name=cp.name, step=cp.step, files=expected, verified_at=utc_now(), host=job.host,
+                              written_at=max(e.mtime for e in cp.files))
     store.commit(record)
     manifest.add(record)
     store.save_manifest(manifest)        # after the files: the manifest only names verified bytes
@@ -115,46 +145,54 @@ def _save_meta(job: Job, store: LocalStore) -> None:
         store.write_meta("log-tail.txt", tail.text)
 
 
-def evacuate(job: Job, store: LocalStore, rounds: int = 3) -> Report:
-    """Copy the newest `keep` complete checkpoints (newest first) until the newest is verified."""
+def evacuate(job: Job, store: LocalStore, rounds: int = 3, reverify: bool = True,
+             require_newest: bool = True) -> Report:
+    """Copy the newest `keep` complete checkpoints (newest first) until the newest is verified.
+
+    `evacuate` re-hashes what the store already holds and insists that the newest checkpoint on
+    the instance ends up verified; a `sync` round (reverify=False, require_newest=False) only
+    moves what is new and reports the lag instead.
+    """
+    started = time.monotonic()
     keep = job.recipe.checkpoint.keep
     report = Report(store=str(store.root))
-    manifest = store.load_manifest() or StoreManifest(recipe=job.recipe.name)
-    for _ in range(rounds):
-        listing = _listing(job)
-        if not listing:
-            report.newest = None
-            break
-        newest = listing[-1]
-        report.newest, report.newest_step = newest.name, newest.step
-        for cp in reversed(listing[-keep:]):
-            if cp.name in report.copied or cp.name in report.already:
-                continue
-            _copy_one(job, store, manifest, cp, report)
-        latest = _listing(job)
-        if not latest or latest[-1].name in manifest.checkpoints:
+    try:
+        manifest = store.load_manifest() or StoreManifest(recipe=job.recipe.name)
+        for _ in range(rounds):
+            listing = _listing(job)
+            for cp in reversed(listing[-keep:]):
+                if cp.name not in report.copied and cp.name not in report.already:
+                    _copy_one(job, store, manifest, cp, report, reverify)
+            latest = _listing(job)
             if latest:
-                report.newest, report.newest_step = latest[-1].name, latest[-1].step
-            break
-        job.say("evacuate", f"training wrote {latest[-1].name} meanwhile; another round")
-    else:
-        raise EvacuationError(
-            f"{job.host}: training keeps writing new checkpoints faster than they can be copied; the newest "
-            f"is not in the store yet", "stop training first (`relaunch evacuate --stop` or kill the tmux "
-            "session), then evacuate again")
+                newest = latest[-1]
+                report.newest, report.newest_step = newest.name, newest.step
+                report.newest_mtime = max((e.mtime for e in newest.files), default=None)
+            if not latest or latest[-1].name in manifest.checkpoints or not require_newest:
+                break
+            job.say("evacuate", f"training wrote {latest[-1].name} meanwhile; another round")
+        else:
+            raise EvacuationError(
+                f"{job.host}: training keeps writing new checkpoints faster than they can be copied; the "
+                "newest is not in the store yet", "stop training first (`relaunch evacuate --stop`), then "
+                "evacuate again")
 
-    _save_meta(job, store)
-    store.save_manifest(manifest)        # last, again: also records a store with meta only
-    newest_verified = manifest.newest()
-    if report.newest is not None and report.newest not in manifest.checkpoints:
-        raise EvacuationError(f"{job.host}: the newest checkpoint {report.newest} is not verified in the store")
-    if newest_verified is not None and report.copied:
-        report.pruned = store.prune(manifest, keep)
-        for name in report.pruned:
-            job.say("evacuate", f"pruned {name} from the store (keep={keep})")
-    report.safe = True
+        _save_meta(job, store)
+        store.save_manifest(manifest)        # last, again: also records a store with meta only
+        if require_newest and report.newest is not None and report.newest not in manifest.checkpoints:
+            raise EvacuationError(f"{job.host}: the newest checkpoint {report.newest} is not verified in the store")
+        if report.copied:
+            report.pruned = store.prune(manifest, keep)
+            for name in report.pruned:
+                job.say("evacuate", f"pruned {name} from the store (keep={keep})")
+    except OSError as exc:
+        # a full or read-only disk on this machine: nothing is deleted to make room, and what
+        # was being written stays in the store's staging folder, which is never trusted
+        raise EvacuationError(f"writing the store {store.root} failed: {exc.strerror or exc}",
+                              "free space on this machine (nothing was deleted to make room), then rerun") from exc
+    stored = manifest.newest()
+    if stored is not None:
+        report.stored, report.stored_step, report.stored_written_at = stored.name, stored.step, stored.written_at
+    report.seconds = time.monotonic() - started
+    report.safe = report.newest is None or report.newest in manifest.checkpoints
     return report
-
-
-def store_command_hint(job: Job) -> str:
-    return f"relaunch evacuate {shlex.quote(str(job.recipe.source))} {job.target.label}"

@@ -1,0 +1,296 @@
+"""`relaunch interval`: how often to save so that a failure costs at most a budget of the run.
+
+The model is the issue's: at each failure (on average every MTBI seconds) the run loses the time
+to save a checkpoint, S, plus half an interval of training, N*T/2, so
+
+    Badput(N) = (S + N*T/2) / MTBI
+
+with N the interval in steps and T the time of one step. It grows with N, so the answer is the
+largest N that keeps Badput within the budget B: N = floor(2*(B*MTBI - S)/T). Young/Daly's
+optimum sqrt(2*S*MTBI), which also counts the time spent saving, is printed beside it for
+reference.
+
+Step time and save time can be measured from the checkpoints on an instance: `measure` reads
+only their file mtimes, so it is pure and tested with hand-made listings.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import asdict, dataclass
+from decimal import Decimal
+from itertools import pairwise
+from typing import TYPE_CHECKING, Any
+
+from .errors import CheckpointError, UsageError
+from .layouts import Checkpoint
+
+if TYPE_CHECKING:
+    from .host.spec import HostSpec
+    from .recipe import Recipe
+    from .ui import UI
+
+# -- units ------------------------------------------------------------------------------------
+# Decimal, so that 700ms is 0.7 and not 0.7000000000000001
+_UNIT_SECONDS = {"ms": Decimal("0.001"), "s": Decimal(1), "sec": Decimal(1), "m": Decimal(60), "min": Decimal(60),
+                 "h": Decimal(3600), "d": Decimal(86400)}
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
+_PART = re.compile(rf"({_NUMBER})(ms|sec|min|s|m|h|d)")
+_BARE = re.compile(_NUMBER)
+_DURATION_HINT = "for example 1.2s, 90s, 90 (seconds), 250ms, 5m, 6h, 2d or 1h30m"
+
+
+def parse_duration(text: str, option: str = "duration") -> float:
+    """`1.2s`, `90s`, `90` (seconds), `250ms`, `5m`, `6h`, `2d`, `1h30m` -> seconds.
+
+    Anything else is a UsageError naming `option`. Zero is allowed here; callers that need a
+    positive value say so themselves.
+    """
+    raw = text.strip().lower().replace(" ", "")
+    if _BARE.fullmatch(raw):
+        return float(raw)
+    total, pos = Decimal(0), 0
+    for m in _PART.finditer(raw):
+        if m.start() != pos:
+            break
+        total += Decimal(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+        pos = m.end()
+    if raw and pos == len(raw):
+        return float(total)
+    raise UsageError(f"{option}: {text!r} is not a duration", _DURATION_HINT)
+
+
+def parse_fraction(text: str, option: str = "--badput") -> float:
+    """`5%` or `0.05` -> 0.05; must lie strictly between 0 and 1 (a bare `5` is refused, not 500%)."""
+    raw = text.strip().replace(" ", "")
+    percent = raw.endswith("%")
+    number = raw[:-1] if percent else raw
+    if not _BARE.fullmatch(number):
+        raise UsageError(f"{option}: {text!r} is not a fraction", "for example 5% or 0.05")
+    value = float(number) / 100 if percent else float(number)
+    if not 0 < value < 1:
+        hint = f"did you mean {number}%?" if not percent and 1 <= value < 100 else "for example 5% or 0.05"
+        raise UsageError(f"{option}: {text!r} must be more than 0% and less than 100%", hint)
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """Short and readable: 50ms, 0.25s, 1.5s, 90s, 34 min, 6h, 2d."""
+    if seconds < 0.1:
+        return f"{seconds * 1000:.3g}ms"
+    if seconds < 120:
+        return f"{seconds:.3g}s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.3g} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.3g}h"
+    return f"{seconds / 86400:.3g}d"
+
+
+def format_percent(fraction: float) -> str:
+    return f"{fraction * 100:.3g}%"
+
+
+# -- the model --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Interval:
+    steps: int
+    seconds: float   # of training between two saves: steps * step_time
+    badput: float    # a fraction: 0.05 is 5%
+
+
+def check_inputs(step_time: float | None, save_time: float | None, mtbi: float) -> None:
+    """UsageError for values the model cannot use (None: not known yet, to be measured)."""
+    if step_time is not None and not step_time > 0:
+        raise UsageError(f"--step-time must be more than 0 (got {step_time:g}s)")
+    if save_time is not None and not save_time >= 0:
+        raise UsageError(f"--save-time must not be negative (got {save_time:g}s)")
+    if not mtbi > 0:
+        raise UsageError(f"--mtbi must be more than 0 (got {mtbi:g}s)")
+
+
+def badput(step_time: float, save_time: float, mtbi: float, every_steps: int) -> float:
+    """(S + N*T/2) / MTBI: the fraction of the run a failure costs when saving every N steps."""
+    check_inputs(step_time, save_time, mtbi)
+    if every_steps < 1:
+        raise UsageError(f"--every must be at least 1 step (got {every_steps})")
+    return (save_time + every_steps * step_time / 2) / mtbi
+
+
+def interval(step_time: float, save_time: float, mtbi: float, every_steps: int) -> Interval:
+    """The Interval of saving every N steps."""
+    return Interval(every_steps, every_steps * step_time, badput(step_time, save_time, mtbi, every_steps))
+
+
+def best_interval(step_time: float, save_time: float, mtbi: float, budget: float) -> Interval:
+    """The LARGEST N >= 1 with (S + N*T/2)/MTBI <= budget: N = floor(2*(budget*MTBI - S)/T).
+
+    UsageError when even N = 1 is over the budget (saving alone eats it).
+    """
+    check_inputs(step_time, save_time, mtbi)
+    if not 0 < budget < 1:
+        raise UsageError(f"--badput must be more than 0% and less than 100% (got {budget:g})")
+    exact = 2 * (budget * mtbi - save_time) / step_time
+    # a hair of slack so that an exact boundary (1360.0 computed as 1359.9999999) is not lost
+    steps = math.floor(exact + 1e-9 * max(1.0, abs(exact)))
+    if steps < 1:
+        one = badput(step_time, save_time, mtbi, 1)
+        raise UsageError(
+            f"saving takes too long for that MTBI: even saving every step gives Badput {format_percent(one)} "
+            f"(save {format_duration(save_time)}, step {format_duration(step_time)}, MTBI {format_duration(mtbi)}), "
+            f"over the {format_percent(budget)} budget",
+            "save faster (smaller or asynchronous checkpoints), or accept a larger --badput",
+        )
+    return interval(step_time, save_time, mtbi, steps)
+
+
+def young_daly(step_time: float, save_time: float, mtbi: float) -> Interval:
+    """Young/Daly's optimum interval sqrt(2*S*MTBI), in seconds and (rounded, >= 1) steps.
+
+    `seconds` is the optimum itself; `badput` is the issue's model at those steps.
+    """
+    check_inputs(step_time, save_time, mtbi)
+    seconds = math.sqrt(2 * save_time * mtbi)
+    steps = max(1, round(seconds / step_time))
+    return Interval(steps, seconds, badput(step_time, save_time, mtbi, steps))
+
+
+# -- measuring from checkpoint timestamps -----------------------------------------------------
+@dataclass(frozen=True)
+class Measured:
+    step_time: float
+    save_time: float
+    samples: int            # consecutive checkpoint pairs the step time is the median of
+    save_measured: bool     # False: save_time is the one given, not read from the files
+
+
+def measure(checkpoints: list[Checkpoint], save_time: float | None = None) -> Measured:
+    """Step time and save time from the mtimes of complete checkpoints (oldest first by step).
+
+    Save time: per checkpoint with two or more files, its newest mtime minus its oldest (a lower
+    bound: the first file's own write time is not seen); the median over checkpoints. A
+    checkpoint that is one file has no start time, so then `save_time` must be given.
+    Step time: for each consecutive pair, (newest mtime difference - save time) / step
+    difference, as training ran those steps and then saved; the median over pairs.
+    Pairs that make no sense (same step, a negative result: files restored from a store keep
+    their old mtimes) are left out. Fewer than two checkpoints, or no usable pair: exit 5.
+    """
+    if len(checkpoints) < 2:
+        found = f"found {len(checkpoints)}" if checkpoints else "found none"
+        raise CheckpointError(
+            f"measuring needs at least 2 complete checkpoints on the instance; {found}",
+            "let training save twice more, or give --step-time and --save-time yourself",
+        )
+    if save_time is None:
+        spans = [max(f.mtime for f in c.files) - min(f.mtime for f in c.files)
+                 for c in checkpoints if len(c.files) >= 2]
+        if not spans:
+            raise UsageError(
+                "these checkpoints are single files: their timestamps show when saving ended, not "
+                "when it started, so the save time cannot be measured",
+                "give --save-time (the step time is then measured from the checkpoints)",
+            )
+        save_time = statistics.median(spans)
+        save_measured = True
+    else:
+        save_measured = False
+
+    per_step = []
+    for older, newer in pairwise(checkpoints):
+        steps = newer.step - older.step
+        if steps <= 0 or not older.files or not newer.files:
+            continue
+        elapsed = max(f.mtime for f in newer.files) - max(f.mtime for f in older.files)
+        value = (elapsed - save_time) / steps
+        if value > 0:
+            per_step.append(value)
+    if not per_step:
+        raise CheckpointError(
+            f"no two consecutive checkpoints give a step time ({len(checkpoints)} checkpoints; their "
+            "timestamps do not grow with the step, or saving took longer than the time between them)",
+            "give --step-time yourself",
+        )
+    return Measured(statistics.median(per_step), save_time, len(per_step), save_measured)
+
+
+# -- what the command prints ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Result:
+    step_time: float
+    save_time: float
+    mtbi: float
+    budget: float
+    interval: Interval       # the best one, or the one given with --every
+    given: bool              # True: `interval` is the --every one
+    young_daly: Interval
+    measured: Measured | None = None
+    host: str = ""
+    measured_fields: tuple[str, ...] = ()   # of "step_time", "save_time": the ones taken from `measured`
+
+    @property
+    def within_budget(self) -> bool:
+        return self.interval.badput <= self.budget * (1 + 1e-9)
+
+    def lines(self) -> list[str]:
+        iv = self.interval
+        inputs = (f"step {format_duration(self.step_time)}, save {format_duration(self.save_time)}, "
+                  f"MTBI {format_duration(self.mtbi)} (budget {format_percent(self.budget)})")
+        out = []
+        if self.measured is not None and self.measured_fields:
+            m = self.measured
+            what = [f"step {format_duration(m.step_time)} (median of {m.samples} checkpoint pairs)"
+                    if name == "step_time" else f"save {format_duration(m.save_time)}"
+                    for name in self.measured_fields]
+            out.append(f"measured on {self.host}: {', '.join(what)}")
+        verdict = "" if not self.given else (" - within budget" if self.within_budget else " - OVER budget")
+        out.append(f"save every {iv.steps} steps ({iv.seconds / 60:.1f} min): Badput {format_percent(iv.badput)} "
+                   f"with {inputs}{verdict}")
+        yd = self.young_daly
+        out.append(f"Young/Daly optimum sqrt(2*S*MTBI) for reference: every {format_duration(yd.seconds)} "
+                   f"({yd.steps} steps, Badput {format_percent(yd.badput)})")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step_time": self.step_time, "save_time": self.save_time, "mtbi": self.mtbi, "budget": self.budget,
+            "interval": asdict(self.interval), "given": self.given, "within_budget": self.within_budget,
+            "young_daly": asdict(self.young_daly),
+            "measured": None if self.measured is None else {"host": self.host, **asdict(self.measured)},
+            "measured_fields": list(self.measured_fields),
+        }
+
+
+def compute(step_time: float | None, save_time: float | None, mtbi: float, budget: float,
+            every: int | None = None, measured: Measured | None = None, host: str = "") -> Result:
+    """The command's answer. A step or save time left None is taken from `measured`."""
+    fields = []
+    if step_time is None or save_time is None:
+        if measured is None:
+            raise UsageError("give --step-time and --save-time, or RECIPE HOST to measure them "
+                             "from the checkpoints on the instance")
+        if step_time is None:
+            step_time = measured.step_time
+            fields.append("step_time")
+        if save_time is None:
+            save_time = measured.save_time
+            fields.append("save_time")
+    chosen = (interval(step_time, save_time, mtbi, every) if every is not None
+              else best_interval(step_time, save_time, mtbi, budget))
+    return Result(step_time, save_time, mtbi, budget, chosen, every is not None,
+                  young_daly(step_time, save_time, mtbi), measured, host, tuple(fields))
+
+
+def measure_instance(recipe: Recipe, spec: HostSpec, ui: UI, save_time: float | None) -> tuple[Measured, str]:
+    """Connect like `up`, list the complete checkpoints under checkpoint.dir, `measure` them."""
+    from .cycle import open_job
+    from .steps.checkpoint import list_instance
+
+    job = open_job(recipe, spec, ui)
+    with job.remote:
+        c = recipe.checkpoint
+        checkpoints = list_instance(job.remote, job.paths.ckpt_dir, c.layout, c.pattern,
+                                    "interval (listing checkpoints)")
+        ui.say(f"[{job.host}] {len(checkpoints)} complete checkpoints in {job.paths.ckpt_dir}")
+        return measure(checkpoints, save_time), job.host

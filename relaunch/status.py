@@ -1,0 +1,103 @@
+"""`relaunch status`: one look at a run. Is training alive, what would a loss right now cost."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cycle import local_store, open_job
+from .host.spec import HostSpec
+from .recipe import Recipe
+from .steps.checkpoint import list_instance
+from .steps.common import drift, read_lock
+from .steps.launch import tail_command
+from .ui import UI
+
+GPU_QUERY = "nvidia-smi --query-gpu=name,utilization.gpu,memory.used,memory.total --format=csv,noheader,nounits"
+
+
+@dataclass
+class Status:
+    host: str
+    alive: bool
+    since: str = ""
+    log_tail: list[str] = field(default_factory=list)
+    gpus: list[str] = field(default_factory=list)
+    newest: str | None = None
+    newest_step: int | None = None
+    newest_mtime: float | None = None
+    stored: str | None = None
+    stored_step: int | None = None
+    stored_written_at: float | None = None
+    free_bytes: int = 0
+    drift: list[str] = field(default_factory=list)
+
+    @property
+    def lag_steps(self) -> int | None:
+        return None if self.newest_step is None else self.newest_step - (self.stored_step or 0)
+
+    @property
+    def lag_seconds(self) -> float | None:
+        if self.newest_mtime is None or self.stored_written_at is None:
+            return None
+        return max(self.newest_mtime - self.stored_written_at, 0.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "lag_steps": self.lag_steps, "lag_seconds": self.lag_seconds}
+
+
+def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
+    store = local_store(recipe)
+    job = open_job(recipe, spec, ui)
+    with job.remote:
+        facts, paths = job.facts, job.paths
+        result = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt)
+        if facts.session_since.isdigit():
+            result.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
+        tail = job.remote.exec(tail_command(paths.log, lines))
+        result.log_tail = tail.text.splitlines() if tail.ok else []
+        if facts.tools.get("nvidia-smi"):
+            result.gpus = job.remote.exec(GPU_QUERY).text.splitlines()
+        c = recipe.checkpoint
+        listing = list_instance(job.remote, paths.ckpt_dir, c.layout, c.pattern, "status (listing checkpoints)")
+        if listing:
+            newest = listing[-1]
+            result.newest, result.newest_step = newest.name, newest.step
+            result.newest_mtime = max((e.mtime for e in newest.files), default=None)
+        manifest = store.load_manifest()
+        stored = manifest.newest() if manifest else None
+        if stored is not None:
+            result.stored, result.stored_step, result.stored_written_at = stored.name, stored.step, stored.written_at
+        if recipe.env.lock and facts.venv_freeze is not None:
+            result.drift = drift(read_lock(recipe.env.lock), facts.venv_freeze)
+        return result
+
+
+def render(s: Status, recipe: Recipe) -> str:
+    from .steps.preflight import human
+
+    out = []
+    state = f"ALIVE since {s.since}" if s.alive and s.since else ("ALIVE" if s.alive else "NOT RUNNING")
+    out.append(f"{s.host}  tmux session {recipe.run.session}: {state}")
+    if s.gpus:
+        out += [f"  gpu  {g}" for g in s.gpus]
+    else:
+        out.append("  gpu  none (nvidia-smi not found)")
+    on_instance = f"{s.newest} (step {s.newest_step})" if s.newest else "none yet"
+    in_store = f"{s.stored} (step {s.stored_step})" if s.stored else "none"
+    out.append(f"  newest checkpoint on the instance: {on_instance}")
+    out.append(f"  newest verified in the store:      {in_store}")
+    if s.lag_steps is not None:
+        minutes = f", {s.lag_seconds / 60:.1f} min" if s.lag_seconds is not None else ""
+        out.append(f"  a loss right now would cost: {s.lag_steps} steps{minutes}")
+    out.append(f"  free disk under checkpoint.dir: {human(s.free_bytes)}")
+    out.append("  env: " + ("matches the lock" if not s.drift else f"{len(s.drift)} difference(s) from the lock: "
+                            + "; ".join(s.drift[:5])))
+    if s.log_tail:
+        out.append(f"  last lines of {recipe.run.log}:")
+        out += ["    " + line for line in s.log_tail]
+    return "\n".join(out)
+
+
+__all__ = ["status", "render", "Status"]

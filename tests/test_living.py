@@ -1,0 +1,166 @@
+"""Living with a run: sync, status, evacuate --stop, freeze (issue 3), against sandbox instances."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from e2e import EXAMPLE, example_recipe, plain_recipe, run_cli, wait_for
+
+from relaunch import sandbox as sb
+
+MANIFEST = Path(".relaunch") / "manifest.json"
+
+
+def stored(store: Path) -> list[str]:
+    path = store / MANIFEST
+    return [c["name"] for c in json.loads(path.read_text())["checkpoints"]] if path.exists() else []
+
+
+def plant(ssh, inst, step: int, size: int = 2000, mtime: int | None = None) -> str:
+    name = f"ckpt-{step:08d}.pt"
+    touch = f" && touch -d @{mtime} ~/ckpt/{name}" if mtime else ""
+    ssh(inst, f"mkdir -p ~/ckpt && head -c {size} /dev/urandom > ~/ckpt/{name}.tmp && "
+              f"mv ~/ckpt/{name}.tmp ~/ckpt/{name}{touch}")
+    return name
+
+
+def test_sync_once_moves_only_what_is_new_and_prunes_behind_the_newest(tmp_path, sandbox, ssh, ssh_key):
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path, name="syncing", key=ssh_key)
+    store = tmp_path / "store"
+    plant(ssh, inst, 5)
+    plant(ssh, inst, 10)
+    first = run_cli("sync", str(recipe), inst.host, "--once", "--json", home=home)
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout.strip().splitlines()[-1])
+    assert sorted(report["copied"]) == ["ckpt-00000005.pt", "ckpt-00000010.pt"] and report["lag_steps"] == 0
+
+    again = run_cli("sync", str(recipe), inst.host, "--once", "--json", home=home)
+    assert again.returncode == 0, again.stderr
+    report = json.loads(again.stdout.strip().splitlines()[-1])
+    assert report["copied"] == [] and "nothing new" in again.stderr
+    assert sorted(report["already"]) == ["ckpt-00000005.pt", "ckpt-00000010.pt"]
+
+    plant(ssh, inst, 15)
+    third = run_cli("sync", str(recipe), inst.host, "--once", home=home)
+    assert third.returncode == 0, third.stderr
+    assert stored(store) == ["ckpt-00000010.pt", "ckpt-00000015.pt"]          # keep: 2, newest kept
+    assert not (store / "ckpt-00000005.pt").exists() and (store / "ckpt-00000015.pt").exists()
+
+
+def test_a_checkpoint_rotated_away_mid_copy_is_skipped_not_trusted(tmp_path, sandbox, ssh, ssh_key):
+    home, inst = tmp_path / "state", sandbox(rate="2mbit")
+    recipe = plain_recipe(tmp_path, name="rotating", key=ssh_key)
+    store = tmp_path / "store"
+    plant(ssh, inst, 5)
+    assert run_cli("sync", str(recipe), inst.host, "--once", home=home).returncode == 0
+    plant(ssh, inst, 10, size=8_000_000)
+    proc = subprocess.Popen([sys.executable, "-m", "relaunch.cli", "sync", str(recipe), inst.host, "--once"],
+                            env={**os.environ, "RELAUNCH_HOME": str(home)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for("the copy to start", lambda: any((store / ".relaunch" / "partial").rglob("*")), timeout=60,
+                 every=0.1)
+        ssh(inst, "rm ~/ckpt/ckpt-00000010.pt")                  # the trainer's rotation
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "rotated away" in err
+    assert stored(store) == ["ckpt-00000005.pt"]
+    assert not (store / "ckpt-00000010.pt").exists()
+
+
+def test_sync_keeps_going_through_an_outage(tmp_path, sandbox, ssh, ssh_key):
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path, name="outage", key=ssh_key, ssh={"wait": 3})
+    store = tmp_path / "store"
+    plant(ssh, inst, 5)
+    proc = subprocess.Popen([sys.executable, "-m", "relaunch.cli", "sync", str(recipe), inst.host, "--every", "1"],
+                            env={**os.environ, "RELAUNCH_HOME": str(home)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for("the first round", lambda: stored(store) == ["ckpt-00000005.pt"], timeout=60)
+        sb.set_link(inst.name, up=False)
+        time.sleep(12)                                         # a few failed rounds
+        assert proc.poll() is None                             # still running
+        sb.set_link(inst.name, up=True)
+        plant(ssh, inst, 10)
+        wait_for("the round after the outage", lambda: "ckpt-00000010.pt" in stored(store), timeout=120)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "unreachable" in err and "retrying" in err
+    assert stored(store) == ["ckpt-00000005.pt", "ckpt-00000010.pt"]
+
+
+def test_status_reports_the_lag_and_exits_4_once_training_died(tmp_path, sandbox, ssh, ssh_key):
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path, name="looking", key=ssh_key, command="echo training; sleep 600")
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    t0 = 1_700_000_000
+    plant(ssh, inst, 100, mtime=t0)
+    assert run_cli("sync", str(recipe), "--once", home=home).returncode == 0   # HOST: the last `up`'s
+    plant(ssh, inst, 250, mtime=t0 + 180)
+    result = run_cli("status", str(recipe), "--json", home=home)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["alive"] and data["newest_step"] == 250 and data["stored_step"] == 100
+    assert data["lag_steps"] == 150 and data["lag_seconds"] == 180
+    text = run_cli("status", str(recipe), home=home)
+    assert "a loss right now would cost: 150 steps, 3.0 min" in text.stdout
+    assert "training" in text.stdout                             # the log's last lines
+
+    ssh(inst, "tmux kill-session -t =looking")
+    dead = run_cli("status", str(recipe), home=home)
+    assert dead.returncode == 4 and "NOT RUNNING" in dead.stdout
+
+    sb.destroy(inst.name)
+    gone = run_cli("status", str(recipe), "--set", "ssh.wait=2", home=home)
+    assert gone.returncode == 3
+
+
+def test_evacuate_stop_saves_and_stops_training_then_evacuates(tmp_path, sandbox, ssh, ssh_key, package_index):
+    home, inst = tmp_path / "state", sandbox(index_dir=package_index)
+    recipe = example_recipe(tmp_path / "work", name="stopping", layout="files", key=ssh_key,
+                            index_url=inst.index_url, steps=100000, save_every=50, sleep=0.02)
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    wait_for("training to run", lambda: "step 20 " in ssh(inst, "cat ~/stopping.log").stdout, timeout=120)
+    result = run_cli("evacuate", str(recipe), "--stop", home=home)
+    assert result.returncode == 0, result.stderr
+    assert "safe to destroy" in result.stderr
+    log = ssh(inst, "cat ~/stopping.log").stdout
+    stopped_at = int(log.split("stopped at step ")[1].split()[0])
+    assert ssh(inst, "tmux has-session -t =stopping", check=False).returncode != 0     # trainer gone
+    store = tmp_path / "work" / "store"
+    newest = json.loads((store / MANIFEST).read_text())["checkpoints"][-1]
+    assert newest["step"] == stopped_at and newest["name"] == f"ckpt-{stopped_at:08d}.pt"
+
+
+def test_freeze_round_trips_to_a_new_instance(tmp_path, sandbox, ssh, ssh_key, package_index):
+    home = tmp_path / "state"
+    first, second = sandbox(index_dir=package_index), sandbox(user="ubuntu", index_dir=package_index)
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("mpmath==1.3.0\n")
+    recipe = plain_recipe(tmp_path, name="freezing", key=ssh_key,
+                          env={"lock": str(lock), "index_url": first.index_url})
+    assert run_cli("up", str(recipe), first.host, home=home).returncode == 0
+    ssh(first, f"~/venvs/plain/bin/pip install -q --index-url {first.index_url} sympy==1.14.0")
+    frozen = run_cli("freeze", str(recipe), "--yes", home=home)
+    assert frozen.returncode == 0, frozen.stderr
+    assert "+sympy==1.14.0" in frozen.stdout                      # the diff was shown
+    assert lock.read_text().splitlines() == ["mpmath==1.3.0", "sympy==1.14.0"]
+    unchanged = run_cli("freeze", str(recipe), home=home)
+    assert unchanged.returncode == 0 and "already matches" in unchanged.stderr
+
+    assert run_cli("up", str(recipe), second.host, home=home).returncode == 0
+    show = "~/venvs/plain/bin/python -m pip freeze"
+    assert ssh(second, show).stdout == ssh(first, show).stdout
