@@ -26,7 +26,7 @@ from .steps.evacuate import Report, evacuate as evacuate_job
 from .steps.launch import plan_launch
 from .steps.stop import stop_training
 from .steps.preflight import gather_facts, plan_preflight
-from .store import LocalStore
+from .transports import open_store
 from .ui import UI, redact
 
 log = logging.getLogger("relaunch")
@@ -37,14 +37,6 @@ def make_target(recipe: Recipe, spec: HostSpec) -> Target:
     ssh = recipe.ssh
     return Target(address=spec.address, user=spec.user or ssh.user, port=spec.port or ssh.port,
                   key=str(ssh.key) if ssh.key else None, host_key=ssh.host_key, wait=ssh.wait)
-
-
-def local_store(recipe: Recipe) -> LocalStore:
-    remote = recipe.checkpoint.remote
-    if isinstance(remote, str) and (remote.startswith("rclone:") or remote.startswith("hf:")):
-        raise UsageError(f"{recipe.where('checkpoint.remote')}: checkpoint.remote: {remote.split(':')[0]}: "
-                         "stores are not supported yet; use a path on this machine")
-    return LocalStore(Path(remote))
 
 
 # -- remembered hosts --------------------------------------------------------------------------
@@ -108,7 +100,7 @@ def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept
             if not dry_run:
                 remember_host(recipe, job.target)
             return UpResult(job.host, "already running")
-        store = local_store(recipe)
+        store = open_store(recipe)
         choice = choose(job, store)
         need = sum(f.size for f in choice.record.files.values()) if choice.record and not choice.on_instance else 0
         preflight = plan_preflight(job, need)
@@ -161,7 +153,7 @@ def up(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
 def evacuate(recipe: Recipe, spec: HostSpec, ui: UI, stop: bool = False) -> Report:
     """Any failure becomes exit 6: the instance must not be destroyed."""
     try:
-        store = local_store(recipe)
+        store = open_store(recipe)
         job = open_job(recipe, spec, ui)
         with job.remote:
             if stop:

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cycle import local_store, open_job
+from .cycle import open_job
+from .transports import open_store
 from .host.spec import HostSpec
 from .recipe import Recipe
 from .steps.checkpoint import list_instance
@@ -48,7 +49,7 @@ class Status:
 
 
 def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
-    store = local_store(recipe)
+    store = open_store(recipe)
     job = open_job(recipe, spec, ui)
     with job.remote:
         facts, paths = job.facts, job.paths

@@ -11,7 +11,8 @@ import json
 import time
 from collections.abc import Callable
 
-from .cycle import local_store, open_job
+from .cycle import open_job
+from .transports import open_store
 from .errors import ConnectError, EvacuationError, RelaunchError, UsageError
 from .host.spec import HostSpec
 from .recipe import Recipe
@@ -37,7 +38,7 @@ def round_line(report: Report) -> str:
 
 def sync(recipe: Recipe, spec: HostSpec, ui: UI, every: float, once: bool,
          emit: Callable[[str], None] | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
-    store = local_store(recipe)
+    store = open_store(recipe)
     backoff = 5.0
     first = True
     while True:

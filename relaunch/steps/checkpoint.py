@@ -14,8 +14,8 @@ from ..errors import CheckpointError, remote_failure
 from ..host.connection import Remote
 from ..layouts import Checkpoint, LISTING_COMMAND, complete_checkpoints, parse_listing, parse_sha256sum
 from ..plan import Action
-from ..store import CheckpointRecord, LocalStore
-from ..transports.rsync import Rsync
+from ..store import CheckpointRecord
+from ..transports.base import Store
 from .common import Job
 from .preflight import human
 
@@ -60,7 +60,7 @@ class Choice:
         return self.on_instance.step if self.on_instance else 0
 
 
-def choose(job: Job, store: LocalStore) -> Choice:
+def choose(job: Job, store: Store) -> Choice:
     recipe = job.recipe
     local = list_instance(job.remote, job.paths.ckpt_dir, recipe.checkpoint.layout, recipe.checkpoint.pattern,
                           "checkpoint (listing the instance)")
@@ -68,12 +68,12 @@ def choose(job: Job, store: LocalStore) -> Choice:
     if store.is_empty():
         record = None
         if newest_here is None:
-            return Choice(None, None, f"the store {store.root} is empty: fresh start")
+            return Choice(None, None, f"the store {store.label} is empty: fresh start")
     else:
         manifest = store.load_manifest()
         if manifest is None or manifest.newest() is None:
             raise CheckpointError(
-                f"the store {store.root} holds files but no verified checkpoint "
+                f"the store {store.label} holds files but no verified checkpoint "
                 f"({'no manifest' if manifest is None else 'the manifest lists none'})",
                 "nothing is lost: run `relaunch evacuate` on the old instance if it still exists, "
                 "or point checkpoint.remote at the right store",
@@ -88,7 +88,7 @@ def choose(job: Job, store: LocalStore) -> Choice:
     return Choice(record, None, f"newest verified in the store: {record.name} (step {record.step})")
 
 
-def plan_restore(job: Job, store: LocalStore, choice: Choice) -> list[Action]:
+def plan_restore(job: Job, store: Store, choice: Choice) -> list[Action]:
     paths = job.paths
     if choice.record is None and choice.on_instance is None:
         return [Action("checkpoint", "restore", skip=choice.reason)]
@@ -116,20 +116,13 @@ def plan_restore(job: Job, store: LocalStore, choice: Choice) -> list[Action]:
 
         return [Action("checkpoint", f"verify {dest} against the store manifest (sha256)", run=verify_present)]
 
-    rsync = Rsync(job.target, job.remote.known_hosts, job.ui)
     incoming = paths.incoming
-    source = store.root / record.name
-    argv = rsync.argv("--mkpath", f"{source}/" if source.is_dir() else str(source),
-                      rsync.remote(f"{incoming}/{record.name}" + ("/" if source.is_dir() else "")))
     move = (f"cd {shlex.quote(incoming)} && mkdir -p {shlex.quote(paths.ckpt_dir)} && "
             f"mv -T -- {shlex.quote(record.name)} {shlex.quote(dest)} && cd / && rmdir {shlex.quote(incoming)}")
 
     def restore() -> None:
-        job.say("checkpoint", f"{choice.reason}; copying {human(total)}")
-        result = rsync.run(argv, f"{record.name} -> {job.host}", total)
-        if not result.ok:
-            raise CheckpointError(f"{job.host}: checkpoint: rsync failed ({result.meaning}): "
-                                  f"{result.output.strip()[-300:]}", "nothing is lost; rerun `relaunch up`")
+        job.say("checkpoint", f"{choice.reason}; copying {human(total)} from {store.label}")
+        store.send(job, record, incoming)
         seen = hash_on_instance(job.remote, incoming, files, "checkpoint (verify)")
         bad = sorted(f for f in files if (seen or {}).get(f) != expected[f])
         if bad:
@@ -138,6 +131,7 @@ def plan_restore(job: Job, store: LocalStore, choice: Choice) -> list[Action]:
         job.remote.check(move, "checkpoint (move into place)", CheckpointError)
         job.say("checkpoint", f"restored {record.name} (step {record.step}), {len(files)} file(s) verified")
 
-    shown = f"{shlex.join(argv)}\ncd {incoming} && xargs -0 sha256sum -z -- <files>   # compare with manifest\n{move}"
+    shown = (f"{store.describe_send(job, record, incoming)}\n"
+             f"cd {incoming} && xargs -0 sha256sum -z -- <files>   # compare with manifest\n{move}")
     return [Action("checkpoint", f"copy {record.name} (step {record.step}, {human(total)}) to {dest}", shown,
                    restore)]

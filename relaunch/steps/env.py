@@ -39,8 +39,10 @@ def plan_env(job: Job) -> list[Action]:
     actions: list[Action] = []
 
     mkdir = f"mkdir -p {shlex.quote(paths.state)} && chmod 700 {shlex.quote(paths.state)}"
-    actions.append(Action("env", "relaunch's folder on the instance", mkdir,
-                          lambda: job.remote.check(mkdir, "env (mkdir)", EnvError) and None))
+    def make_state_dir() -> None:
+        job.remote.check(mkdir, "env (mkdir)", EnvError)
+
+    actions.append(Action("env", "relaunch's folder on the instance", mkdir, make_state_dir))
 
     script = scripts.render("env.sh.j2", name=recipe.name, venv=paths.venv, python=facts.python,
                             lock=paths.lock if lock else "", installer=recipe.env.installer,
@@ -55,8 +57,8 @@ def plan_env(job: Job) -> list[Action]:
         def install() -> None:
             if lock_path:
                 job.remote.put_file(lock_path, paths.lock, 0o600)
-            what = f"installing {len(lock)} pinned packages with {recipe.env.installer}" if lock else "creating the venv"
-            job.say("env", what)
+            job.say("env", f"installing {len(lock)} pinned packages with {recipe.env.installer}" if lock
+                    else "creating the venv")
             job.remote.check("bash -s", "env (install)", EnvError, stdin=script.encode(),
                              display="bash -s < env.sh", timeout=3600,
                              on_output=lambda b: job.ui.detail(b.decode(errors="replace").rstrip()),

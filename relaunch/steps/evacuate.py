@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from ..errors import EvacuationError
 from ..layouts import Checkpoint
-from ..store import CheckpointRecord, FileRecord, LocalStore, StoreManifest, utc_now
-from ..transports.rsync import Rsync
+from ..store import CheckpointRecord, FileRecord, StoreManifest, utc_now
+from ..transports.base import Store
 from .checkpoint import hash_on_instance, list_instance
 from .common import Job
 from .launch import tail_command
@@ -64,7 +64,7 @@ def _listing(job: Job) -> list[Checkpoint]:
                          EvacuationError)
 
 
-def _copy_one(job: Job, store: LocalStore, manifest: StoreManifest, cp: Checkpoint, report: Report,
+def _copy_one(job: Job, store: Store, manifest: StoreManifest, cp: Checkpoint, report: Report,
               reverify: bool) -> bool:
     """Copy and verify one checkpoint; False if it vanished (rotated away) meanwhile."""
     files = [e.path for e in cp.files]
@@ -82,45 +82,38 @@ def _copy_one(job: Job, store: LocalStore, manifest: StoreManifest, cp: Checkpoi
             report.already.append(cp.name)
             return True
         raise EvacuationError(
-            f"{job.host}: {cp.name} on the instance differs from the verified copy in the store {store.root}",
+            f"{job.host}: {cp.name} on the instance differs from the verified copy in the store {store.label}",
             "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right",
         )
 
     total = sum(sizes.values())
-    staging = store.staging(cp.name)
-    rsync = Rsync(job.target, job.remote.known_hosts, job.ui)
-    job.say("evacuate", f"copying {cp.name} (step {cp.step}, {len(files)} file(s), {human(total)})")
-    result = rsync.pull_files(job.paths.ckpt_dir, files, staging, f"{cp.name} <- {job.host}", total)
-    if not result.ok:
-        if result.status == 11:
-            raise EvacuationError(f"{job.host}: evacuate: no room in the store {store.root} for {cp.name} "
-                                  f"({human(total)}): {result.output.strip()[-200:]}",
-                                  "free space on this machine (nothing was deleted to make room), then rerun")
-        if result.status in (23, 24) and not _still_there(job, cp):
+    job.say("evacuate", f"copying {cp.name} (step {cp.step}, {len(files)} file(s), {human(total)}) to {store.label}")
+    received = store.receive(job, cp)
+    if not received.ok:
+        if received.vanished and not _still_there(job, cp):
             job.say("evacuate", f"{cp.name} was rotated away by the trainer during the copy; skipped")
             report.skipped.append(cp.name)
             return False
-        raise EvacuationError(f"{job.host}: evacuate: rsync failed ({result.meaning}) copying {cp.name}: "
-                              f"{result.output.strip()[-300:]}")
+        raise EvacuationError(f"{job.host}: evacuate: copying {cp.name} failed: {received.message}")
     hashes = hash_on_instance(job.remote, job.paths.ckpt_dir, files, "evacuate (hashing)", EvacuationError)
     if hashes is None or set(hashes) != set(files):
         job.say("evacuate", f"{cp.name} was rotated away by the trainer during the copy; skipped")
         report.skipped.append(cp.name)
         return False
     expected = {p: FileRecord(size=sizes[p], sha256=hashes[p]) for p in files}
-    problems = store.verify_staged(cp.name, expected)
+    problems = store.verify(job, cp, expected)
     if problems:
-        # one more pass with full checksums: rsync's quick check can trust a damaged partial file
-        rsync.run(rsync.argv("--checksum", "--from0", "--files-from=-",
-                             rsync.remote(job.paths.ckpt_dir.rstrip("/") + "/"), f"{staging}/"),
-                  f"{cp.name} <- {job.host} (again)", total, stdin=b"\0".join(f.encode() for f in files) + b"\0")
-        problems = store.verify_staged(cp.name, expected)
+        # one more pass comparing full contents: a quick check (size + mtime) can trust a
+        # damaged partial file
+        job.ui.warn(f"{cp.name}: {problems[0]}; copying again")
+        again = store.receive(job, cp, again=True)
+        problems = store.verify(job, cp, expected) if again.ok else [again.message]
     if problems:
         raise EvacuationError(f"{job.host}: evacuate: {cp.name} did not verify: {problems[0]}"
                               + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     record = CheckpointRecord(name=cp.name, step=cp.step, files=expected, verified_at=utc_now(), host=job.host,
                               written_at=max(e.mtime for e in cp.files))
-    store.commit(record)
+    store.commit(job, record)
     manifest.add(record)
     store.save_manifest(manifest)        # after the files: the manifest only names verified bytes
     report.copied.append(cp.name)
@@ -133,7 +126,7 @@ def _still_there(job: Job, cp: Checkpoint) -> bool:
     return any(c.name == cp.name for c in _listing(job))
 
 
-def _save_meta(job: Job, store: LocalStore) -> None:
+def _save_meta(job: Job, store: Store) -> None:
     facts, paths = job.facts, job.paths
     if facts.venv_freeze is not None:
         store.write_meta("freeze.txt", "\n".join(facts.venv_freeze) + "\n")
@@ -145,7 +138,7 @@ def _save_meta(job: Job, store: LocalStore) -> None:
         store.write_meta("log-tail.txt", tail.text)
 
 
-def evacuate(job: Job, store: LocalStore, rounds: int = 3, reverify: bool = True,
+def evacuate(job: Job, store: Store, rounds: int = 3, reverify: bool = True,
              require_newest: bool = True) -> Report:
     """Copy the newest `keep` complete checkpoints (newest first) until the newest is verified.
 
@@ -153,9 +146,14 @@ def evacuate(job: Job, store: LocalStore, rounds: int = 3, reverify: bool = True
     the instance ends up verified; a `sync` round (reverify=False, require_newest=False) only
     moves what is new and reports the lag instead.
     """
+    with store.lock(job.ui):
+        return _evacuate(job, store, rounds, reverify, require_newest)
+
+
+def _evacuate(job: Job, store: Store, rounds: int, reverify: bool, require_newest: bool) -> Report:
     started = time.monotonic()
     keep = job.recipe.checkpoint.keep
-    report = Report(store=str(store.root))
+    report = Report(store=store.label)
     try:
         manifest = store.load_manifest() or StoreManifest(recipe=job.recipe.name)
         for _ in range(rounds):
@@ -188,7 +186,7 @@ def evacuate(job: Job, store: LocalStore, rounds: int = 3, reverify: bool = True
     except OSError as exc:
         # a full or read-only disk on this machine: nothing is deleted to make room, and what
         # was being written stays in the store's staging folder, which is never trusted
-        raise EvacuationError(f"writing the store {store.root} failed: {exc.strerror or exc}",
+        raise EvacuationError(f"writing the store {store.label} failed: {exc.strerror or exc}",
                               "free space on this machine (nothing was deleted to make room), then rerun") from exc
     stored = manifest.newest()
     if stored is not None:

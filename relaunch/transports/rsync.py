@@ -81,17 +81,20 @@ class Rsync:
             time.sleep(2 * attempt)
         return result
 
-    def push(self, local: Path, remote_path: str, description: str, total: int) -> RsyncResult:
+    def push_argv(self, local: Path, remote_path: str) -> list[str]:
         """Copy a file or folder from this machine to `remote_path` (its full new name)."""
         src = f"{local}/" if local.is_dir() else str(local)
         dest = f"{remote_path}/" if local.is_dir() else remote_path
-        return self.run(self.argv("--mkpath", src, self.remote(dest)), description, total)
+        return self.argv("--mkpath", src, self.remote(dest))
+
+    def push(self, local: Path, remote_path: str, description: str, total: int) -> RsyncResult:
+        return self.run(self.push_argv(local, remote_path), description, total)
 
     def pull_files(self, remote_root: str, files: list[str], local_root: Path, description: str,
-                   total: int) -> RsyncResult:
+                   total: int, extra: list[str] | None = None) -> RsyncResult:
         """Copy exactly `files` (relative to remote_root) into local_root, keeping their paths."""
         local_root.mkdir(parents=True, exist_ok=True)
         listing = b"\0".join(f.encode() for f in files) + b"\0"
-        argv = self.argv("--from0", "--files-from=-", self.remote(remote_root.rstrip("/") + "/"),
+        argv = self.argv(*(extra or []), "--from0", "--files-from=-", self.remote(remote_root.rstrip("/") + "/"),
                          f"{local_root}/")
         return self.run(argv, description, total, stdin=listing)
