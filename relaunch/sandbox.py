@@ -747,7 +747,9 @@ def build_index(
     """
     dest = Path(dest).expanduser() if dest is not None else Path.home() / ".cache" / "relaunch" / "index"
     reqs = [Path(r).expanduser().resolve() for r in requirements]
-    wanted = [*extra, "uv", "pip"]
+    from relaunch.steps.tools import TOOL_PACKAGES
+
+    wanted = [*extra, "pip", *TOOL_PACKAGES.values()]  # the tools relaunch installs on an instance
     key = hashlib.sha256()
     for r in reqs:
         try:

@@ -10,16 +10,7 @@ from ..errors import EnvError
 from ..plan import Action
 from ..host.facts import FREEZE_PY
 from .common import Job, drift, read_lock
-
-
-def index_args(job: Job) -> str:
-    env = job.recipe.env
-    parts: list[str] = []
-    if env.index_url:
-        parts += ["--index-url", env.index_url]
-    for url in env.extra_index_urls:
-        parts += ["--extra-index-url", url]
-    return " ".join(shlex.quote(p) for p in parts)
+from .tools import index_args
 
 
 def exports(job: Job, extra: dict[str, str] | None = None) -> dict[str, str]:

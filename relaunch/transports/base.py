@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,10 +19,26 @@ from typing import TYPE_CHECKING
 from ..layouts import Checkpoint
 from ..paths import state_dir
 from ..store import CheckpointRecord, FileRecord, StoreManifest
-from ..ui import UI
+from ..ui import UI, redact
 
 if TYPE_CHECKING:
     from ..steps.common import Job
+
+
+@contextmanager
+def instance_env(job: Job, values: dict[str, str]) -> Iterator[str]:
+    """Credentials for a command run on the instance: a 0600 file, never a command line.
+
+    Yields the shell prefix that loads them; the file is removed when the step ends.
+    """
+    redact.add(values.values())
+    path = f"{job.paths.state}/store.env"
+    job.remote.exec(f"mkdir -p {shlex.quote(job.paths.state)} && chmod 700 {shlex.quote(job.paths.state)}")
+    job.remote.put_bytes(path, "".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items()).encode(), 0o600)
+    try:
+        yield f". {shlex.quote(path)} && "
+    finally:
+        job.remote.exec(f"rm -f {shlex.quote(path)}")
 
 
 @dataclass
