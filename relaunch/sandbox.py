@@ -421,6 +421,9 @@ def _boot(
     _run(["ip", "netns", "exec", ns, "ip", "addr", "add", f"{address}/30", "dev", inst_dev])
     _run(["ip", "netns", "exec", ns, "ip", "link", "set", inst_dev, "up"])
     _run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"])
+    # services on this machine's side of any instance's link (a test S3 or Hub server) are
+    # reachable from every instance, the way a datacenter's object store is; nothing else is
+    _run(["ip", "netns", "exec", ns, "ip", "route", "add", f"{SUBNET}.0.0/16", "via", gateway])
 
     # sshd in a private mount namespace: empty home, private /tmp, no pip config of this machine
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)

@@ -218,9 +218,10 @@ class S3RemoteFactory:
         folder = self.base / f"s3-{uuid.uuid4().hex[:8]}"
         (folder / bucket).mkdir(parents=True)
         log = folder.with_suffix(".log")
-        # no directory cache: tests change the served folder behind the server's back (damage, deletion)
-        # and rclone serve would otherwise list the old state for --dir-cache-time (5 min)
-        argv = [tool_path("rclone"), "serve", "s3", "--addr", f"{bind}:0", "--dir-cache-time", "0s",
+        # a short directory cache: tests change the served folder behind the server's back (damage,
+        # deletion); the default keeps the old listing for 5 min, and 0s makes rclone serve spin on
+        # every core (seen with rclone 1.75.2)
+        argv = [tool_path("rclone"), "serve", "s3", "--addr", f"{bind}:0", "--dir-cache-time", "100ms",
                 "--poll-interval", "0", "--auth-key", f"{S3_ACCESS_KEY},{S3_SECRET_KEY}", str(folder)]  # fmt: skip
         with log.open("wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -1,0 +1,489 @@
+"""A store in a Hugging Face Hub repo: `checkpoint.remote: hf:OWNER/REPO[/SUBFOLDER]`.
+
+Layout in the repo (all under SUBFOLDER when given): each checkpoint under its own name, as
+the trainer wrote it, and `.relaunch/` with the manifest and the meta files, exactly like a
+local store. Reading, writing the manifest and verifying run here with huggingface_hub's HfApi.
+
+Verification: the repo's tree is listed at ONE commit (the one the upload made) and every
+expected file must be there with its size and, for an LFS file, its sha256 equal to the
+instance's; a regular (non-LFS) file has no sha256 on the Hub, so its git blob id
+(sha1 of b"blob <size>\\0" + content) is computed where the bytes are and compared.
+
+via instance (the default for hf remotes): the instance runs `hf upload` / `hf download` from
+relaunch's tools venv. via local: instance -> rsync -> a cache on this machine (verified) ->
+HfApi -> repo (verified), and the reverse for a restore.
+
+Credentials: HF_TOKEN is used only when the recipe names it in env.secrets (never a token file
+nor an HF_TOKEN that the recipe did not name); on the instance it is only in a 0600 file
+(`instance_env`). These variables of this machine are passed to the instance's `hf` as they
+are (they are not secret): see PASSED_VARS.
+
+A repo that holds no relaunch manifest but a Trainer's `last-checkpoint/` (push_to_hub with
+hub_strategy="checkpoint") is read as a store with that one checkpoint, so `up` can resume from
+it; relaunch never writes that record into its manifest, and never prunes those files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError
+from ..layouts import Checkpoint
+from ..paths import state_dir
+from ..recipe import Recipe
+from ..steps.common import Job
+from ..steps.preflight import human
+from ..steps.tools import ensure_tool, tools_dir
+from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest, check_relpath, \
+    utc_now
+from ..ui import redact
+from .base import Received, Store, instance_env
+from .local import pull_into, push_from
+
+# Not secret: handed to the instance's `hf` on its command line when set on this machine.
+# HF_ENDPOINT points at a mirror (or the tests' fake hub); the others tune the client.
+PASSED_VARS = ("HF_ENDPOINT", "HF_HUB_DISABLE_XET", "HF_HUB_ENABLE_HF_TRANSFER", "HF_HUB_DISABLE_TELEMETRY",
+               "HF_HUB_DISABLE_UPDATE_CHECK", "HF_HUB_DISABLE_PROGRESS_BARS", "HF_HUB_ETAG_TIMEOUT",
+               "HF_HUB_DOWNLOAD_TIMEOUT")
+TRAINER_LAST = "last-checkpoint"           # the folder Trainer(push_to_hub, hub_strategy="checkpoint") keeps
+# files a repo may hold without being a store (the Hub's first commit, a model card)
+REPO_FILES = {".gitattributes", "README.md"}
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_COMMIT = re.compile(r"/commit/([0-9a-f]{40})")
+_AUTH = re.compile(r"\b401 Unauthorized\b|\b403 Forbidden\b|Invalid credentials")
+_NOT_FOUND = re.compile(r"not found|RepositoryNotFound|does not exist", re.I)
+
+# run on the instance by the tools venv's python: git blob ids of NUL-separated paths on stdin
+_BLOB_IDS = """
+import hashlib, os, sys
+for path in sys.stdin.buffer.read().split(b"\\0"):
+    if path:
+        h = hashlib.sha1(b"blob %d\\0" % os.path.getsize(path))
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        sys.stdout.buffer.write(h.hexdigest().encode() + b" " + path + b"\\0")
+"""
+
+
+def git_blob_id(path: Path) -> str:
+    """The id git (and the Hub, for a regular file) gives a file's content."""
+    digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    return LocalStore.hash_file(path)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in _ANSI.sub("", redact(text)).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith("Hint: set HF_DEBUG")]
+    return lines[-1][:300] if lines else "no output"
+
+
+@dataclass
+class RemoteFile:
+    size: int
+    blob_id: str
+    sha256: str | None          # LFS files only
+
+
+@dataclass
+class Snapshot:
+    """The store's files at one commit, paths relative to the store (the subfolder)."""
+
+    sha: str
+    files: dict[str, RemoteFile]
+
+
+class HfStore(Store):
+    def __init__(self, repo_id: str, subfolder: str, via: str, recipe_name: str, token: str | None,
+                 endpoint: str | None, token_unlisted: bool = False) -> None:
+        self.repo_id, self.subfolder, self.via, self.recipe_name = repo_id, subfolder, via, recipe_name
+        self.label = f"hf:{repo_id}" + (f"/{subfolder}" if subfolder else "")
+        self.token, self.endpoint = token, endpoint
+        self.token_unlisted = token_unlisted       # HF_TOKEN is set here but not in env.secrets
+        key = hashlib.sha256(self.label.encode()).hexdigest()[:12]
+        # via local, checkpoints pass through here (a LocalStore's staging) on their way
+        self.cache = LocalStore(state_dir() / "cache" / f"{recipe_name}-hf-{key}")
+        self._synthetic: set[str] = set()          # records read from last-checkpoint/, never saved
+        self._revision: str | None = None          # the commit the manifest was read at
+        self._uploaded: dict[str, str] = {}        # checkpoint name -> commit its upload made
+        self._pending_meta: dict[str, str] = {}    # written with the next manifest, in one commit
+        self._repo_ready = False
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> HfStore:
+        where = recipe.where("checkpoint.remote")
+        owner, _, rest = str(recipe.checkpoint.remote)[len("hf:"):].partition("/")
+        name, _, subfolder = rest.partition("/")
+        subfolder = subfolder.strip("/")
+        if not owner or not name:
+            raise UsageError(f"{where}: checkpoint.remote: expected hf:OWNER/REPO[/SUBFOLDER]")
+        if subfolder:
+            try:
+                check_relpath(subfolder, "subfolder")
+            except ValueError as exc:
+                raise UsageError(f"{where}: checkpoint.remote: {exc}") from None
+        # the recipe model's default is "local"; for hf the instance uploads itself unless the
+        # recipe (or an extended file, or --set) says otherwise
+        via = recipe.checkpoint.via if "via" in recipe.checkpoint.model_fields_set else "instance"
+        listed = "HF_TOKEN" in recipe.env.secrets
+        token = (os.environ.get("HF_TOKEN") or None) if listed else None
+        if token:
+            redact.add([token])
+        return cls(f"{owner}/{name}", subfolder, via, recipe.name, token, os.environ.get("HF_ENDPOINT") or None,
+                   token_unlisted=not listed and bool(os.environ.get("HF_TOKEN")))
+
+    # -- talking to the Hub from this machine ----------------------------------------------------
+    def _api(self) -> Any:
+        from huggingface_hub import HfApi
+
+        # token=False: never a token file or an HF_TOKEN the recipe did not name
+        return HfApi(endpoint=self.endpoint, token=self.token or False, library_name="relaunch")
+
+    def _rp(self, rel: str) -> str:
+        """A store path as a path in the repo."""
+        return f"{self.subfolder}/{rel}" if self.subfolder else rel
+
+    def _auth_error(self) -> ConnectError:
+        hint = ("put HF_TOKEN (a token with write access to the repo) in env.secrets and in this shell's "
+                "environment")
+        if self.token_unlisted:
+            hint = "HF_TOKEN is set here but not listed in env.secrets, so relaunch does not use it; " + hint
+        return ConnectError(f"hf: HF_TOKEN is missing or not allowed for {self.repo_id}", hint)
+
+    def _missing_error(self) -> CheckpointError:
+        # a typo must not look like a fresh start (training from scratch, then a new repo)
+        hint = (f"check checkpoint.remote; for a new run create it first: `hf repos create {self.repo_id} "
+                "--private`")
+        if not self.token:
+            hint += ("; a private repo looks missing without a token: put HF_TOKEN in env.secrets"
+                     + (" (it is set here but not listed there)" if self.token_unlisted else ""))
+        return CheckpointError(f"{self.label}: the repo {self.repo_id} does not exist (or is not visible with "
+                               "this token)", hint)
+
+    def _fail(self, exc: BaseException, what: str, error: type[RelaunchError] = CheckpointError) -> RelaunchError:
+        """A huggingface_hub/network failure as one line of ours (no traceback, no token)."""
+        from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+        if isinstance(exc, RepositoryNotFoundError):
+            return self._missing_error()
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(exc, HfHubHTTPError) and status in (401, 403):
+            return self._auth_error()
+        if isinstance(exc, HfHubHTTPError):
+            # its text is several lines (url, docs link); the server's own words say it best
+            detail = f"HTTP {status}: {_last_line(exc.server_message or str(exc).split(chr(10))[0])}"
+        else:
+            detail = _last_line(str(exc)) if str(exc) else type(exc).__name__
+        return error(f"{self.label}: {what} failed: {detail}")
+
+    @contextmanager
+    def _hub(self, what: str, error: type[RelaunchError] = CheckpointError) -> Iterator[None]:
+        try:
+            yield
+        except RelaunchError:
+            raise
+        except Exception as exc:  # httpx/OSError/HfHubHTTPError: all become one line
+            raise self._fail(exc, what, error) from None
+
+    def _head(self) -> str | None:
+        """The commit the default branch points at; None if the repo does not exist."""
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        try:
+            return str(self._api().repo_info(self.repo_id).sha)
+        except RepositoryNotFoundError:
+            return None
+        except Exception as exc:  # httpx/OSError/HfHubHTTPError: one line of ours
+            raise self._fail(exc, "reading the repo") from None
+
+    def _snapshot(self, sha: str) -> Snapshot:
+        from huggingface_hub.errors import RemoteEntryNotFoundError
+
+        files: dict[str, RemoteFile] = {}
+        prefix = f"{self.subfolder}/" if self.subfolder else ""
+        with self._hub("listing the repo"):
+            try:
+                for entry in self._api().list_repo_tree(self.repo_id, self.subfolder or None, recursive=True,
+                                                        revision=sha):
+                    if not hasattr(entry, "blob_id") or not entry.path.startswith(prefix):
+                        continue        # a folder
+                    lfs = entry.lfs.sha256 if entry.lfs is not None else None
+                    files[entry.path[len(prefix):]] = RemoteFile(entry.size, entry.blob_id, lfs)
+            except RemoteEntryNotFoundError:
+                pass                    # the subfolder does not exist yet
+        return Snapshot(sha, files)
+
+    def _download(self, rel: str, sha: str, folder: Path) -> Path:
+        with self._hub(f"downloading {rel}"):
+            return Path(self._api().hf_hub_download(self.repo_id, self._rp(rel), revision=sha, local_dir=folder))
+
+    def _ensure_repo(self, error: type[RelaunchError] = EvacuationError) -> None:
+        """Create the repo (private) if it does not exist; relaunch never changes an existing one."""
+        if self._repo_ready:
+            return
+        with self._hub("creating the repo", error):
+            self._api().create_repo(self.repo_id, private=True, exist_ok=True)
+        self._repo_ready = True
+
+    # -- the record ------------------------------------------------------------------------------
+    def is_empty(self) -> bool:
+        sha = self._head()
+        if sha is None:
+            raise self._missing_error()
+        files = self._snapshot(sha).files
+        return not [p for p in files if self.subfolder or p not in REPO_FILES]
+
+    def load_manifest(self) -> StoreManifest | None:
+        sha = self._head()
+        if sha is None:
+            return None
+        self._revision = sha
+        snap = self._snapshot(sha)
+        manifest_path = f"{META_DIR}/{MANIFEST}"
+        if manifest_path in snap.files:
+            with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
+                text = self._download(manifest_path, sha, Path(tmp)).read_text(encoding="utf-8", errors="replace")
+            return StoreManifest.from_json(text, f"{self.label}/{manifest_path}@{sha[:12]}")
+        if f"{TRAINER_LAST}/trainer_state.json" in snap.files:
+            return self._trainer_manifest(snap)
+        return None
+
+    def _trainer_manifest(self, snap: Snapshot) -> StoreManifest:
+        """A one-record manifest for a Trainer's `last-checkpoint/`: sizes and sha256 from the tree
+        (LFS files) or from the bytes (regular files are small: they are downloaded and hashed)."""
+        files: dict[str, FileRecord] = {}
+        with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
+            state = self._download(f"{TRAINER_LAST}/trainer_state.json", snap.sha, Path(tmp))
+            try:
+                step = json.loads(state.read_text())["global_step"]
+            except (ValueError, KeyError, TypeError):
+                step = None
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise CheckpointError(f"{self.label}: {TRAINER_LAST}/trainer_state.json has no integer global_step",
+                                      "push a complete checkpoint, or evacuate one with relaunch")
+            for path, remote in sorted(snap.files.items()):
+                if not path.startswith(TRAINER_LAST + "/"):
+                    continue
+                sha256 = remote.sha256 or _sha256(self._download(path, snap.sha, Path(tmp)))
+                files[path] = FileRecord(size=remote.size, sha256=sha256)
+        record = CheckpointRecord(name=TRAINER_LAST, step=step, files=files, verified_at=utc_now(),
+                                  host=f"{self.label} ({TRAINER_LAST}/ at {snap.sha[:12]})")
+        self._synthetic.add(TRAINER_LAST)
+        manifest = StoreManifest(recipe=self.recipe_name)
+        manifest.add(record)
+        return manifest
+
+    def save_manifest(self, manifest: StoreManifest) -> None:
+        from huggingface_hub import CommitOperationAdd
+
+        saved = StoreManifest(recipe=manifest.recipe, checkpoints={
+            n: r for n, r in manifest.checkpoints.items() if n not in self._synthetic})
+        for record in saved.checkpoints.values():
+            try:
+                record.check()
+            except ValueError as exc:
+                raise EvacuationError(f"refusing to save the store manifest: {exc}") from None
+        texts = {**{f"{META_DIR}/{n}": t for n, t in self._pending_meta.items()},
+                 f"{META_DIR}/{MANIFEST}": saved.to_json()}
+        ops = [CommitOperationAdd(self._rp(path), text.encode()) for path, text in texts.items()]
+        self._ensure_repo()
+        with self._hub("writing the manifest", EvacuationError):
+            self._api().create_commit(self.repo_id, ops, commit_message="relaunch: manifest")
+        self._pending_meta.clear()
+
+    def write_meta(self, filename: str, text: str) -> None:
+        """Kept until the next save_manifest, which evacuate always calls: one commit, not four."""
+        if "/" in filename or filename in ("", ".", "..", MANIFEST):
+            raise UsageError(f"write_meta: {filename!r} is not a plain metadata file name")
+        self._pending_meta[filename] = text
+
+    def prune(self, manifest: StoreManifest, keep: int) -> list[str]:
+        from huggingface_hub import CommitOperationDelete
+
+        if keep < 1:
+            raise UsageError(f"checkpoint.keep must be at least 1, not {keep}")
+        records = manifest.ordered()
+        drop = records[:-keep] if len(records) > keep else []
+        if not drop:
+            return []
+        for record in drop:
+            del manifest.checkpoints[record.name]
+        self.save_manifest(manifest)        # unlisted first: a crash leaves harmless extra files
+        still = {p for r in manifest.checkpoints.values() for p in r.files}
+        gone = {p for r in drop if r.name not in self._synthetic for p in r.files if p not in still}
+        sha = self._head()
+        present = set(self._snapshot(sha).files) if sha else set()
+        ops = [CommitOperationDelete(self._rp(p)) for p in sorted(gone & present)]
+        if ops:
+            with self._hub("deleting pruned checkpoints", EvacuationError):
+                self._api().create_commit(self.repo_id, ops, commit_message="relaunch: prune "
+                                          + ", ".join(r.name for r in drop))
+        return [r.name for r in drop]
+
+    # -- verifying ---------------------------------------------------------------------------------
+    def _compare(self, snap: Snapshot, expected: dict[str, FileRecord],
+                 blob_ids: Callable[[list[str]], dict[str, str]]) -> list[str]:
+        """Problems with the repo's files at snap.sha against the expected sizes and sha256."""
+        at = f"in {self.repo_id}@{snap.sha[:12]}"
+        problems: list[str] = []
+        regular: list[str] = []
+        for path, want in sorted(expected.items()):
+            got = snap.files.get(path)
+            if got is None:
+                problems.append(f"{path}: missing {at}")
+            elif got.size != want.size:
+                problems.append(f"{path}: size {got.size} {at}, expected {want.size}")
+            elif got.sha256 is None:
+                regular.append(path)
+            elif got.sha256 != want.sha256:
+                problems.append(f"{path}: sha256 {got.sha256} {at}, expected {want.sha256}")
+        if regular:
+            ours = blob_ids(regular)
+            problems += [f"{p}: git blob id {snap.files[p].blob_id} {at}, expected {ours.get(p)}"
+                         for p in regular if ours.get(p) != snap.files[p].blob_id]
+        return problems
+
+    def _blob_ids_on_instance(self, job: Job, paths: list[str]) -> dict[str, str]:
+        python = f"{tools_dir(job)}/bin/python"
+        listing = b"\0".join(p.encode() for p in paths) + b"\0"
+        result = job.remote.exec(f"cd {shlex.quote(job.paths.ckpt_dir)} && {shlex.quote(python)} -c "
+                                 f"{shlex.quote(_BLOB_IDS)}", stdin=listing, timeout=3600)
+        out: dict[str, str] = {}
+        for item in result.stdout.split(b"\0"):
+            digest, _, path = item.decode(errors="replace").partition(" ")
+            if path:
+                out[path] = digest
+        return out
+
+    # -- evacuation: receive -> verify -> commit ---------------------------------------------------
+    def _instance_command(self, job: Job, hf: str, args: list[str]) -> str:
+        passed = "".join(f"export {k}={shlex.quote(os.environ[k])}; " for k in PASSED_VARS if os.environ.get(k))
+        return f"{passed}{shlex.quote(hf)} {shlex.join(args)}"
+
+    def _token_file(self, job: Job) -> Any:
+        """The token for a command on the instance: a 0600 file, removed after the step."""
+        return instance_env(job, {"HF_TOKEN": self.token}) if self.token else nullcontext("")
+
+    def _instance_failure(self, output: str) -> str:
+        """The `hf` CLI's error line; an auth refusal is raised (exit 3, or 6 in evacuate)."""
+        text = _last_line(output)
+        if _AUTH.search(_ANSI.sub("", output)) and "No such file" not in text:
+            raise self._auth_error()
+        return text
+
+    def receive(self, job: Job, cp: Checkpoint, again: bool = False) -> Received:
+        if self.via == "local":
+            return pull_into(job, self.cache, cp, again)
+        hf = ensure_tool(job, "hf", EvacuationError)
+        self._ensure_repo()
+        args = ["upload", self.repo_id, cp.name, self._rp(cp.name), "--private", "--format", "json",
+                "--commit-message", f"relaunch: {cp.name} (step {cp.step}) from {job.host}"]
+        job.say("evacuate", f"the instance uploads {cp.name} to {self.label}")
+        with self._token_file(job) as load:
+            command = f"cd {shlex.quote(job.paths.ckpt_dir)} && {load}{self._instance_command(job, hf, args)}"
+            result = job.remote.exec(command, timeout=24 * 3600)
+        if not result.ok:
+            text = self._instance_failure(result.output)
+            # "No such file": the trainer rotated the checkpoint away during the upload
+            return Received(False, vanished="No such file" in text, message=f"hf upload on the instance: {text}")
+        found = _COMMIT.search(result.text)
+        if found:
+            self._uploaded[cp.name] = found.group(1)
+        return Received(True)
+
+    def verify(self, job: Job, cp: Checkpoint, expected: dict[str, FileRecord]) -> list[str]:
+        if self.via == "local":
+            return self.cache.verify_staged(cp.name, expected)   # the repo is checked in commit
+        sha = self._uploaded.get(cp.name) or self._head()
+        if sha is None:
+            return [f"the repo {self.repo_id} does not exist after the upload"]
+        return self._compare(self._snapshot(sha), expected, lambda paths: self._blob_ids_on_instance(job, paths))
+
+    def commit(self, job: Job, record: CheckpointRecord) -> None:
+        if self.via != "local":
+            return                  # the instance's upload is the commit; verify checked it
+        from huggingface_hub import CommitOperationAdd
+
+        staged = self.cache.staging(record.name)
+        files = sorted(record.files)
+        total = sum(f.size for f in record.files.values())
+        self._ensure_repo()
+        job.say("evacuate", f"uploading {record.name} ({len(files)} file(s), {human(total)}) to {self.label}")
+        ops = [CommitOperationAdd(self._rp(p), str(staged / p)) for p in files]
+        with self._hub(f"uploading {record.name}", EvacuationError):
+            info = self._api().create_commit(self.repo_id, ops, commit_message=f"relaunch: {record.name} "
+                                             f"(step {record.step}) from {job.host}")
+        problems = self._compare(self._snapshot(str(info.oid)), record.files,
+                                 lambda paths: {p: git_blob_id(staged / p) for p in paths})
+        if problems:
+            raise EvacuationError(f"{self.label}: {record.name} did not verify in the repo: {problems[0]}")
+        shutil.rmtree(staged, ignore_errors=True)
+
+    # -- restore -----------------------------------------------------------------------------------
+    def send(self, job: Job, record: CheckpointRecord, incoming: str) -> None:
+        sha = self._revision or self._head()
+        if sha is None:
+            raise self._missing_error()
+        files = sorted(record.files)
+        total = sum(f.size for f in record.files.values())
+        if self.via == "local":
+            here = self.cache.staging(f"restore-{record.name}")
+            try:
+                for path in files:
+                    self._download(path, sha, here)
+                source = here / self._rp(record.name)
+                push_from(job, source, record.name, incoming, total)
+            finally:
+                shutil.rmtree(here, ignore_errors=True)
+            return
+        hf = ensure_tool(job, "hf", CheckpointError)
+        tmp = f"{job.paths.ckpt_dir}/.relaunch-hf-download"     # same filesystem: the move is a rename
+        args = ["download", self.repo_id, *[self._rp(p) for p in files], "--revision", sha,
+                "--local-dir", tmp, "--format", "json"]
+        q = shlex.quote
+        move = (f"mkdir -p {q(incoming)} && mv -T -- {q(tmp + '/' + self._rp(record.name))} "
+                f"{q(incoming + '/' + record.name)}")
+        job.say("checkpoint", f"the instance downloads {record.name} ({len(files)} file(s)) from {self.label}")
+        try:
+            with self._token_file(job) as load:
+                command = f"rm -rf {q(tmp)} && mkdir -p {q(tmp)} && {load}{self._instance_command(job, hf, args)}"
+                result = job.remote.exec(command, timeout=24 * 3600)
+            if not result.ok:
+                text = self._instance_failure(result.output)
+                if _NOT_FOUND.search(text):
+                    raise CheckpointError(f"{self.label}: hf download on the instance: {text}",
+                                          "check checkpoint.remote; nothing was put in place")
+                raise CheckpointError(f"{self.label}: hf download on the instance failed: {text}",
+                                      "nothing is lost; rerun `relaunch up`")
+            # the files only: hf leaves its bookkeeping in <tmp>/.cache/huggingface/
+            job.remote.check(move, "checkpoint (moving the download)", CheckpointError)
+        finally:
+            job.remote.exec(f"rm -rf {q(tmp)}")
+
+    def describe_send(self, job: Job, record: CheckpointRecord, incoming: str) -> str:
+        files = sorted(record.files)
+        shown = " ".join(shlex.quote(self._rp(p)) for p in files[:3]) + (" ..." if len(files) > 3 else "")
+        if self.via == "local":
+            return (f"HfApi.hf_hub_download {self.repo_id} {shown} -> <cache>\n"
+                    f"rsync <cache>/{record.name} -> {incoming}/{record.name}")
+        return (f"(on the instance, HF_TOKEN from a 0600 file) hf download {self.repo_id} {shown} "
+                f"--local-dir {job.paths.ckpt_dir}/.relaunch-hf-download && mv it to {incoming}/{record.name}")
