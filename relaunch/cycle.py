@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import EvacuationError, RelaunchError, UsageError
-from .host.connection import Remote, connect, environ_secrets
+from .host.connection import connect, environ_secrets
 from .host.facts import HostFacts
 from .host.spec import HostSpec, Target
 from .paths import state_dir
@@ -165,5 +165,3 @@ def evacuate(recipe: Recipe, spec: HostSpec, ui: UI, stop: bool = False) -> Repo
         raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy the instance",
                               exc.hint) from exc
 
-
-__all__ = ["Remote", "up", "evacuate", "last_host", "make_target"]

@@ -33,7 +33,9 @@ def round_line(report: Report) -> str:
         if report.lag_seconds is not None:
             lag += f", {report.lag_seconds / 60:.1f} min"
     newest = f"newest verified: {report.stored} (step {report.stored_step})" if report.stored else "store empty"
-    return f"{time.strftime('%H:%M:%S')} copied {copied} ({human(report.bytes_copied)}{speed}); {newest}; {lag}"
+    skipped = f"; skipped {', '.join(report.skipped)} (rotated away mid-copy)" if report.skipped else ""
+    return (f"{time.strftime('%H:%M:%S')} copied {copied} ({human(report.bytes_copied)}{speed}){skipped}; "
+            f"{newest}; {lag}")
 
 
 def sync(recipe: Recipe, spec: HostSpec, ui: UI, every: float, once: bool,
@@ -41,9 +43,11 @@ def sync(recipe: Recipe, spec: HostSpec, ui: UI, every: float, once: bool,
     store = open_store(recipe)
     backoff = 5.0
     first = True
+    # one line per round: the steps' own messages only with -v (they are in the debug log anyway)
+    inner = UI(verbose=ui.verbose, quiet=not ui.verbose)
     while True:
         try:
-            job = open_job(recipe, spec, ui)
+            job = open_job(recipe, spec, inner)
             with job.remote:
                 report = evacuate_job(job, store, rounds=1, reverify=False, require_newest=False)
             backoff = 5.0

@@ -87,7 +87,8 @@ class Transfer:
         self.ui = ui
         self.progress = Progress(
             TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TimeRemainingColumn(), console=ui.console, transient=True, disable=ui.quiet,
+            TimeRemainingColumn(), console=ui.console, transient=True,
+            disable=ui.quiet or not ui.console.is_terminal,
         )
         self.task = self.progress.add_task(escape(description), total=max(total, 1))
 

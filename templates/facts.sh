@@ -25,7 +25,7 @@ echo "free_ckpt=$(free_at "$ckpt")"
 echo "free_venv=$(free_at "$venv")"
 if command -v tmux >/dev/null 2>&1 && tmux has-session -t "=$session" 2>/dev/null; then
   echo "session_alive=1"
-  echo "session_since=$(tmux display-message -p -t "=$session" '#{session_created}' 2>/dev/null)"
+  echo "session_since=$(tmux display-message -p -t "=$session:" '#{session_created}' 2>/dev/null)"
 else
   echo "session_alive=0"
 fi

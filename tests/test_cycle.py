@@ -59,7 +59,8 @@ def test_evacuate_destroy_up_elsewhere_resumes_bit_identical(layout, tmp_path, s
     # Debris a crash could leave: never complete, never copied, never resumed from.
     debris = {"files": "ckpt-00009999.pt.tmp", "hf-trainer": "checkpoint-9999/model.pt",
               "dcp": "step-9999/__0_0.distcp"}[layout]
-    ssh(first, f"mkdir -p ~/ckpt/{shlex.quote(str(Path(debris).parent))} && head -c 1000 /dev/urandom > ~/ckpt/{debris}")
+    ssh(first, f"mkdir -p ~/ckpt/{shlex.quote(str(Path(debris).parent))} && "
+               f"head -c 1000 /dev/urandom > ~/ckpt/{debris}")
 
     evac = run_cli("evacuate", str(recipe), first.host, home=home)
     assert evac.returncode == 0, evac.stderr

@@ -179,6 +179,7 @@ def test_plan_shows_exact_commands_and_changes_nothing(tmp_path, sandbox, ssh, s
     assert "-m pip install --progress-bar off --index-url http://127.0.0.1:8765/simple/ -r" in out
     assert "tmux new-session -d -s planned" in out
     assert "empty: fresh start" in out
+    assert "GPUs: none (fine for a CPU run)" in result.stderr
     assert ssh(inst, "ls -A ~").stdout == ""
 
 
@@ -189,3 +190,27 @@ def test_wrong_python_is_exit_4_before_any_change(tmp_path, sandbox, ssh, ssh_ke
     assert result.returncode == 4
     assert "env.python is 3.9" in result.stderr and "python3 is 3.11" in result.stderr
     assert ssh(inst, "ls -A ~").stdout == ""
+
+
+def test_preflight_refuses_a_disk_too_small_for_the_checkpoint(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    big, small = sandbox(), sandbox(disk="2M")
+    recipe = plain_recipe(tmp_path, name="disk", key=ssh_key)
+    ssh(big, "mkdir -p ~/ckpt && head -c 3000000 /dev/urandom > ~/ckpt/ckpt-00000005.pt")
+    assert run_cli("evacuate", str(recipe), big.host, home=home).returncode == 0
+    result = run_cli("up", str(recipe), small.host, home=home)
+    assert result.returncode == 4, result.stderr
+    assert "the checkpoint needs 2.9 MiB but only" in result.stderr
+    assert ssh(small, "ls -A ~").stdout == ""                     # refused before changing anything
+
+
+def test_up_on_several_hosts_gives_each_its_rank(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    hosts = [sandbox(), sandbox(user="ubuntu")]
+    recipe = plain_recipe(tmp_path, name="multi", key=ssh_key,
+                          command='echo "{{ node_rank }}/{{ nnodes }} {{ master_addr }}" > ~/rank.txt; sleep 600')
+    result = run_cli("up", str(recipe), *[h.host for h in hosts], home=home)
+    assert result.returncode == 0, result.stderr
+    for rank, inst in enumerate(hosts):
+        text = wait_for("the rank file", lambda inst=inst: ssh(inst, "cat ~/rank.txt 2>/dev/null", check=False).stdout)
+        assert text.strip() == f"{rank}/2 {hosts[0].address}"

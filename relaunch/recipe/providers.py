@@ -51,7 +51,7 @@ def load_providers() -> dict[str, Provider]:
 _STARTER = """\
 # A relaunch recipe. `relaunch check recipe.yaml` validates it without touching any host;
 # `relaunch plan recipe.yaml HOST` shows what `up` would do. Every key is described in
-# relaunch's CONTRACT.md; the commented ones show their defaults.
+# relaunch's README; the commented ones show their defaults.
 name: my-run                    # letters, digits, _ and -: names the tmux session and the store
 {provider_line}
 # extends: [team/base.yaml]     # merged first, this file wins (paths relative to this file)
