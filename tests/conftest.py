@@ -279,3 +279,14 @@ def hf_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubFactory]:
         yield factory
     finally:
         factory.stop_all()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (a CI timeout, a `kill`) ends the run like Ctrl-C, so fixtures still tear down
+    their sandbox instances and servers instead of leaving namespaces behind."""
+    import signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
