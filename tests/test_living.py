@@ -164,3 +164,24 @@ def test_freeze_round_trips_to_a_new_instance(tmp_path, sandbox, ssh, ssh_key, p
     assert run_cli("up", str(recipe), second.host, home=home).returncode == 0
     show = "~/venvs/plain/bin/python -m pip freeze"
     assert ssh(second, show).stdout == ssh(first, show).stdout
+
+
+def test_sync_on_a_full_local_disk_exits_6_and_deletes_nothing(tmp_path, sandbox, ssh, ssh_key):
+    home, inst = tmp_path / "state", sandbox()
+    store = tmp_path / "store"
+    store.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(store)], check=True)
+    try:
+        recipe = plain_recipe(tmp_path, name="fulldisk", key=ssh_key)
+        plant(ssh, inst, 5, size=500_000)
+        assert run_cli("sync", str(recipe), inst.host, "--once", home=home).returncode == 0
+        plant(ssh, inst, 10, size=3_000_000)
+        full = run_cli("sync", str(recipe), inst.host, "--once", home=home)
+        assert full.returncode == 6, full.stderr
+        assert "no room in the store" in full.stderr and "nothing was deleted" in full.stderr
+        assert stored(store) == ["ckpt-00000005.pt"]
+        assert (store / "ckpt-00000005.pt").stat().st_size == 500_000
+        assert not (store / "ckpt-00000010.pt").exists()
+        assert ssh(inst, "ls ~/ckpt").stdout.split() == ["ckpt-00000005.pt", "ckpt-00000010.pt"]
+    finally:
+        subprocess.run(["umount", str(store)], check=True)

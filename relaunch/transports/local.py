@@ -24,7 +24,7 @@ def pull_into(job: Job, store: LocalStore, cp: Checkpoint, again: bool) -> Recei
                               total, extra)
     if result.ok:
         return Received(True)
-    if result.status == 11:
+    if result.status == 11 or "No space left on device" in result.output:
         raise EvacuationError(f"{job.host}: evacuate: no room in the store {store.root} for {cp.name} "
                               f"({human(total)}): {result.output.strip()[-200:]}",
                               "free space on this machine (nothing was deleted to make room), then rerun")
