@@ -4,48 +4,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from .cycle import open_job
 from .transports import open_store
 from .host.spec import HostSpec
 from .recipe import Recipe
 from .steps.checkpoint import list_instance
-from .steps.common import drift, read_lock
+from .steps.common import Lag, drift, read_lock
 from .steps.launch import tail_command
 from .ui import UI
 
 GPU_QUERY = "nvidia-smi --query-gpu=name,utilization.gpu,memory.used,memory.total --format=csv,noheader,nounits"
 
 
-@dataclass
-class Status:
+@dataclass(kw_only=True)
+class Status(Lag):
     host: str
     alive: bool
     since: str = ""
     log_tail: list[str] = field(default_factory=list)
     gpus: list[str] = field(default_factory=list)
-    newest: str | None = None
-    newest_step: int | None = None
-    newest_mtime: float | None = None
-    stored: str | None = None
-    stored_step: int | None = None
-    stored_written_at: float | None = None
     free_bytes: int = 0
     drift: list[str] = field(default_factory=list)
-
-    @property
-    def lag_steps(self) -> int | None:
-        return None if self.newest_step is None else self.newest_step - (self.stored_step or 0)
-
-    @property
-    def lag_seconds(self) -> float | None:
-        if self.newest_mtime is None or self.stored_written_at is None:
-            return None
-        return max(self.newest_mtime - self.stored_written_at, 0.0)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "lag_steps": self.lag_steps, "lag_seconds": self.lag_seconds}
 
 
 def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:

@@ -114,6 +114,21 @@ class StoreManifest:
     def add(self, record: CheckpointRecord) -> None:
         self.checkpoints[record.name] = record
 
+    def drop_beyond(self, keep: int) -> list[CheckpointRecord]:
+        """Remove all but the newest `keep` records (never the newest); return them, oldest first.
+
+        Every store prunes the same way: this first, then save the manifest, and only then
+        delete the dropped files, so a crash leaves unlisted files, never a listed checkpoint
+        with files missing.
+        """
+        if keep < 1:
+            raise UsageError(f"checkpoint.keep must be at least 1, not {keep}")
+        records = self.ordered()
+        drop = records[:-keep] if len(records) > keep else []
+        for record in drop:
+            del self.checkpoints[record.name]
+        return drop
+
     def to_json(self) -> str:
         doc = {
             "format": FORMAT,
@@ -417,16 +432,9 @@ class LocalStore:
         """Keep the newest `keep` checkpoints; drop older records from `manifest`, save it FIRST,
         then delete their files. Never removes the newest. Returns the removed names, oldest first.
         """
-        if keep < 1:
-            raise UsageError(f"checkpoint.keep must be at least 1, not {keep}")
-        records = manifest.ordered()
-        drop = records[:-keep] if len(records) > keep else []
+        drop = manifest.drop_beyond(keep)
         if not drop:
             return []
-        for record in drop:
-            del manifest.checkpoints[record.name]
-        # The manifest stops listing them before a single byte goes: a crash in between leaves
-        # unlisted files (harmless) and never a listed checkpoint with files missing.
         self.save_manifest(manifest)
         still_listed = {p for r in manifest.checkpoints.values() for p in r.files}
         for record in drop:

@@ -110,6 +110,32 @@ class Job:
         self.ui.step(self.host, step, text)
 
 
+@dataclass(kw_only=True)
+class Lag:
+    """Newest complete checkpoint on the instance vs newest verified in the store."""
+
+    newest: str | None = None
+    newest_step: int | None = None
+    newest_mtime: float | None = None
+    stored: str | None = None
+    stored_step: int | None = None
+    stored_written_at: float | None = None
+
+    @property
+    def lag_steps(self) -> int | None:
+        """Steps a loss right now would cost."""
+        return None if self.newest_step is None else self.newest_step - (self.stored_step or 0)
+
+    @property
+    def lag_seconds(self) -> float | None:
+        if self.newest_mtime is None or self.stored_written_at is None:
+            return None
+        return max(self.newest_mtime - self.stored_written_at, 0.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "lag_steps": self.lag_steps, "lag_seconds": self.lag_seconds}
+
+
 # -- locks and freezes ------------------------------------------------------------------------
 _IGNORED = {"pip", "setuptools", "wheel", "uv", "distribute"}
 

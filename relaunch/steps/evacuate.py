@@ -17,45 +17,23 @@ from ..layouts import Checkpoint
 from ..store import CheckpointRecord, FileRecord, StoreManifest, utc_now
 from ..transports.base import Store
 from .checkpoint import hash_on_instance, list_instance
-from .common import Job
+from .common import Job, Lag
 from .launch import tail_command
 from .preflight import human
 
 LOG_TAIL_LINES = 200
 
 
-@dataclass
-class Report:
+@dataclass(kw_only=True)
+class Report(Lag):
     store: str
     copied: list[str] = field(default_factory=list)
     already: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)     # rotated away mid-copy
     pruned: list[str] = field(default_factory=list)
-    newest: str | None = None                           # newest complete on the instance
-    newest_step: int | None = None
-    newest_mtime: float | None = None
-    stored: str | None = None                           # newest verified in the store
-    stored_step: int | None = None
-    stored_written_at: float | None = None
     bytes_copied: int = 0
     seconds: float = 0.0
     safe: bool = False
-
-    @property
-    def lag_steps(self) -> int | None:
-        """Steps a loss right now would cost: newest on the instance minus newest verified."""
-        if self.newest_step is None:
-            return None
-        return self.newest_step - (self.stored_step or 0)
-
-    @property
-    def lag_seconds(self) -> float | None:
-        if self.newest_mtime is None or self.stored_written_at is None:
-            return None
-        return max(self.newest_mtime - self.stored_written_at, 0.0)
-
-    def as_dict(self) -> dict[str, object]:
-        return {**self.__dict__, "lag_steps": self.lag_steps, "lag_seconds": self.lag_seconds}
 
 
 def _listing(job: Job) -> list[Checkpoint]:

@@ -319,14 +319,9 @@ class HfStore(Store):
     def prune(self, manifest: StoreManifest, keep: int) -> list[str]:
         from huggingface_hub import CommitOperationDelete
 
-        if keep < 1:
-            raise UsageError(f"checkpoint.keep must be at least 1, not {keep}")
-        records = manifest.ordered()
-        drop = records[:-keep] if len(records) > keep else []
+        drop = manifest.drop_beyond(keep)
         if not drop:
             return []
-        for record in drop:
-            del manifest.checkpoints[record.name]
         self.save_manifest(manifest)        # unlisted first: a crash leaves harmless extra files
         still = {p for r in manifest.checkpoints.values() for p in r.files}
         gone = {p for r in drop if r.name not in self._synthetic for p in r.files if p not in still}

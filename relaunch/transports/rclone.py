@@ -170,12 +170,9 @@ class RcloneStore(Store):
         self._put_text(f"{META_DIR}/{filename}", text)
 
     def prune(self, manifest: StoreManifest, keep: int) -> list[str]:
-        records = manifest.ordered()
-        drop = records[:-keep] if len(records) > keep else []
+        drop = manifest.drop_beyond(keep)
         if not drop:
             return []
-        for record in drop:
-            del manifest.checkpoints[record.name]
         self.save_manifest(manifest)        # unlisted first: a crash leaves harmless extra files
         for record in drop:
             for rel in sorted(record.files):
