@@ -657,9 +657,22 @@ def run_in(name: str, argv: list[str], **kw: object) -> subprocess.CompletedProc
 
 def set_link(name: str, up: bool) -> None:
     """Take the instance's link down (an outage: packets vanish, connections time out) or up again."""
-    get(name)
+    inst = get(name)
     slot = int((_folder(name) / "slot").read_text())
-    _run(["ip", "netns", "exec", _netns(name), "ip", "link", "set", _veths(slot)[1], "up" if up else "down"])
+    host_dev, inst_dev = _veths(slot)
+    _run(["ip", "netns", "exec", _netns(name), "ip", "link", "set", inst_dev, "up" if up else "down"])
+    if up:
+        # neighbour entries that failed during the outage would answer "no route to host" for a
+        # while; a recovered link should work at once, like a recovered instance
+        _run(["ip", "neigh", "flush", "dev", host_dev])
+        _run(["ip", "netns", "exec", _netns(name), "ip", "neigh", "flush", "dev", inst_dev])
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                socket.create_connection((inst.address, SSH_PORT), timeout=0.5).close()
+                return
+            time.sleep(0.1)
+        raise RelaunchError(f"sandbox {name}: sshd not reachable 20s after the link came back up")
 
 
 # ---------------------------------------------------------------------------------------------
