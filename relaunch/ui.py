@@ -99,6 +99,9 @@ class Transfer:
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
 
+    def update(self, completed: int) -> None:
+        self.progress.update(self.task, completed=completed)
+
     def feed(self, chunk: bytes) -> None:
         for part in re.split(rb"[\r\n]", chunk):
             match = _PROGRESS2.match(part)

@@ -34,7 +34,7 @@ from ..recipe import Recipe
 from ..steps.common import Job
 from ..steps.tools import ensure_tool
 from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest
-from ..ui import redact
+from ..ui import Transfer, redact
 from .base import Received, Store, instance_env
 from .local import pull_into, push_from
 
@@ -101,11 +101,32 @@ class RcloneStore(Store):
         return f"{self.remote}:" in listed.stdout.split()
 
     # -- running rclone here ------------------------------------------------------------------
-    def run(self, *args: str, stdin: bytes | None = None, what: str = "rclone") -> Result:
+    def run(self, *args: str, stdin: bytes | None = None, bar: Transfer | None = None) -> Result:
         # fail in seconds, not after rclone's default minutes of retries, when the remote is gone
         argv = [rclone_binary(), "--contimeout", "10s", "--low-level-retries", "3", "--retries", "2", *args]
-        proc = subprocess.run(argv, input=stdin, capture_output=True)
-        return Result(proc.returncode, proc.stdout, redact(proc.stderr.decode(errors="replace")))
+        if bar is None:
+            done = subprocess.run(argv, input=stdin, capture_output=True)
+            return Result(done.returncode, done.stdout, redact(done.stderr.decode(errors="replace")))
+        # a transfer: rclone's JSON log carries its byte count once a second, for the bar
+        argv[1:1] = ["--use-json-log", "--stats", "1s", "--stats-log-level", "NOTICE"]
+        with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+            assert proc.stdin is not None and proc.stderr is not None and proc.stdout is not None
+            proc.stdin.write(stdin or b"")
+            proc.stdin.close()
+            messages = []
+            for raw in proc.stderr:
+                try:
+                    entry = json.loads(raw)
+                except ValueError:
+                    messages.append(raw.decode(errors="replace").rstrip())
+                    continue
+                if "stats" in entry:
+                    bar.update(int(entry["stats"].get("bytes", 0)))
+                elif entry.get("level") in ("error", "critical", "warning"):
+                    messages.append(str(entry.get("msg", "")))
+            out = proc.stdout.read()
+            status = proc.wait()
+        return Result(status, out, redact("\n".join(messages)))
 
     def fail(self, result: Result, what: str, error: type[RelaunchError] = CheckpointError) -> RelaunchError:
         lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
@@ -233,9 +254,9 @@ class RcloneStore(Store):
         files = sorted(record.files)
         listing = b"\0".join(f.encode() for f in files) + b"\0"
         total = sum(f.size for f in record.files.values())
-        with job.ui.transfer(f"{record.name} -> {self.label}", total):
+        with job.ui.transfer(f"{record.name} -> {self.label}", total) as bar:
             result = self.run("copy", "--immutable", "--files-from0", "-", f"{staged}/", self._path(),
-                              stdin=listing)
+                              stdin=listing, bar=bar)
         if result.status != 0:
             raise self.fail(result, f"uploading {record.name}", EvacuationError)
         problems = self.check_remote(files, record.files, lambda names: {n: md5_file(staged / n) for n in names})
@@ -267,8 +288,8 @@ class RcloneStore(Store):
         total = sum(f.size for f in record.files.values())
         if self.via == "local":
             here = self.cache.staging(f"restore-{record.name}")
-            with job.ui.transfer(f"{record.name} <- {self.label}", total):
-                result = self.run("copy", "--files-from0", "-", self._path(), f"{here}/", stdin=listing)
+            with job.ui.transfer(f"{record.name} <- {self.label}", total) as bar:
+                result = self.run("copy", "--files-from0", "-", self._path(), f"{here}/", stdin=listing, bar=bar)
             if result.status != 0:
                 raise self.fail(result, f"downloading {record.name}")
             push_from(job, here / record.name, record.name, incoming, total)
