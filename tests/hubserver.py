@@ -279,6 +279,7 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _body_chunks(self) -> Iterator[bytes]:
+        self._body_taken = True
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             while True:
                 size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
@@ -389,9 +390,15 @@ class _Handler(BaseHTTPRequestHandler):
         raise HubError(404, f"Sorry, we can't find the page you are looking for: {m} {url.path}")
 
     def _handle(self) -> None:
+        self._body_taken = False
         try:
             self._dispatch()
         except HubError as e:
+            # Read what the client is still sending before answering: closing a socket with unread
+            # data resets it, and the client then sees "disconnected" instead of this error.
+            if not getattr(self, "_body_taken", False):
+                for _ in self._body_chunks():
+                    pass
             headers = {"X-Error-Message": e.message, **e.headers}
             if e.code:
                 headers["X-Error-Code"] = e.code

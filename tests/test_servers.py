@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -271,12 +272,14 @@ def test_rclone_check_finds_damage_and_missing_files(s3_remote: S3RemoteFactory,
     data = bytearray(target.read_bytes())
     data[100] ^= 0xFF
     target.write_bytes(bytes(data))
+    time.sleep(0.5)  # the server lists the folder from a 100 ms cache (see the s3_remote fixture)
     damaged = rclone(s3.env, "check", str(local), s3.remote("x"))
     assert damaged.returncode == 1
     assert "model.pt: md5 differ" in damaged.stderr, damaged.stderr
     assert rclone(s3.env, "check", "--download", str(local), s3.remote("x")).returncode == 1
 
     (s3.bucket_dir / "x" / "trainer_state.json").unlink()
+    time.sleep(0.5)
     missing = rclone(s3.env, "check", str(local), s3.remote("x"))
     assert missing.returncode == 1
     assert "trainer_state.json: file not in S3 bucket" in missing.stderr, missing.stderr

@@ -90,6 +90,11 @@ class Remote:
         return self.target.label
 
     @property
+    def alive(self) -> bool:
+        transport = self.conn.transport
+        return transport is not None and transport.is_active()
+
+    @property
     def transport(self) -> paramiko.Transport:
         transport = self.conn.transport
         if transport is None or not transport.is_active():
@@ -165,6 +170,9 @@ class Remote:
         `display` replaces the command in messages, for commands whose text is long or private.
         """
         result = self.exec(command, stdin=stdin, timeout=timeout, on_output=on_output)
+        if result.status is None and not self.alive:
+            # not the step's fault: the instance went away (a retry loop may wait for it)
+            raise ConnectError(f"{self.label}: {step}: the SSH connection was lost", hint)
         if not result.ok:
             raise remote_failure(error, self.label, step, display or command, result.status, result.output,
                                  hint)

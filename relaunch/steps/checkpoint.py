@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, remote_failure
+from ..errors import CheckpointError, ConnectError, remote_failure
 from ..host.connection import Remote
 from ..layouts import Checkpoint, LISTING_COMMAND, complete_checkpoints, parse_listing, parse_sha256sum
 from ..plan import Action
@@ -30,6 +30,8 @@ def list_instance(remote: Remote, ckpt_dir: str, layout: str, pattern: str, step
     # listing is still good. Anything else it says is a real problem.
     vanished = all("No such file or directory" in line for line in result.stderr.decode(errors="replace")
                    .splitlines() if line.strip())
+    if result.status is None and not remote.alive:
+        raise ConnectError(f"{remote.label}: {step}: the SSH connection was lost")
     if result.status is None or not (result.ok or (result.status == 1 and vanished)):
         raise remote_failure(error, remote.label, step, command, result.status, result.output)
     return complete_checkpoints(parse_listing(result.stdout), layout, pattern)
@@ -41,7 +43,7 @@ def hash_on_instance(remote: Remote, root: str, files: list[str], step: str,
     listing = b"\0".join(f.encode() for f in files) + b"\0"
     result = remote.exec(f"cd {shlex.quote(root)} && xargs -0 sha256sum -z --", stdin=listing, timeout=3600)
     if result.status is None:
-        raise error(f"{remote.label}: {step}: the connection was lost while hashing")
+        raise ConnectError(f"{remote.label}: {step}: the SSH connection was lost while hashing")
     if not result.ok:
         return None
     return parse_sha256sum(result.stdout)

@@ -12,7 +12,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from ..errors import EvacuationError
+from ..errors import ConnectError, EvacuationError
 from ..layouts import Checkpoint
 from ..store import CheckpointRecord, FileRecord, StoreManifest, utc_now
 from ..transports.base import Store
@@ -72,6 +72,9 @@ def _copy_one(job: Job, store: Store, manifest: StoreManifest, cp: Checkpoint, r
             job.say("evacuate", f"{cp.name} was rotated away by the trainer during the copy; skipped")
             report.skipped.append(cp.name)
             return False
+        if received.lost or not job.remote.alive:
+            raise ConnectError(f"{job.host}: evacuate: the instance dropped out while copying {cp.name}: "
+                               f"{received.message}")
         raise EvacuationError(f"{job.host}: evacuate: copying {cp.name} failed: {received.message}")
     hashes = hash_on_instance(job.remote, job.paths.ckpt_dir, files, "evacuate (hashing)", EvacuationError)
     if hashes is None or set(hashes) != set(files):

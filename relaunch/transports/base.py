@@ -45,6 +45,7 @@ def instance_env(job: Job, values: dict[str, str]) -> Iterator[str]:
 class Received:
     ok: bool
     vanished: bool = False     # the trainer rotated the checkpoint away during the copy
+    lost: bool = False         # the connection to the instance dropped: worth another round
     message: str = ""
 
 

@@ -11,7 +11,7 @@ from ..steps.common import Job
 from ..steps.preflight import human
 from ..store import CheckpointRecord, FileRecord, LocalStore, StoreManifest
 from .base import Received, Store
-from .rsync import Rsync
+from .rsync import RETRYABLE, Rsync
 
 
 def pull_into(job: Job, store: LocalStore, cp: Checkpoint, again: bool) -> Received:
@@ -28,7 +28,7 @@ def pull_into(job: Job, store: LocalStore, cp: Checkpoint, again: bool) -> Recei
         raise EvacuationError(f"{job.host}: evacuate: no room in the store {store.root} for {cp.name} "
                               f"({human(total)}): {result.output.strip()[-200:]}",
                               "free space on this machine (nothing was deleted to make room), then rerun")
-    return Received(False, vanished=result.status in (23, 24),
+    return Received(False, vanished=result.status in (23, 24), lost=result.status in RETRYABLE,
                     message=f"rsync failed ({result.meaning}): {result.output.strip()[-300:]}")
 
 
