@@ -40,5 +40,10 @@ def with_inputs(script: str, **inputs: str) -> str:
     return head + script
 
 
+def export_lines(values: dict[str, str]) -> str:
+    """`export NAME='value'` lines, for files a script sources (secrets, store credentials)."""
+    return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in values.items())
+
+
 def plain(name: str) -> str:
     return (templates_dir() / name).read_text()

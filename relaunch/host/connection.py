@@ -205,17 +205,21 @@ class Remote:
         self.sftp.posix_rename(tmp, path)
 
     def expand(self, path: str) -> str:
-        """`~` and `~/x` on the instance, against its home (SFTP and quoted shell words do not expand it)."""
-        if path == "~":
-            return self.home
-        if path.startswith("~/"):
-            return self.home.rstrip("/") + path[1:]
-        return path
+        return expand_home(path, self.home)
 
     # -- subprocess ssh -------------------------------------------------------------------
     def ssh_argv(self) -> list[str]:
         """`ssh` with the same host-key file, strict checking and identity as this connection."""
         return ssh_argv(self.target, self.known_hosts)
+
+
+def expand_home(path: str, home: str) -> str:
+    """`~` and `~/x` on the instance, against its home (SFTP and quoted shell words do not expand it)."""
+    if path == "~":
+        return home
+    if path.startswith("~/"):
+        return home.rstrip("/") + path[1:]
+    return path
 
 
 def ssh_argv(target: Target, known_hosts: Path) -> list[str]:

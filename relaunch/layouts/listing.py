@@ -17,7 +17,7 @@ from relaunch.layouts.base import Entry
 # order checkpoints); find does not follow symlinks by default, so a symlink is one entry "l".
 LISTING_COMMAND = "find {dir} -mindepth 1 -printf '%y %s %T@ %P\\0'"
 
-_SHA_RECORD = re.compile(rb"([0-9a-fA-F]{64}) [ *](.+)", re.DOTALL)
+HEX_DIGITS = {"sha256": 64, "md5": 32}
 
 
 def _decode(raw: bytes) -> str:
@@ -64,25 +64,31 @@ def parse_listing(raw: bytes) -> list[Entry]:
 
 
 def parse_sha256sum(raw: bytes) -> dict[str, str]:
-    """Parse `sha256sum -z -- FILES` output into {path as given on the command line: hex}.
+    return parse_hashsum(raw, "sha256")
+
+
+def parse_hashsum(raw: bytes, algo: str) -> dict[str, str]:
+    """Parse `sha256sum -z -- FILES` (or md5sum) output into {path as given on the command line: hex}.
 
     With -z each record is `HEX  PATH` (or `HEX *PATH` in binary mode) ended by NUL and the name
     is not escaped, unlike plain sha256sum, which prefixes a backslash to names with newlines.
     """
+    digits = HEX_DIGITS[algo]
+    pattern = re.compile(rb"([0-9a-fA-F]{%d}) [ *](.+)" % digits, re.DOTALL)
     result: dict[str, str] = {}
     records = raw.split(b"\0")
     if records and records[-1] == b"":
         records.pop()
     for n, record in enumerate(records, 1):
-        m = _SHA_RECORD.fullmatch(record)
+        m = pattern.fullmatch(record)
         if m is None:
             raise CheckpointError(
-                f"could not read sha256sum output: record {n} {_show(record)}",
-                hint="expected GNU coreutils `sha256sum -z` output: 64 hex digits, two spaces, the path",
+                f"could not read {algo}sum output: record {n} {_show(record)}",
+                hint=f"expected GNU coreutils `{algo}sum -z` output: {digits} hex digits, two spaces, the path",
             )
         path = _decode(m.group(2))
         digest = m.group(1).decode("ascii").lower()
         if result.get(path, digest) != digest:
-            raise CheckpointError(f"sha256sum reported two different hashes for {path!r}")
+            raise CheckpointError(f"{algo}sum reported two different hashes for {path!r}")
         result[path] = digest
     return result

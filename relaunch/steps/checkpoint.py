@@ -10,9 +10,9 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, ConnectError, remote_failure
+from ..errors import CheckpointError, ConnectError, RelaunchError, remote_failure
 from ..host.connection import Remote
-from ..layouts import Checkpoint, LISTING_COMMAND, complete_checkpoints, parse_listing, parse_sha256sum
+from ..layouts import Checkpoint, LISTING_COMMAND, complete_checkpoints, parse_hashsum, parse_listing
 from ..plan import Action
 from ..store import CheckpointRecord
 from ..transports.base import Store
@@ -21,7 +21,7 @@ from .preflight import human
 
 
 def list_instance(remote: Remote, ckpt_dir: str, layout: str, pattern: str, step: str,
-                  error: type[CheckpointError] | type = CheckpointError) -> list[Checkpoint]:
+                  error: type[RelaunchError] = CheckpointError) -> list[Checkpoint]:
     """Complete checkpoints under ckpt_dir on the instance, oldest first ([] if the folder is missing)."""
     q = shlex.quote(ckpt_dir)
     command = f"if [ -d {q} ]; then {LISTING_COMMAND.format(dir=q)}; fi"
@@ -38,15 +38,15 @@ def list_instance(remote: Remote, ckpt_dir: str, layout: str, pattern: str, step
 
 
 def hash_on_instance(remote: Remote, root: str, files: list[str], step: str,
-                     error: type = CheckpointError) -> dict[str, str] | None:
-    """sha256 of files (relative to root) computed on the instance; None if any vanished."""
+                     algo: str = "sha256") -> dict[str, str] | None:
+    """Hashes of files (relative to root) computed on the instance; None if any vanished."""
     listing = b"\0".join(f.encode() for f in files) + b"\0"
-    result = remote.exec(f"cd {shlex.quote(root)} && xargs -0 sha256sum -z --", stdin=listing, timeout=3600)
+    result = remote.exec(f"cd {shlex.quote(root)} && xargs -0 {algo}sum -z --", stdin=listing, timeout=3600)
     if result.status is None:
         raise ConnectError(f"{remote.label}: {step}: the SSH connection was lost while hashing")
     if not result.ok:
         return None
-    return parse_sha256sum(result.stdout)
+    return parse_hashsum(result.stdout, algo)
 
 
 @dataclass

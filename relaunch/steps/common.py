@@ -7,19 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..host.connection import Remote
+from ..host.connection import Remote, expand_home
 from ..host.facts import HostFacts
 from ..host.spec import Target
 from ..recipe import Recipe, render_context
 from ..ui import UI
-
-
-def expand_home(path: str, home: str) -> str:
-    if path == "~":
-        return home
-    if path.startswith("~/"):
-        return home.rstrip("/") + path[1:]
-    return path
 
 
 @dataclass

@@ -19,10 +19,6 @@ def exports(job: Job, extra: dict[str, str] | None = None) -> dict[str, str]:
     return values
 
 
-def secrets_text(secrets: dict[str, str]) -> str:
-    return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in secrets.items())
-
-
 def plan_env(job: Job) -> list[Action]:
     recipe, paths, facts = job.recipe, job.paths, job.facts
     lock_path = recipe.env.lock
@@ -72,7 +68,7 @@ def plan_env(job: Job) -> list[Action]:
         names = ", ".join(sorted(job.secrets))
         actions.append(Action("env", f"secrets {names} -> {paths.secrets_file} (mode 0600)",
                               run=lambda: job.remote.put_bytes(paths.secrets_file,
-                                                               secrets_text(job.secrets).encode(), 0o600)))
+                                                               scripts.export_lines(job.secrets).encode(), 0o600)))
 
     if recipe.env.setup:
         lines, env = render_setup(job)

@@ -52,7 +52,7 @@ def _copy_one(job: Job, store: Store, manifest: StoreManifest, cp: Checkpoint, r
         report.already.append(cp.name)        # a sync round: same files, same sizes, verified before
         return True
     if known is not None:
-        hashes = hash_on_instance(job.remote, job.paths.ckpt_dir, files, "evacuate (hashing)", EvacuationError)
+        hashes = hash_on_instance(job.remote, job.paths.ckpt_dir, files, "evacuate (hashing)")
         if hashes is None:
             report.skipped.append(cp.name)
             return False
@@ -76,7 +76,7 @@ def _copy_one(job: Job, store: Store, manifest: StoreManifest, cp: Checkpoint, r
             raise ConnectError(f"{job.host}: evacuate: the instance dropped out while copying {cp.name}: "
                                f"{received.message}")
         raise EvacuationError(f"{job.host}: evacuate: copying {cp.name} failed: {received.message}")
-    hashes = hash_on_instance(job.remote, job.paths.ckpt_dir, files, "evacuate (hashing)", EvacuationError)
+    hashes = hash_on_instance(job.remote, job.paths.ckpt_dir, files, "evacuate (hashing)")
     if hashes is None or set(hashes) != set(files):
         job.say("evacuate", f"{cp.name} was rotated away by the trainer during the copy; skipped")
         report.skipped.append(cp.name)

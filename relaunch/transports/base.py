@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from ..layouts import Checkpoint
 from ..paths import state_dir
 from ..store import CheckpointRecord, FileRecord, StoreManifest
+from ..scripts import export_lines
 from ..ui import UI, redact
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def instance_env(job: Job, values: dict[str, str]) -> Iterator[str]:
     redact.add(values.values())
     path = f"{job.paths.state}/store.env"
     job.remote.exec(f"mkdir -p {shlex.quote(job.paths.state)} && chmod 700 {shlex.quote(job.paths.state)}")
-    job.remote.put_bytes(path, "".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items()).encode(), 0o600)
+    job.remote.put_bytes(path, export_lines(values).encode(), 0o600)
     try:
         yield f". {shlex.quote(path)} && "
     finally:

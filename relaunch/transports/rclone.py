@@ -31,6 +31,7 @@ from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchErr
 from ..layouts import Checkpoint
 from ..paths import state_dir
 from ..recipe import Recipe
+from ..steps.checkpoint import hash_on_instance
 from ..steps.common import Job
 from ..steps.tools import ensure_tool
 from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest
@@ -312,21 +313,16 @@ class RcloneStore(Store):
         return f"(on the instance) rclone copy --files-from0 <{record.name}'s files> {self._path()} {incoming}/"
 
 
+def md5_on_instance(job: Job, files: list[str]) -> dict[str, str]:
+    hashes = hash_on_instance(job.remote, job.paths.ckpt_dir, files, "evacuate (md5 for the remote)", "md5")
+    if hashes is None:
+        raise EvacuationError(f"{job.host}: evacuate: files vanished while hashing them for {files[0]}")
+    return hashes
+
+
 def md5_file(path: Path) -> str:
     digest = hashlib.md5()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def md5_on_instance(job: Job, files: list[str]) -> dict[str, str]:
-    listing = b"\0".join(f.encode() for f in files) + b"\0"
-    result = job.remote.exec(f"cd {shlex.quote(job.paths.ckpt_dir)} && xargs -0 md5sum -z --", stdin=listing)
-    out: dict[str, str] = {}
-    for record in result.stdout.split(b"\0"):
-        digest, _, name = record.decode(errors="replace").partition("  ")
-        if name:
-            out[name.lstrip("*")] = digest
-    return out
-
