@@ -25,11 +25,6 @@ from .ui import UI, redact, setup_logging
 log = logging.getLogger("relaunch")
 
 
-class State:
-    ui: UI
-    json: bool = False
-
-
 def common(func: Callable[..., Any]) -> Callable[..., Any]:
     func = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
                         help="Override a recipe value (repeatable), e.g. --set checkpoint.keep=3.")(func)
@@ -47,10 +42,6 @@ def load(recipe_path: str, overrides: tuple[str, ...]) -> Any:
     # secret values never reach the screen or the debug log, whatever prints them
     redact.add(os.environ.get(name, "") for name in recipe.env.secrets)
     return recipe
-
-
-def ui_for(verbose: bool, as_json: bool) -> UI:
-    return UI(verbose=verbose)
 
 
 def emit(as_json: bool, data: Any) -> None:
@@ -79,7 +70,7 @@ def up(recipe: str, hosts: tuple[str, ...], dry_run: bool, accept_new_host_key: 
 
     r = load(recipe, overrides)
     specs = [HostSpec.parse(h) for h in hosts]
-    ui = ui_for(verbose, as_json)
+    ui = UI(verbose=verbose)
     results = cycle.up(r, specs, ui, dry_run=dry_run, accept_new_host_key=accept_new_host_key)
     if dry_run:
         for result in results:
@@ -98,7 +89,7 @@ def plan(recipe: str, host: str, overrides: tuple[str, ...], as_json: bool, verb
     from . import cycle
 
     r = load(recipe, overrides)
-    ui = ui_for(verbose, as_json)
+    ui = UI(verbose=verbose)
     results = cycle.up(r, [HostSpec.parse(host)], ui, dry_run=True)
     for result in results:
         if as_json:
@@ -122,7 +113,7 @@ def evacuate(recipe: str, host: str | None, stop: bool, overrides: tuple[str, ..
     from . import cycle
 
     r = load(recipe, overrides)
-    ui = ui_for(verbose, as_json)
+    ui = UI(verbose=verbose)
     spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
     report = cycle.evacuate(r, spec, ui, stop=stop)
     newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint yet"
@@ -146,7 +137,7 @@ def sync(recipe: str, host: str | None, every: float | None, once: bool, overrid
     from .sync import sync as sync_loop
 
     r = load(recipe, overrides)
-    ui = ui_for(verbose, as_json)
+    ui = UI(verbose=verbose)
     spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
     sync_loop(r, spec, ui, every if every is not None else r.checkpoint.every, once,
               emit=click.echo if as_json else None)
@@ -166,7 +157,7 @@ def status(recipe: str, host: str | None, lines: int, overrides: tuple[str, ...]
     from .status import render, status as get_status
 
     r = load(recipe, overrides)
-    ui = ui_for(verbose, as_json)
+    ui = UI(verbose=verbose)
     spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
     result = get_status(r, spec, ui, lines)
     if as_json:
@@ -189,7 +180,7 @@ def freeze(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: b
     from .freeze import instance_freeze, local_version_warning, lock_diff, lock_path, write_lock
 
     r = load(recipe, overrides)
-    ui = ui_for(verbose, as_json)
+    ui = UI(verbose=verbose)
     path = lock_path(r)
     spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
     new = instance_freeze(r, spec, ui)
@@ -291,7 +282,7 @@ def interval(recipe: str | None, host: str | None, step_time: str | None, save_t
         from . import cycle
 
         r = load(recipe, overrides)
-        ui = ui_for(verbose, as_json)
+        ui = UI(verbose=verbose)
         spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
         measured, where = iv.measure_instance(r, spec, ui, s)
     elif recipe is not None:
