@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 import click
 
-from . import __version__
+from . import __version__, processes
 from .errors import EvacuationError, Interrupted, RelaunchError, UsageError
 from .host.spec import HostSpec
 from .paths import debug_log_file
@@ -73,11 +74,22 @@ def up(recipe: str, hosts: tuple[str, ...], dry_run: bool, accept_new_host_key: 
     ui = UI(verbose=verbose)
     results = cycle.up(r, specs, ui, dry_run=dry_run, accept_new_host_key=accept_new_host_key)
     if dry_run:
-        for result in results:
-            click.echo(f"# plan for {result.host}: {len(result.actions)} actions, changing nothing")
-            for action in result.actions:
-                click.echo(redact(action.describe()))
+        show_plans(results, as_json)
+        return
     emit(as_json, [res.as_dict() for res in results])
+
+
+def show_plans(results: list[Any], as_json: bool) -> None:
+    """`plan` and `up --dry-run`: the plan each host's executor would run, exactly."""
+    plans = [result.plan for result in results if result.plan is not None]
+    if as_json:
+        emit(True, [plan.as_dict() for plan in plans] if len(plans) != 1 else plans[0].as_dict())
+        return
+    for result in results:
+        if result.plan is None:
+            click.echo(f"# {result.host}: {result.status}; `up` would change nothing")
+        else:
+            click.echo(redact(result.plan.render()))
 
 
 @cli.command()
@@ -90,15 +102,7 @@ def plan(recipe: str, host: str, overrides: tuple[str, ...], as_json: bool, verb
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
-    results = cycle.up(r, [HostSpec.parse(host)], ui, dry_run=True)
-    for result in results:
-        if as_json:
-            emit(True, {**result.as_dict(), "actions": [
-                {"step": a.step, "title": a.title, "skip": a.skip, "shown": redact(a.shown)} for a in result.actions]})
-            continue
-        click.echo(f"# plan for {result.host}: changing nothing")
-        for action in result.actions:
-            click.echo(redact(action.describe()))
+    show_plans(cycle.up(r, [HostSpec.parse(host)], ui, dry_run=True), as_json)
 
 
 @cli.command()
@@ -119,8 +123,11 @@ def evacuate(recipe: str, host: str | None, stop: bool, overrides: tuple[str, ..
     newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint yet"
     ui.say(f"store {report.store}: copied {len(report.copied)}, already there {len(report.already)}, "
            f"newest on the instance: {newest}")
-    ui.ok(f"safe to destroy {spec}")
     emit(as_json, report.as_dict())
+    if not report.safe:         # the verdict alone decides; nothing else may say "safe"
+        raise EvacuationError(f"the newest checkpoint on the instance, {newest}, is not verified in the store "
+                              f"{report.store}\nevacuation NOT verified: DO NOT destroy the instance")
+    ui.ok(f"safe to destroy {spec}")
 
 
 @cli.command()
@@ -363,11 +370,19 @@ def sandbox_list(as_json: bool) -> None:
         click.echo(f"{inst.name:<14} {inst.host:<24} {inst.host_key_fingerprint}")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """Ctrl-C or a SIGTERM: every wait in relaunch ends (CANCEL), then the main thread unwinds."""
+    processes.CANCEL.set()
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         setup_logging(str(debug_log_file()))
     except OSError:
         pass
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     command = (argv if argv is not None else sys.argv[1:])[:1]
     try:
         cli.main(args=argv, prog_name="relaunch", standalone_mode=False)
@@ -380,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as exc:
         exc.show()
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         click.echo("interrupted: nothing half-written is trusted; rerun to continue", err=True)
         if command == ["evacuate"]:
             click.echo("evacuation NOT verified: DO NOT destroy the instance", err=True)

@@ -1,5 +1,7 @@
 """The resume cycle: `up` (and `plan`, its dry run) and `evacuate`, on one or many hosts.
 
+Each command runs the same way: connect, gather the facts once, plan (pure), then hand the plan
+to the executor. `plan` stops before the executor and prints the plan it would have run.
 The CLI calls these; they return results and raise relaunch errors, never print tracebacks.
 """
 
@@ -7,26 +9,31 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import EvacuationError, RelaunchError, UsageError
-from .host.connection import connect, environ_secrets
-from .host.facts import HostFacts
+from . import processes
+from .errors import EnvError, EvacuationError, RelaunchError, UsageError
+from .executor import Executor
+from .gather import gather, read_listing
+from .host.connection import Remote, connect
 from .host.spec import HostSpec, Target
+from .job import Job, Node, drift
+from .layouts import Checkpoint
 from .paths import state_dir
-from .plan import Action, run_actions
+from .plan import Action, Plan
 from .recipe import Recipe
-from .steps.checkpoint import choose, plan_restore
-from .steps.common import Job
+from .steps.checkpoint import choose, instance_checkpoints, plan_restore
 from .steps.env import plan_env
-from .steps.evacuate import Report, evacuate as evacuate_job
-from .steps.launch import plan_launch
-from .steps.stop import stop_training
-from .steps.preflight import gather_facts, plan_preflight
-from .transports import open_store
+from .steps.evacuate import Report, plan_copy, plan_meta
+from .steps.launch import attach_command, plan_launch
+from .steps.preflight import plan_preflight, summary
+from .steps.stop import STILL_RUNNING, plan_stop
+from .transports import Damaged, Mismatch, Store, Vanished, open_store
 from .ui import UI, redact
 
 log = logging.getLogger("relaunch")
@@ -63,19 +70,38 @@ def last_host(recipe: Recipe, ui: UI) -> HostSpec:
 
 
 # -- one host ------------------------------------------------------------------------------------
-def open_job(recipe: Recipe, spec: HostSpec, ui: UI, accept_new_host_key: bool = False,
-             node_rank: int = 0, nnodes: int = 1, master_addr: str = "") -> Job:
-    target = make_target(recipe, spec)
-    ui.say(f"connecting to {target.label} (waiting up to {target.wait:g}s while it boots)")
-    remote = connect(target, accept_new_host_key=accept_new_host_key, say=ui.say)
-    job = Job(recipe=recipe, target=target, remote=remote, facts=HostFacts(home=remote.home), ui=ui,
-              secrets=environ_secrets(list(recipe.env.secrets)), node_rank=node_rank, nnodes=nnodes,
-              master_addr=master_addr or target.address)
-    missing = [name for name in recipe.env.secrets if name not in job.secrets]
+def open_host(recipe: Recipe, spec: HostSpec, ui: UI, accept_new_host_key: bool = False, rank: int = 0,
+              nnodes: int = 1, master_addr: str = "") -> tuple[Node, Remote]:
+    node = Node(make_target(recipe, spec), rank, nnodes, master_addr)
+    ui.say(f"connecting to {node.label} (waiting up to {node.target.wait:g}s while it boots)")
+    remote = connect(node.target, accept_new_host_key=accept_new_host_key, say=ui.say)
+    missing = [name for name in recipe.env.secrets if name not in os.environ]
     if missing:
         ui.warn(f"env.secrets {', '.join(missing)} not set on this machine; not handed to the instance")
-    job.facts = gather_facts(remote, recipe, job.paths)
-    return job
+    return node, remote
+
+
+class Checks:
+    """In-process checks that plans call (`checks.x`): they only say what they found."""
+
+    def __init__(self, ui: UI, host: str) -> None:
+        self.ui, self.host = ui, host
+
+    def drift(self, lock: list[str], freeze: list[str]) -> None:
+        differences = drift(lock, freeze)
+        if differences:
+            self.ui.warn(f"{self.host}: the env differs from the lock in {len(differences)} package(s):")
+            for line in differences[:20]:
+                self.ui.warn(f"  {line}")
+        else:
+            self.ui.step(self.host, "env", "pip freeze matches the lock")
+
+
+def executor_for(job: Job, remote: Remote, store: Store | None, ui: UI) -> Executor:
+    handlers: dict[str, Any] = {"checks": Checks(ui, job.host)}
+    if store is not None:
+        handlers.update(store.handlers())
+    return Executor(ui, job.host, remote, handlers)
 
 
 @dataclass
@@ -84,45 +110,65 @@ class UpResult:
     status: str                       # "started" | "already running" | "finished" | "planned"
     checkpoint: str = ""
     step: int = 0
-    actions: list[Action] = field(default_factory=list)
+    plan: Plan | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"host": self.host, "status": self.status, "checkpoint": self.checkpoint, "step": self.step}
 
 
+def plan_up(job: Job, store: Store) -> tuple[Plan, Job]:
+    """Everything `up` does on this host, from its facts alone (no I/O)."""
+    if job.facts.host.session_alive:
+        return Plan(job.host, reads=list(job.facts.reads), actions=[Action(
+            "launch", f"start tmux session {job.recipe.run.session}",
+            skip=f"training is already running in tmux session {job.recipe.run.session}")]), job
+    choice = choose(job)
+    preflight = plan_preflight(job, choice.copy_bytes)
+    job, restore = plan_restore(job, store, choice)
+    plan = Plan(job.host, reads=list(job.facts.reads))
+    plan.extend([*preflight, *plan_env(job), *restore, *plan_launch(job)])
+    return plan, job
+
+
 def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept_new_host_key: bool = False,
-           node_rank: int = 0, nnodes: int = 1, master_addr: str = "") -> UpResult:
-    job = open_job(recipe, spec, ui, accept_new_host_key, node_rank, nnodes, master_addr)
-    with job.remote:
-        if job.facts.session_alive:
-            ui.ok(f"[{job.host}] training is already running in tmux session {recipe.run.session}; "
-                  "nothing to do")
-            if not dry_run:
-                remember_host(recipe, job.target)
-            return UpResult(job.host, "already running")
+           rank: int = 0, nnodes: int = 1, master_addr: str = "") -> UpResult:
+    node, remote = open_host(recipe, spec, ui, accept_new_host_key, rank, nnodes, master_addr)
+    with remote:
         store = open_store(recipe)
-        choice = choose(job, store)
-        need = sum(f.size for f in choice.record.files.values()) if choice.record and not choice.on_instance else 0
-        preflight = plan_preflight(job, need)
-        env = plan_env(job)
-        restore = plan_restore(job, store, choice)
-        launch = plan_launch(job)
-        actions = preflight + env + restore + launch
+        job = gather(remote, recipe, node, store)
+        for line in summary(job):
+            ui.step(job.host, "preflight", line)
+        plan, job = plan_up(job, store)
         if dry_run:
-            return UpResult(job.host, "planned", job.checkpoint, job.step, actions)
-        run_actions(preflight, job.say)
-        # env and checkpoint do not depend on each other: up takes as long as the slower one
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="step") as pool:
-            futures = [pool.submit(run_actions, env, job.say), pool.submit(run_actions, restore, job.say)]
-            errors = [f.exception() for f in futures]
-        failed = [e for e in errors if e is not None]
-        if failed:
-            for extra in failed[1:]:
-                ui.warn(str(extra))
-            raise failed[0]
-        run_actions(launch, job.say)
-        remember_host(recipe, job.target)
-        return UpResult(job.host, "started", job.checkpoint, job.step)
+            return UpResult(job.host, "planned", job.checkpoint, job.step, plan)
+        if job.facts.host.session_alive:
+            ui.ok(f"[{job.host}] training is already running in tmux session {recipe.run.session}; nothing to do")
+            remember_host(recipe, node.target)
+            return UpResult(job.host, "already running")
+        results = executor_for(job, remote, store, ui).run(plan.actions)
+        status = _launched(job, results.get("launch") or {}, ui)
+        remember_host(recipe, node.target)
+        return UpResult(job.host, status, job.checkpoint, job.step)
+
+
+def _launched(job: Job, watch: dict[str, Any], ui: UI) -> str:
+    """Say how the start went: running, finished, or died (EnvError, exit 4, with its last lines)."""
+    paths, run = job.paths, job.recipe.run
+    state = watch.get("state")
+    resumed = f"resumed from {job.checkpoint}" if job.checkpoint else "fresh start"
+    if state in ("ready", "alive"):
+        proof = (f"its log says {watch.get('line', '')!r}" if state == "ready"
+                 else f"alive after {watch.get('seconds', run.grace)}s")
+        ui.ok(f"[{job.host}] training is running in tmux session {run.session} ({resumed}; {proof})")
+        ui.say(f"  attach: {attach_command(job)}\n  log:    {paths.log}")
+        return "started"
+    if state == "finished":
+        ui.ok(f"[{job.host}] the command already finished (exit 0); log: {paths.log}")
+        return "finished"
+    lines = "\n".join("  | " + ln for ln in watch.get("tail", []))
+    raise EnvError(f"{job.host}: launch: the command died {watch.get('seconds', '?')}s after it started "
+                   f"(exit {watch.get('status') or '?'}); last lines of {paths.log}:\n{lines}",
+                   "fix run.command (try it by hand in the venv) and rerun `up`")
 
 
 def up(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
@@ -133,6 +179,12 @@ def up(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
     with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="host") as pool:
         futures = [pool.submit(up_one, recipe, spec, ui, dry_run, accept_new_host_key, rank, len(specs), master)
                    for rank, spec in enumerate(specs)]
+        try:
+            for future in futures:
+                future.exception()
+        except KeyboardInterrupt:
+            processes.CANCEL.set()
+            raise
     results, errors = [], []
     for spec, future in zip(specs, futures, strict=True):
         exc = future.exception()
@@ -150,18 +202,133 @@ def up(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
     return results
 
 
+# -- evacuate ----------------------------------------------------------------------------------
 def evacuate(recipe: Recipe, spec: HostSpec, ui: UI, stop: bool = False) -> Report:
     """Any failure becomes exit 6: the instance must not be destroyed."""
     try:
         store = open_store(recipe)
-        job = open_job(recipe, spec, ui)
-        with job.remote:
+        node, remote = open_host(recipe, spec, ui)
+        with remote:
+            job = gather(remote, recipe, node)
+            executor = executor_for(job, remote, store, ui)
             if stop:
-                stop_training(job)
-            return evacuate_job(job, store)
+                _stop(job, executor, ui)
+            with store.lock(ui):
+                return evacuate_job(job, remote, store, executor, ui)
     except UsageError:
         raise
     except RelaunchError as exc:
         raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy the instance",
                               exc.hint) from exc
+
+
+def _stop(job: Job, executor: Executor, ui: UI) -> None:
+    results = executor.run(plan_stop(job))
+    outcome = str(results.get("stop") or "").strip()
+    if outcome.startswith(STILL_RUNNING):
+        ui.warn(f"{job.host}: training still running after {job.recipe.run.stop.timeout:g}s (run.stop.timeout); "
+                "evacuating what is there")
+    elif outcome:
+        ui.step(job.host, "stop", f"training stopped (exit {outcome.split(' ', 1)[-1].strip() or '?'})")
+
+
+def evacuate_job(job: Job, remote: Remote, store: Store, executor: Executor, ui: UI, rounds: int = 3,
+                 reverify: bool = True, require_newest: bool = True) -> Report:
+    """Copy the newest `keep` complete checkpoints (newest first) until the newest is verified.
+
+    Call with the store lock held. `evacuate` re-hashes what the store already holds and insists
+    that the newest checkpoint on the instance ends up verified; a `sync` round (reverify=False,
+    require_newest=False) only moves what is new and reports the lag instead.
+    """
+    started = time.monotonic()
+    keep = job.recipe.checkpoint.keep
+    job.facts.store = store.read(writing=True)
+    report = Report(store=store.label, verified_by=store.hash_name)
+    listing = instance_checkpoints(job)
+    try:
+        for _ in range(rounds):
+            for cp in reversed(listing[-keep:]):
+                if cp.name not in report.copied + report.already + report.skipped + _names(report.damaged):
+                    _evacuate_one(job, store, executor, cp, report, reverify)
+            job.facts.listing = read_listing(remote, job.paths.ckpt_dir, EvacuationError)
+            listing = [cp for cp in instance_checkpoints(job) if cp.name not in _names(report.damaged)]
+            newest = listing[-1] if listing else None
+            report.newest = report.newest_step = report.newest_mtime = None
+            if newest is not None:
+                report.newest, report.newest_step = newest.name, newest.step
+                report.newest_mtime = max((e.mtime for e in newest.files), default=None)
+            if newest is None or not require_newest or newest.name in report.copied + report.already:
+                break
+            ui.step(job.host, "evacuate", f"training wrote {newest.name} meanwhile; another round")
+        else:
+            raise EvacuationError(
+                f"{job.host}: training keeps writing new checkpoints faster than they can be copied; the "
+                "newest is not in the store yet", "stop training first (`relaunch evacuate --stop`), then "
+                "evacuate again")
+        executor.run(plan_meta(job))
+        manifest = store.manifest
+        report.safe = report.verdict()
+        if require_newest and not report.safe:
+            raise EvacuationError(f"{job.host}: the newest checkpoint {report.newest} is not verified in the store")
+        if report.copied and manifest is not None:
+            protect = frozenset(report.copied + report.already)
+            report.pruned = store.prune(manifest, keep, protect)
+            for name in report.pruned:
+                ui.step(job.host, "evacuate", f"pruned {name} from the store (keep={keep})")
+    except OSError as exc:
+        # a full or read-only disk on this machine: nothing is deleted to make room, and what
+        # was being written stays in the store's staging folder, which is never trusted
+        raise EvacuationError(f"writing the store {store.label} failed: {exc.strerror or exc}",
+                              "free space on this machine (nothing was deleted to make room), then rerun") from exc
+    stored = store.manifest.newest() if store.manifest else None
+    if stored is not None:
+        report.stored, report.stored_step, report.stored_written_at = stored.name, stored.step, stored.written_at
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _names(damaged: list[str]) -> list[str]:
+    return [d.split(":", 1)[0] for d in damaged]
+
+
+def _evacuate_one(job: Job, store: Store, executor: Executor, cp: Checkpoint, report: Report,
+                  reverify: bool) -> None:
+    known = store.manifest.checkpoints.get(cp.name) if store.manifest else None
+    sizes = {e.path: e.size for e in cp.files}
+    if known is not None:
+        if not reverify and {p: f.size for p, f in known.files.items()} == sizes:
+            report.already.append(cp.name)        # a sync round: same files, same sizes, verified before
+            return
+        from .steps.evacuate import hash_action
+
+        hashes = executor.run_one(hash_action(job, store, cp))
+        if any(h.missing for h in hashes.values()):
+            report.skipped.append(cp.name)
+            return
+        if set(hashes) == set(known.files) and all(known.files[p].sha256 == h.hashes.get("sha256")
+                                                   for p, h in hashes.items()):
+            report.already.append(cp.name)
+            return
+        raise EvacuationError(
+            f"{job.host}: {cp.name} on the instance differs from the verified copy in the store {store.label}",
+            "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right")
+    try:
+        try:
+            executor.run(plan_copy(job, store, cp))
+        except Mismatch as exc:
+            # a quick check (size + mtime) can trust a damaged partial file: compare every byte
+            ui = executor.ui
+            ui.warn(f"{cp.name}: {exc.problems[0]}; copying again, comparing every byte")
+            executor.run(plan_copy(job, store, cp, again=True))
+    except Vanished:
+        executor.ui.step(job.host, "evacuate", f"{cp.name} was rotated away by the trainer during the copy; skipped")
+        report.skipped.append(cp.name)
+        return
+    except Damaged as exc:
+        executor.ui.warn(f"{job.host}: {cp.name} is damaged on the instance ({exc}); not copied")
+        report.damaged.append(f"{cp.name}: {exc}")
+        return
+    report.copied.append(cp.name)
+    report.bytes_copied += sum(sizes.values())
+    executor.ui.step(job.host, "evacuate", f"{cp.name} verified: {len(sizes)} file(s), {store.hash_name}")
 

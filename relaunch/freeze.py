@@ -6,11 +6,12 @@ import difflib
 import os
 from pathlib import Path
 
-from .cycle import open_job
+from .cycle import open_host
 from .errors import EnvError, UsageError
+from .gather import gather
 from .host.spec import HostSpec
+from .job import normalize
 from .recipe import Recipe
-from .steps.common import normalize
 from .ui import UI
 
 # what `pip freeze` leaves out by default
@@ -18,12 +19,13 @@ _TOOLING = {"pip", "setuptools", "wheel", "distribute"}
 
 
 def instance_freeze(recipe: Recipe, spec: HostSpec, ui: UI) -> list[str]:
-    job = open_job(recipe, spec, ui)
-    with job.remote:
-        if job.facts.venv_freeze is None:
+    node, remote = open_host(recipe, spec, ui)
+    with remote:
+        job = gather(remote, recipe, node, listing=False)
+        if job.facts.host.venv_freeze is None:
             raise EnvError(f"{job.host}: freeze: there is no venv at {job.paths.venv}",
                            "run `relaunch up` first, or fix env.venv")
-        return [line for line in job.facts.venv_freeze
+        return [line for line in job.facts.host.venv_freeze
                 if normalize(line.split("==", 1)[0]) not in _TOOLING and line.strip()]
 
 

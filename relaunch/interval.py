@@ -1,6 +1,6 @@
 """`relaunch interval`: how often to save so that a failure costs at most a budget of the run.
 
-The model is the issue's: at each failure (on average every MTBI seconds) the run loses the time
+The model: at each failure (on average every MTBI seconds) the run loses the time
 to save a checkpoint, S, plus half an interval of training, N*T/2, so
 
     Badput(N) = (S + N*T/2) / MTBI
@@ -149,7 +149,7 @@ def best_interval(step_time: float, save_time: float, mtbi: float, budget: float
 def young_daly(step_time: float, save_time: float, mtbi: float) -> Interval:
     """Young/Daly's optimum interval sqrt(2*S*MTBI), in seconds and (rounded, >= 1) steps.
 
-    `seconds` is the optimum itself; `badput` is the issue's model at those steps.
+    `seconds` is the optimum itself; `badput` is the Badput model at those steps.
     """
     check_inputs(step_time, save_time, mtbi)
     seconds = math.sqrt(2 * save_time * mtbi)
@@ -284,13 +284,13 @@ def compute(step_time: float | None, save_time: float | None, mtbi: float, budge
 
 def measure_instance(recipe: Recipe, spec: HostSpec, ui: UI, save_time: float | None) -> tuple[Measured, str]:
     """Connect like `up`, list the complete checkpoints under checkpoint.dir, `measure` them."""
-    from .cycle import open_job
-    from .steps.checkpoint import list_instance
+    from .cycle import open_host
+    from .gather import gather
+    from .steps.checkpoint import instance_checkpoints
 
-    job = open_job(recipe, spec, ui)
-    with job.remote:
-        c = recipe.checkpoint
-        checkpoints = list_instance(job.remote, job.paths.ckpt_dir, c.layout, c.pattern,
-                                    "interval (listing checkpoints)")
+    node, remote = open_host(recipe, spec, ui)
+    with remote:
+        job = gather(remote, recipe, node)
+        checkpoints = instance_checkpoints(job)
         ui.say(f"[{job.host}] {len(checkpoints)} complete checkpoints in {job.paths.ckpt_dir}")
         return measure(checkpoints, save_time), job.host

@@ -763,7 +763,7 @@ def build_index(
     """
     dest = Path(dest).expanduser() if dest is not None else Path.home() / ".cache" / "relaunch" / "index"
     reqs = [Path(r).expanduser().resolve() for r in requirements]
-    from relaunch.steps.tools import TOOL_PACKAGES
+    from relaunch.transports.tools import TOOL_PACKAGES
 
     wanted = [*extra, "pip", *TOOL_PACKAGES.values()]  # the tools relaunch installs on an instance
     key = hashlib.sha256()

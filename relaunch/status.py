@@ -5,16 +5,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .cycle import open_job
-from .transports import open_store
+from .cycle import open_host
+from .gather import gather
 from .host.spec import HostSpec
+from .job import Lag, drift
 from .recipe import Recipe
-from .steps.checkpoint import list_instance
-from .steps.common import Lag, drift, read_lock
+from .steps.checkpoint import instance_checkpoints
 from .steps.launch import tail_command
-from .ui import UI
+from .transports import open_store
+from .ui import UI, human
 
-GPU_QUERY = "nvidia-smi --query-gpu=name,utilization.gpu,memory.used,memory.total --format=csv,noheader,nounits"
+GPU_QUERY = ("timeout -k 2 10 nvidia-smi --query-gpu=name,utilization.gpu,memory.used,memory.total "
+             "--format=csv,noheader,nounits")
+LOOK_DEADLINE = 30.0
 
 
 @dataclass(kw_only=True)
@@ -30,34 +33,34 @@ class Status(Lag):
 
 def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
     store = open_store(recipe)
-    job = open_job(recipe, spec, ui)
-    with job.remote:
-        facts, paths = job.facts, job.paths
+    node, remote = open_host(recipe, spec, ui)
+    with remote:
+        job = gather(remote, recipe, node, store)
+        facts, paths = job.facts.host, job.paths
         result = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt)
         if facts.session_since.isdigit():
             result.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
-        tail = job.remote.exec(tail_command(paths.log, lines))
+        tail = remote.exec(tail_command(paths.log, lines), deadline=LOOK_DEADLINE)
         result.log_tail = tail.text.splitlines() if tail.ok else []
         if facts.tools.get("nvidia-smi"):
-            result.gpus = job.remote.exec(GPU_QUERY).text.splitlines()
-        c = recipe.checkpoint
-        listing = list_instance(job.remote, paths.ckpt_dir, c.layout, c.pattern, "status (listing checkpoints)")
+            gpus = remote.exec(GPU_QUERY, deadline=LOOK_DEADLINE)
+            result.gpus = (gpus.text.splitlines() if gpus.ok
+                           else [f"nvidia-smi failed or hung: {gpus.output.strip()[:100]}"])
+        listing = instance_checkpoints(job)
         if listing:
             newest = listing[-1]
             result.newest, result.newest_step = newest.name, newest.step
             result.newest_mtime = max((e.mtime for e in newest.files), default=None)
-        manifest = store.load_manifest()
+        manifest = job.facts.store.manifest if job.facts.store else None
         stored = manifest.newest() if manifest else None
         if stored is not None:
             result.stored, result.stored_step, result.stored_written_at = stored.name, stored.step, stored.written_at
-        if recipe.env.lock and facts.venv_freeze is not None:
-            result.drift = drift(read_lock(recipe.env.lock), facts.venv_freeze)
+        if job.facts.lock and facts.venv_freeze is not None:
+            result.drift = drift(job.facts.lock, facts.venv_freeze)
         return result
 
 
 def render(s: Status, recipe: Recipe) -> str:
-    from .steps.preflight import human
-
     out = []
     state = f"ALIVE since {s.since}" if s.alive and s.since else ("ALIVE" if s.alive else "NOT RUNNING")
     out.append(f"{s.host}  tmux session {recipe.run.session}: {state}")

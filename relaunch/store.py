@@ -19,6 +19,7 @@ One writer at a time: nothing here locks the store against a concurrent sync/eva
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -39,7 +40,8 @@ PARTIAL = "partial"
 FORMAT = 1  # manifest format version, written into the file for later migrations
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_CHUNK = 1 << 20
+RSYNC_PARTIAL = ".rsync-partial"                     # rsync --partial-dir: kept by a stopped transfer
+_RSYNC_TEMP = re.compile(r"\.(.+)\.[A-Za-z0-9]{6}")   # rsync's in-flight temp name for NAME
 
 
 def utc_now() -> str:
@@ -82,6 +84,11 @@ class CheckpointRecord:
     host: str
     written_at: float | None = None  # newest file mtime on the instance (epoch s): what lag is measured from
 
+    @property
+    def is_dir(self) -> bool:
+        """A folder checkpoint (checkpoint-500/...) rather than one file (ckpt-500.pt)."""
+        return any(path != self.name for path in self.files)
+
     def check(self) -> None:
         """ValueError unless the name and every path are safe and every path is inside the
         checkpoint (a file shared by two records would be deleted by pruning either)."""
@@ -114,8 +121,9 @@ class StoreManifest:
     def add(self, record: CheckpointRecord) -> None:
         self.checkpoints[record.name] = record
 
-    def drop_beyond(self, keep: int) -> list[CheckpointRecord]:
-        """Remove all but the newest `keep` records (never the newest); return them, oldest first.
+    def drop_beyond(self, keep: int, protect: frozenset[str] = frozenset()) -> list[CheckpointRecord]:
+        """Remove all but the newest `keep` records (never the newest, never one named in
+        `protect`: what an evacuation counts on); return them, oldest first.
 
         Every store prunes the same way: this first, then save the manifest, and only then
         delete the dropped files, so a crash leaves unlisted files, never a listed checkpoint
@@ -124,13 +132,16 @@ class StoreManifest:
         if keep < 1:
             raise UsageError(f"checkpoint.keep must be at least 1, not {keep}")
         records = self.ordered()
-        drop = records[:-keep] if len(records) > keep else []
+        drop = [r for r in (records[:-keep] if len(records) > keep else []) if r.name not in protect]
         for record in drop:
             del self.checkpoints[record.name]
         return drop
 
     def to_json(self) -> str:
-        doc = {
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
             "format": FORMAT,
             "recipe": self.recipe,
             # a list, oldest first, reads better than a dict keyed by name
@@ -146,21 +157,22 @@ class StoreManifest:
                 for r in self.ordered()
             ],
         }
-        return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
 
     @classmethod
     def from_json(cls, text: str, where: str) -> StoreManifest:
         """Parse a manifest; anything wrong is a CheckpointError naming `where`."""
         try:
-            return cls._parse(json.loads(text))
+            doc = json.loads(text)
+        except ValueError as exc:
+            raise _corrupt(where, str(exc)) from None
+        return cls.from_dict(doc, where)
+
+    @classmethod
+    def from_dict(cls, doc: Any, where: str) -> StoreManifest:
+        try:
+            return cls._parse(doc)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise CheckpointError(
-                f"{where}: corrupt store manifest: {detail}",
-                hint="it is the store's trusted record and relaunch never writes it half-way; restore "
-                f"it from a backup, or move {META_DIR}/ aside to start a new record (the checkpoint "
-                "files stay, but are not trusted until evacuated again)",
-            ) from None
+            raise _corrupt(where, f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)) from None
 
     @classmethod
     def _parse(cls, doc: Any) -> StoreManifest:
@@ -195,6 +207,15 @@ class StoreManifest:
                 raise ValueError(f"checkpoint {record.name!r} listed twice")
             manifest.add(record)
         return manifest
+
+
+def _corrupt(where: str, detail: str) -> CheckpointError:
+    return CheckpointError(
+        f"{where}: corrupt store manifest: {detail}",
+        hint="it is the store's trusted record and relaunch never writes it half-way; restore "
+        f"it from a backup, or move {META_DIR}/ aside to start a new record (the checkpoint "
+        "files stay, but are not trusted until evacuated again)",
+    )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -232,22 +253,13 @@ class LocalStore:
     # -- reading ---------------------------------------------------------------------------
 
     def is_empty(self) -> bool:
-        """True for a missing folder, or one holding nothing but a `.relaunch/` without files
-        (leftovers in `.relaunch/partial/` do not count: they are never trusted)."""
+        """True for a missing folder, or one holding nothing but `.relaunch/` (metadata a copy
+        round wrote before training saved anything, and staging, which is never trusted)."""
         if not self.root.exists():
             return True
         if not self.root.is_dir():
             return False
-        if any(child.name != META_DIR for child in self.root.iterdir()):
-            return False
-        if not self.meta.is_dir():
-            return not self.meta.exists()
-        for dirpath, dirnames, filenames in os.walk(self.meta):
-            if Path(dirpath) == self.meta:
-                dirnames[:] = [d for d in dirnames if d != PARTIAL]
-            if filenames:
-                return False
-        return True
+        return all(child.name == META_DIR for child in self.root.iterdir())
 
     def load_manifest(self) -> StoreManifest | None:
         """The manifest, or None when the store has none yet; corrupt -> CheckpointError."""
@@ -264,13 +276,10 @@ class LocalStore:
         return StoreManifest.from_json(text, str(self.manifest_path))
 
     @staticmethod
-    def hash_file(path: Path) -> str:
-        """sha256 of a file, streamed (checkpoints are bigger than memory)."""
-        h = hashlib.sha256()
+    def hash_file(path: Path, algo: str = "sha256") -> str:
+        """A file's hash, streamed (checkpoints are bigger than memory)."""
         with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-        return h.hexdigest()
+            return hashlib.file_digest(f, algo).hexdigest()
 
     # -- writing metadata ------------------------------------------------------------------
 
@@ -293,7 +302,7 @@ class LocalStore:
 
     # -- staging, verifying, committing ----------------------------------------------------
 
-    def _staging_path(self, name: str) -> Path:
+    def staging_path(self, name: str) -> Path:
         try:
             check_relpath(name, "checkpoint name")
         except ValueError as exc:
@@ -306,14 +315,50 @@ class LocalStore:
         Transfer the checkpoint so that its store path P lands at `staging(name) / P`, e.g.
         `.relaunch/partial/checkpoint-500/checkpoint-500/model.pt`.
         """
-        path = self._staging_path(name)
+        path = self.staging_path(name)
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def prepare_staging(self, name: str, files: list[str]) -> Path:
+        """The staging folder of a checkpoint, ready for a transfer that continues what an earlier,
+        stopped one received: rsync's temp file left by a killed run (`.NAME.XXXXXX`) becomes the
+        basis rsync continues from; anything else that is not one of `files` goes (staging is
+        never trusted, and the caller holds the store lock, so no one else writes here)."""
+        base = self.staging(name)
+        wanted = set(files)
+        for dirpath, dirnames, filenames in os.walk(base, topdown=False):
+            folder = Path(dirpath)
+            rel = folder.relative_to(base)
+            if RSYNC_PARTIAL in rel.parts:
+                continue
+            for fname in filenames:
+                path = folder / fname
+                if (rel / fname).as_posix() in wanted:
+                    continue
+                temp = _RSYNC_TEMP.fullmatch(fname)
+                if temp and (rel / temp.group(1)).as_posix() in wanted:
+                    keep = folder / RSYNC_PARTIAL / temp.group(1)
+                    if not keep.exists() or keep.stat().st_size < path.stat().st_size:
+                        keep.parent.mkdir(exist_ok=True)
+                        os.replace(path, keep)
+                        continue
+                path.unlink()
+            for dname in dirnames:
+                sub = folder / dname
+                if sub.is_symlink():
+                    sub.unlink()
+                elif dname != RSYNC_PARTIAL:
+                    with contextlib.suppress(OSError):
+                        sub.rmdir()      # only when empty
+        return base
+
+    def drop_staging(self, name: str) -> None:
+        shutil.rmtree(self.staging_path(name), ignore_errors=True)
 
     def verify_staged(self, name: str, expected: dict[str, FileRecord]) -> list[str]:
         """Check the staged copy of a checkpoint against `expected` (paths relative to the store
         root, hashes from the instance). Returns the problems; an empty list means verified."""
-        base = self._staging_path(name)
+        base = self.staging_path(name)
         problems: list[str] = []
         for path, want in sorted(expected.items()):
             try:
@@ -336,6 +381,7 @@ class LocalStore:
                     problems.append(f"{path}: sha256 {got}, expected {want.sha256}")
         if base.is_dir():
             for dirpath, dirnames, filenames in os.walk(base):
+                dirnames[:] = [d for d in dirnames if d != RSYNC_PARTIAL or os.path.islink(os.path.join(dirpath, d))]
                 rel_dir = Path(dirpath).relative_to(base)
                 # symlinks to folders show up in dirnames; os.walk does not follow them
                 links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
@@ -372,7 +418,7 @@ class LocalStore:
             record.check()
         except ValueError as exc:
             raise EvacuationError(f"cannot commit checkpoint {record.name!r}: {exc}") from None
-        base = self._staging_path(record.name)
+        base = self.staging_path(record.name)
         to_move: list[str] = []
         for path, want in sorted(record.files.items()):
             self._check_parents(path)
@@ -428,11 +474,12 @@ class LocalStore:
 
     # -- pruning ---------------------------------------------------------------------------
 
-    def prune(self, manifest: StoreManifest, keep: int) -> list[str]:
-        """Keep the newest `keep` checkpoints; drop older records from `manifest`, save it FIRST,
-        then delete their files. Never removes the newest. Returns the removed names, oldest first.
+    def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
+        """Keep the newest `keep` checkpoints (and those in `protect`); drop older records from
+        `manifest`, save it FIRST, then delete their files. Never removes the newest. Returns the
+        removed names, oldest first.
         """
-        drop = manifest.drop_beyond(keep)
+        drop = manifest.drop_beyond(keep, protect)
         if not drop:
             return []
         self.save_manifest(manifest)

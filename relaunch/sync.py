@@ -8,67 +8,74 @@ credentials on the instance) and reports the lag. The loop outlives the instance
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 
-from .cycle import open_job
-from .transports import open_store
-from .errors import ConnectError, EvacuationError, RelaunchError, UsageError
+from . import processes
+from .cycle import evacuate_job, executor_for, open_host
+from .errors import ConnectError, EvacuationError, Interrupted, RelaunchError, UsageError
+from .gather import gather
 from .host.spec import HostSpec
 from .recipe import Recipe
-from .steps.evacuate import Report, evacuate as evacuate_job
-from .steps.preflight import human
+from .retry import retrying
+from .steps.evacuate import Report, round_line
+from .transports import open_store
 from .ui import UI
 
-RETRY_WAIT = 20          # seconds each reconnect may take inside a round
+RETRY_WAIT = 20          # seconds each reconnect may take once the loop runs
 MAX_BACKOFF = 300
 
 
-def round_line(report: Report) -> str:
-    copied = ", ".join(report.copied) if report.copied else "nothing new"
-    speed = f", {human(int(report.bytes_copied / report.seconds))}/s" if report.bytes_copied and report.seconds else ""
-    lag = "no checkpoint on the instance yet"
-    if report.lag_steps is not None:
-        lag = f"lag {report.lag_steps} steps"
-        if report.lag_seconds is not None:
-            lag += f", {report.lag_seconds / 60:.1f} min"
-    newest = f"newest verified: {report.stored} (step {report.stored_step})" if report.stored else "store empty"
-    skipped = f"; skipped {', '.join(report.skipped)} (rotated away mid-copy)" if report.skipped else ""
-    return (f"{time.strftime('%H:%M:%S')} copied {copied} ({human(report.bytes_copied)}{speed}){skipped}; "
-            f"{newest}; {lag}")
+def sync_round(recipe: Recipe, spec: HostSpec, ui: UI) -> Report:
+    """One round: connect, gather, copy what is new (verified), report the lag."""
+    store = open_store(recipe)
+    node, remote = open_host(recipe, spec, ui)
+    with remote:
+        job = gather(remote, recipe, node)
+        with store.lock(ui):
+            return evacuate_job(job, remote, store, executor_for(job, remote, store, ui), ui, rounds=1,
+                                reverify=False, require_newest=False)
+
+
+def _worth_retrying(exc: BaseException) -> bool:
+    """The instance away or a round failing on the way; not a bad recipe, a store problem or Ctrl-C."""
+    return isinstance(exc, RelaunchError) and not isinstance(exc, (UsageError, EvacuationError, Interrupted))
 
 
 def sync(recipe: Recipe, spec: HostSpec, ui: UI, every: float, once: bool,
-         emit: Callable[[str], None] | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
-    store = open_store(recipe)
-    backoff = 5.0
-    first = True
+         emit: Callable[[str], None] | None = None) -> None:
     # one line per round: the steps' own messages only with -v (they are in the debug log anyway)
     inner = UI(verbose=ui.verbose, quiet=not ui.verbose)
-    while True:
+    if once:
         try:
-            job = open_job(recipe, spec, inner)
-            with job.remote:
-                report = evacuate_job(job, store, rounds=1, reverify=False, require_newest=False)
-            backoff = 5.0
-            ui.ok(round_line(report))
-            if emit:
-                emit(json.dumps(report.as_dict()))
-            if once:
-                return
-            sleep(every)
-        except (UsageError, EvacuationError):
-            raise
+            report = sync_round(recipe, spec, inner)
         except RelaunchError as exc:
-            if once:
-                raise EvacuationError(f"{exc.message}\nsync round NOT verified", exc.hint) from exc
-            what = "unreachable" if isinstance(exc, ConnectError) else "round failed"
-            ui.warn(f"{spec}: {what}: {exc.message.splitlines()[0]}; retrying in {backoff:.0f}s "
-                    "(Ctrl-C to stop; nothing partial is trusted)")
-            sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF)
-        if first:
-            # after the first round, do not sit through all of ssh.wait on every outage
-            ssh = recipe.ssh.model_copy(update={"wait": min(recipe.ssh.wait, RETRY_WAIT)})
-            recipe = recipe.model_copy(update={"ssh": ssh})
-            first = False
+            if not _worth_retrying(exc):
+                raise
+            raise EvacuationError(f"{exc.message}\nsync round NOT verified", exc.hint) from exc
+        _show(ui, report, emit)
+        return
+    # after the first attempt, do not sit through all of ssh.wait on every outage
+    brief = recipe.model_copy(update={"ssh": recipe.ssh.model_copy(update={"wait": min(recipe.ssh.wait, RETRY_WAIT)})})
+    current = [recipe]
+
+    def one_round() -> Report:
+        this = current[-1]
+        current[:] = [brief]
+        return sync_round(this, spec, inner)
+
+    def on_retry(exc: BaseException, seconds: float) -> None:
+        what = "unreachable" if isinstance(exc, ConnectError) else "round failed"
+        message = exc.message if isinstance(exc, RelaunchError) else str(exc)
+        ui.warn(f"{spec}: {what}: {message.splitlines()[0]}; retrying in {seconds:.0f}s "
+                "(Ctrl-C to stop; nothing partial is trusted)")
+
+    while True:
+        report = retrying(one_round, transient=_worth_retrying, first=5.0, most=MAX_BACKOFF, on_retry=on_retry)
+        _show(ui, report, emit)
+        processes.sleep(every)
+
+
+def _show(ui: UI, report: Report, emit: Callable[[str], None] | None) -> None:
+    ui.ok(round_line(report))
+    if emit:
+        emit(json.dumps(report.as_dict()))

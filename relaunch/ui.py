@@ -5,6 +5,8 @@ Results for scripts go to stdout (`--json`); progress always goes to stderr.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import re
 import threading
@@ -73,15 +75,27 @@ class UI:
             with self._lock:
                 self.console.print(escape(redact(text)), style="dim")
 
-    def transfer(self, description: str, total: int) -> Transfer:
-        return Transfer(self, description, total)
+    def transfer(self, description: str, total: int, kind: str = "rsync") -> Transfer | contextlib.nullcontext[None]:
+        """A bar for a transfer fed by the program's own progress output (kind: rsync, rclone);
+        no bar (None) when kind is empty."""
+        return Transfer(self, description, total) if kind else contextlib.nullcontext()
+
+
+def human(n: int) -> str:
+    """1536 -> '1.5 KiB'."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return f"{n} B"
 
 
 _PROGRESS2 = re.compile(rb"^\s*([\d,]+)\s+(\d+)%")
 
 
 class Transfer:
-    """A rich bar fed by rsync's `--info=progress2` lines (bytes so far, percent)."""
+    """A rich bar fed by rsync's `--info=progress2` lines (stdout) or rclone's JSON stats (stderr)."""
 
     def __init__(self, ui: UI, description: str, total: int) -> None:
         self.ui = ui
@@ -107,6 +121,16 @@ class Transfer:
             match = _PROGRESS2.match(part)
             if match:
                 self.progress.update(self.task, completed=int(match.group(1).replace(b",", b"")))
+
+    def feed_err(self, chunk: bytes) -> None:
+        """rclone's `--use-json-log --stats 1s` lines carry the bytes so far."""
+        for line in chunk.splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("stats"), dict):
+                self.update(int(entry["stats"].get("bytes", 0)))
 
 
 def setup_logging(path: str) -> None:

@@ -30,8 +30,18 @@ else
   echo "session_alive=0"
 fi
 if command -v nvidia-smi >/dev/null 2>&1; then
-  echo "--- gpus"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  # a broken driver makes nvidia-smi hang for minutes: ask once, briefly
+  gpus=$(timeout -k 2 10 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)
+  rc=$?
+  if [ "$rc" = 0 ]; then
+    echo "--- gpus"
+    printf '%s\n' "$gpus"
+    echo "--- end"
+  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    echo "gpu_error=nvidia-smi did not answer within 10s"
+  else
+    echo "gpu_error=nvidia-smi failed (exit $rc): $(printf '%s' "$gpus" | head -n 1)"
+  fi
 fi
 if [ -x "$venv/bin/python" ]; then
   echo "--- freeze"

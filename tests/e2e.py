@@ -51,7 +51,7 @@ def example_recipe(folder: Path, *, name: str, layout: str, key: Path, index_url
         "run": {"command": f"python train.py --out ~/ckpt --layout {layout} --steps {steps} "
                            f"--save-every {save_every} --sleep {sleep} --resume \"{{{{ checkpoint }}}}\" "
                            "--final ~/final.sha256",
-                "workdir": "~/work"},
+                "workdir": "~/work", "ready": r"^step \d+ "},
     }
     return write_recipe(folder, data)
 
@@ -84,7 +84,8 @@ def plain_recipe(folder: Path, *, name: str, key: Path, command: str = "sleep 60
         "env": {"python": "3.11", "venv": "~/venvs/plain"},
         "checkpoint": {"dir": "~/ckpt", "layout": "files", "pattern": "ckpt-*.pt", "keep": 2,
                        "remote": str(folder / "store")},
-        "run": {"command": command, "workdir": "~"},
+        # a command that is still alive after a few seconds has started (up waits that long)
+        "run": {"command": command, "workdir": "~", "grace": 3},
     }
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)

@@ -8,10 +8,12 @@ both this machine and the instances reach it.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
 import shlex
+import struct
 from pathlib import Path
 
 import yaml
@@ -38,11 +40,18 @@ def hf_recipe(tmp: Path, name: str, key: Path, inst, remote: str, *, layout: str
                         checkpoint={"remote": remote, "layout": layout, "pattern": "ckpt-*.pt", **checkpoint})
 
 
+def safetensors(size: int) -> bytes:
+    """A well-formed safetensors file of random weights (relaunch checks the header against the size)."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}}).encode()
+    return struct.pack("<Q", len(header)) + header + os.urandom(size)
+
+
 def plant_trainer(ssh, inst, step: int) -> dict[str, str]:
     """A complete `checkpoint-<step>/` (trainer_state.json written last); returns path -> sha256."""
     d = f"~/ckpt/checkpoint-{step}"
     state = json.dumps({"global_step": step})
-    ssh(inst, f"mkdir -p {d} && head -c 3000 /dev/urandom > {d}/model.safetensors && "
+    weights = base64.b64encode(safetensors(3000)).decode()
+    ssh(inst, f"mkdir -p {d} && echo {weights} | base64 -d > {d}/model.safetensors && "
               f"head -c 700 /dev/urandom > {d}/optimizer.pt && printf %s {shlex.quote(state)} > {d}/trainer_state.json")
     return instance_hashes(ssh, inst, f"checkpoint-{step}")
 
@@ -274,7 +283,7 @@ def test_verification_reads_one_revision_lfs_sha256_and_git_blob_ids(tmp_path, h
     weights, state = os.urandom(4000), b'{"global_step": 7}'
     sha = hub.seed(REPO, {f"{SUB}/checkpoint-7/model.pt": weights, f"{SUB}/checkpoint-7/trainer_state.json": state})
     hub.seed(REPO, {f"{SUB}/checkpoint-7/model.pt": os.urandom(4000)})       # a later commit changes it
-    store = HfStore(REPO, SUB, "local", "verify", hub.token, hub.url)
+    store = HfStore(REPO, SUB, "verify", hub.token, hub.url)
     (tmp_path / "state.json").write_bytes(state)
     blob_ids = lambda paths: {p: git_blob_id(tmp_path / "state.json") for p in paths}  # noqa: E731
     right = {"checkpoint-7/model.pt": FileRecord(4000, hashlib.sha256(weights).hexdigest()),

@@ -21,8 +21,8 @@ from relaunch.layouts import (
     detect_layout,
     layout_names,
     parse_listing,
-    parse_sha256sum,
 )
+from relaunch.host.hashing import hash_command, parse_hashes, paths_stdin
 
 FIXTURES = Path(__file__).parent / "fixtures" / "listings"
 FIXTURE_FILES = sorted(FIXTURES.glob("*.json"))
@@ -157,29 +157,58 @@ def test_parse_listing_empty() -> None:
     assert parse_listing(b"") == []
 
 
-@pytest.mark.parametrize("flag", ["-t", "-b"])  # text mode "HEX  PATH", binary mode "HEX *PATH"
-def test_parse_sha256sum_reads_real_output(tmp_path: Path, flag: str) -> None:
-    names = ["plain.pt", "with space.pt", "new\nline.pt", "back\\slash.pt", "sub/x.bin"]
+def run_hasher(folder: Path, names: list[str], *algos: str) -> bytes:
+    """The instance-side hasher, run here by this machine's python3 exactly as on an instance."""
+    command = hash_command(str(folder), "python3", algos or ("sha256",))
+    return subprocess.run(["bash", "-c", command], input=paths_stdin(names), check=True, capture_output=True).stdout
+
+
+def test_hasher_reads_real_files_with_any_name(tmp_path: Path) -> None:
+    names = ["plain.pt", "with space.pt", "new\nline.pt", "back\\slash.pt", "sub/x.bin", "$(touch pwned).pt"]
     (tmp_path / "sub").mkdir()
     for i, name in enumerate(names):
         (tmp_path / name).write_bytes(bytes([i]) * (1000 + i))
-    out = subprocess.run(
-        ["sha256sum", flag, "-z", "--", *names], cwd=tmp_path, check=True, capture_output=True
-    ).stdout
-    got = parse_sha256sum(out)
-    assert got == {n: hashlib.sha256((tmp_path / n).read_bytes()).hexdigest() for n in names}
+    got = parse_hashes(run_hasher(tmp_path, names, "sha256", "md5", "gitblob"))
+    for n in names:
+        data = (tmp_path / n).read_bytes()
+        assert got[n].size == len(data) and not got[n].problem and not got[n].missing
+        assert got[n].hashes == {"sha256": hashlib.sha256(data).hexdigest(), "md5": hashlib.md5(data).hexdigest(),
+                                 "gitblob": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
+    assert not (tmp_path / "pwned").exists()
 
 
-@pytest.mark.parametrize(
-    "raw",
-    [b"abc  file\0", b"z" * 64 + b"  file\0", b"a" * 64 + b"file\0", b"a" * 64 + b"  \0"],
-)
-def test_parse_sha256sum_rejects_malformed(raw: bytes) -> None:
-    with pytest.raises(CheckpointError, match="could not read sha256sum output"):
-        parse_sha256sum(raw)
+def test_hasher_names_a_file_that_went_away(tmp_path: Path) -> None:
+    (tmp_path / "here.pt").write_bytes(b"x" * 10)
+    got = parse_hashes(run_hasher(tmp_path, ["here.pt", "gone.pt"]))
+    assert got["gone.pt"].missing and not got["here.pt"].missing
 
 
-def test_parse_sha256sum_conflicting_duplicates() -> None:
-    raw = b"a" * 64 + b"  f\0" + b"b" * 64 + b"  f\0"
-    with pytest.raises(CheckpointError, match="two different hashes"):
-        parse_sha256sum(raw)
+def test_hasher_flags_a_torch_save_that_did_not_finish(tmp_path: Path) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "whole.pt", "w") as z:       # torch.save writes a zip like this
+        z.writestr("archive/data.pkl", b"\x80" * 5000)
+    data = (tmp_path / "whole.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])      # a crash half-way through the save
+    got = parse_hashes(run_hasher(tmp_path, ["whole.pt", "cut.pt"]))
+    assert got["whole.pt"].problem == ""
+    assert "truncated zip" in got["cut.pt"].problem
+
+
+def test_hasher_flags_a_safetensors_file_shorter_than_its_header_says(tmp_path: Path) -> None:
+    import json
+    import struct
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    whole = struct.pack("<Q", len(header)) + header + b"\0" * 16
+    (tmp_path / "ok.safetensors").write_bytes(whole)
+    (tmp_path / "cut.safetensors").write_bytes(whole[:-5])
+    got = parse_hashes(run_hasher(tmp_path, ["ok.safetensors", "cut.safetensors"]))
+    assert got["ok.safetensors"].problem == ""
+    assert "header says" in got["cut.safetensors"].problem
+
+
+@pytest.mark.parametrize("raw", [b"not json\n", b'{"size": 3}\n', b'{"path": "a", "size": "x"}\n'])
+def test_parse_hashes_rejects_malformed(raw: bytes) -> None:
+    with pytest.raises(CheckpointError, match="could not read the instance's hashes"):
+        parse_hashes(raw)

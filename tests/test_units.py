@@ -9,7 +9,7 @@ import pytest
 from relaunch.errors import UsageError
 from relaunch.host.facts import facts_script, parse_facts
 from relaunch.host.spec import HostSpec
-from relaunch.steps.common import drift, pins
+from relaunch.job import drift, pins
 from relaunch.steps.preflight import apt_command
 
 

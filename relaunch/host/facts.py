@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ..scripts import plain, with_inputs
+
+FACTS_DEADLINE = 90.0       # the script bounds each slow probe itself (nvidia-smi on a broken box hangs)
 
 
 @dataclass
@@ -22,6 +25,7 @@ class HostFacts:
     session_alive: bool = False
     session_since: str = ""
     gpus: list[str] = field(default_factory=list)   # nvidia-smi csv rows: name, memory, driver
+    gpu_error: str = ""                             # nvidia-smi present but failed or hung
     venv_freeze: list[str] | None = None            # None: no venv yet
     missing_apt: list[str] = field(default_factory=list)
 
@@ -32,6 +36,13 @@ class HostFacts:
     @property
     def driver(self) -> str:
         return self.gpus[0].split(",")[-1].strip() if self.gpus else ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HostFacts:
+        return cls(**data)
 
 
 # What is installed in the venv itself (not the image's site-packages), like `pip freeze --local`;
@@ -82,6 +93,7 @@ def parse_facts(text: str) -> HostFacts:
     facts.session_alive = values.get("session_alive") == "1"
     facts.session_since = values.get("session_since", "")
     facts.gpus = sections.get("gpus", [])
+    facts.gpu_error = values.get("gpu_error", "")
     facts.venv_freeze = sections.get("freeze")
     return facts
 

@@ -19,7 +19,7 @@ from relaunch.layouts.deepspeed import DeepSpeedLayout
 from relaunch.layouts.files import FilesLayout
 from relaunch.layouts.hf_trainer import HfTrainerLayout
 from relaunch.layouts.lightning import LightningLayout
-from relaunch.layouts.listing import LISTING_COMMAND, parse_hashsum, parse_listing, parse_sha256sum
+from relaunch.layouts.listing import LISTING_COMMAND, parse_listing
 
 __all__ = [
     "AUTO",
@@ -32,8 +32,6 @@ __all__ = [
     "detect_layout",
     "layout_names",
     "parse_listing",
-    "parse_hashsum",
-    "parse_sha256sum",
 ]
 
 AUTO = "auto"

@@ -1,23 +1,19 @@
-"""Parsers for the two remote commands the layouts depend on: `find -printf` and `sha256sum -z`.
+"""The parser of the listing command the layouts read: `find -printf` on checkpoint.dir.
 
-Both use NUL separators because checkpoint names may hold spaces and even newlines, and both
-decode names as UTF-8 with surrogateescape, so a name that is not valid UTF-8 still round-trips
+It uses NUL separators because checkpoint names may hold spaces and even newlines, and it
+decodes names as UTF-8 with surrogateescape, so a name that is not valid UTF-8 still round-trips
 through `os.fsencode` to the exact bytes on the instance.
 """
 
 from __future__ import annotations
 
-import re
-
 from relaunch.errors import CheckpointError
 from relaunch.layouts.base import Entry
 
-# The lead runs this on the instance with {dir} shell-quoted. -mindepth 1 leaves out the folder
+# relaunch runs this on the instance with {dir} shell-quoted. -mindepth 1 leaves out the folder
 # itself; %P is the path relative to it; %T@ is the mtime in seconds (kept, but never used to
 # order checkpoints); find does not follow symlinks by default, so a symlink is one entry "l".
 LISTING_COMMAND = "find {dir} -mindepth 1 -printf '%y %s %T@ %P\\0'"
-
-HEX_DIGITS = {"sha256": 64, "md5": 32}
 
 
 def _decode(raw: bytes) -> str:
@@ -61,34 +57,3 @@ def parse_listing(raw: bytes) -> list[Entry]:
             )
         entries.append(Entry(path=_decode(path_b), kind=kind, size=size, mtime=mtime))
     return entries
-
-
-def parse_sha256sum(raw: bytes) -> dict[str, str]:
-    return parse_hashsum(raw, "sha256")
-
-
-def parse_hashsum(raw: bytes, algo: str) -> dict[str, str]:
-    """Parse `sha256sum -z -- FILES` (or md5sum) output into {path as given on the command line: hex}.
-
-    With -z each record is `HEX  PATH` (or `HEX *PATH` in binary mode) ended by NUL and the name
-    is not escaped, unlike plain sha256sum, which prefixes a backslash to names with newlines.
-    """
-    digits = HEX_DIGITS[algo]
-    pattern = re.compile(rb"([0-9a-fA-F]{%d}) [ *](.+)" % digits, re.DOTALL)
-    result: dict[str, str] = {}
-    records = raw.split(b"\0")
-    if records and records[-1] == b"":
-        records.pop()
-    for n, record in enumerate(records, 1):
-        m = pattern.fullmatch(record)
-        if m is None:
-            raise CheckpointError(
-                f"could not read {algo}sum output: record {n} {_show(record)}",
-                hint=f"expected GNU coreutils `{algo}sum -z` output: {digits} hex digits, two spaces, the path",
-            )
-        path = _decode(m.group(2))
-        digest = m.group(1).decode("ascii").lower()
-        if result.get(path, digest) != digest:
-            raise CheckpointError(f"{algo}sum reported two different hashes for {path!r}")
-        result[path] = digest
-    return result

@@ -166,6 +166,18 @@ class Run(_Section):
     session: str = ""  # empty: the recipe's name
     log: str = ""  # empty: ~/{name}.log
     stop: Stop = Field(default_factory=Stop)
+    ready: str | None = None  # a regex: a log line that proves training started
+    grace: float = Field(default=60, ge=0)  # seconds `up` watches the command when no ready line is given
+
+    @field_validator("ready")
+    @classmethod
+    def _ready(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"is not a valid regular expression: {exc}") from None
+        return v
 
     @field_validator("session")
     @classmethod

@@ -6,92 +6,20 @@ import hashlib
 import shlex
 
 from .. import scripts
-from ..errors import EnvError
-from ..plan import Action
+from ..host.connection import upload_command
 from ..host.facts import FREEZE_PY
-from .common import Job, drift, read_lock
-from .tools import index_args
+from ..job import Job, drift
+from ..plan import LOCAL, Action, Ref
+from ..transports.tools import index_args
+
+LANE = "env"
+INSTALL_DEADLINE = 3600.0
 
 
 def exports(job: Job, extra: dict[str, str] | None = None) -> dict[str, str]:
     values = {k: str(v) for k, v in job.recipe.env.vars.items()}
     values.update(extra or {})
     return values
-
-
-def plan_env(job: Job) -> list[Action]:
-    recipe, paths, facts = job.recipe, job.paths, job.facts
-    lock_path = recipe.env.lock
-    lock = read_lock(lock_path)
-    actions: list[Action] = []
-
-    mkdir = f"mkdir -p {shlex.quote(paths.state)} && chmod 700 {shlex.quote(paths.state)}"
-    def make_state_dir() -> None:
-        job.remote.check(mkdir, "env (mkdir)", EnvError)
-
-    actions.append(Action("env", "relaunch's folder on the instance", mkdir, make_state_dir))
-
-    script = scripts.render("env.sh.j2", name=recipe.name, venv=paths.venv, python=facts.python,
-                            lock=paths.lock if lock else "", installer=recipe.env.installer,
-                            index_args=index_args(job), system_site_packages=recipe.env.system_site_packages)
-    installed = facts.venv_freeze
-    if installed is not None and lock and not drift(lock, installed):
-        actions.append(Action("env", "venv", skip=f"venv {paths.venv} already matches the lock "
-                              f"({len(lock)} lines)"))
-    elif installed is not None and not lock:
-        actions.append(Action("env", "venv", skip=f"venv {paths.venv} exists and there is no env.lock"))
-    else:
-        def install() -> None:
-            if lock_path:
-                job.remote.put_file(lock_path, paths.lock, 0o600)
-            job.say("env", f"installing {len(lock)} pinned packages with {recipe.env.installer}" if lock
-                    else "creating the venv")
-            job.remote.check("bash -s", "env (install)", EnvError, stdin=script.encode(),
-                             display="bash -s < env.sh", timeout=3600,
-                             on_output=lambda b: job.ui.detail(b.decode(errors="replace").rstrip()),
-                             hint="the full output is in the debug log (relaunch -v shows it live)")
-
-        title = f"create {paths.venv} and install {lock_path}" if lock else f"create {paths.venv}"
-        actions.append(Action("env", title, f"upload {lock_path} -> {paths.lock}\n{script}", install))
-
-    for local, remote_path in recipe.env.files.items():
-        dest = job.remote.expand(str(remote_path))
-
-        def upload(local=local, dest=dest) -> None:
-            job.remote.check(f"mkdir -p {shlex.quote(dest.rsplit('/', 1)[0] or '/')}", "env (files)", EnvError)
-            job.remote.put_file(local, dest)
-            job.say("env", f"uploaded {local.name} -> {dest}")
-
-        actions.append(Action("env", f"upload {local} -> {dest}", run=upload))
-
-    if job.secrets:
-        names = ", ".join(sorted(job.secrets))
-        actions.append(Action("env", f"secrets {names} -> {paths.secrets_file} (mode 0600)",
-                              run=lambda: job.remote.put_bytes(paths.secrets_file,
-                                                               scripts.export_lines(job.secrets).encode(), 0o600)))
-
-    if recipe.env.setup:
-        lines, env = render_setup(job)
-        digest = hashlib.sha256("\n".join([*lock, *lines]).encode()).hexdigest()
-        setup = scripts.render("setup.sh.j2", name=recipe.name, setup=lines, workdir=paths.workdir,
-                               venv=paths.venv, secrets_file=paths.secrets_file, exports=exports(job, env))
-        guarded = (f"marker={shlex.quote(paths.setup_marker)}\n"
-                   f"if [ \"$(cat \"$marker\" 2>/dev/null)\" = {digest} ]; then "
-                   "echo 'setup already ran for this lock'; exit 0; fi\n"
-                   f"mkdir -p {shlex.quote(paths.workdir)}\n"
-                   f"bash -s <<'RELAUNCH_SETUP'\n{setup}RELAUNCH_SETUP\n"
-                   f"echo {digest} > \"$marker\"\n")
-
-        def run_setup() -> None:
-            job.say("env", f"running env.setup ({len(lines)} lines)")
-            job.remote.check("bash -s", "env (setup)", EnvError, stdin=guarded.encode(), display="env.setup",
-                             timeout=3600, on_output=lambda b: job.ui.detail(b.decode(errors="replace").rstrip()))
-
-        actions.append(Action("env", "env.setup", guarded, run_setup))
-
-    if lock:
-        actions.append(Action("env", "compare pip freeze with the lock", run=lambda: report_drift(job, lock)))
-    return actions
 
 
 def render_setup(job: Job) -> tuple[list[str], dict[str, str]]:
@@ -104,17 +32,64 @@ def render_setup(job: Job) -> tuple[list[str], dict[str, str]]:
     return lines, env
 
 
-def installed_freeze(job: Job) -> list[str]:
-    result = job.remote.check(f"{shlex.quote(job.paths.venv)}/bin/python -c {shlex.quote(FREEZE_PY)}",
-                              "env (pip freeze)", EnvError)
-    return result.text.splitlines()
+def plan_env(job: Job) -> list[Action]:
+    recipe, paths, facts = job.recipe, job.paths, job.facts
+    lock = facts.lock
+    q = shlex.quote
 
+    def act(title: str, **kw: object) -> Action:
+        return Action("env", title, lane=LANE, **kw)  # type: ignore[arg-type]
 
-def report_drift(job: Job, lock: list[str]) -> None:
-    differences = drift(lock, installed_freeze(job))
-    if differences:
-        job.ui.warn(f"{job.host}: the env differs from the lock in {len(differences)} package(s):")
-        for line in differences[:20]:
-            job.ui.warn(f"  {line}")
+    actions = [act("relaunch's folder on the instance",
+                   command=f"mkdir -p -- {q(paths.state)} && chmod 700 -- {q(paths.state)}")]
+
+    installed = facts.host.venv_freeze
+    if installed is not None and lock and not drift(lock, installed):
+        actions.append(act("venv", skip=f"venv {paths.venv} already matches the lock ({len(lock)} lines)"))
+    elif installed is not None and not lock:
+        actions.append(act("venv", skip=f"venv {paths.venv} exists and there is no env.lock"))
     else:
-        job.say("env", "pip freeze matches the lock")
+        script = scripts.render("env.sh.j2", name=recipe.name, venv=paths.venv, python=facts.host.python,
+                                lock=paths.lock if lock else "", installer=recipe.env.installer,
+                                index_args=index_args(job), system_site_packages=recipe.env.system_site_packages)
+        if lock:
+            actions.append(act(f"upload {recipe.env.lock} -> {paths.lock}", command=upload_command(paths.lock, 0o600),
+                               stdin=recipe.env.lock))
+        pinned = f"installing {len(lock)} pinned packages with {recipe.env.installer}"
+        actions.append(act(f"create {paths.venv}" + (f" and install {len(lock)} pinned packages" if lock else ""),
+                           command="bash -s", stdin=script.encode(), deadline=INSTALL_DEADLINE,
+                           say=pinned if lock else "creating the venv",
+                           hint="the full output is in the debug log (relaunch -v shows it live)"))
+
+    for local, remote_path in recipe.env.files.items():
+        dest = job.expand(str(remote_path))
+        mode = facts.modes.get(str(local), 0o644)
+        actions.append(act(f"upload {local} -> {dest}", command=upload_command(dest, mode), stdin=local,
+                           done=f"uploaded {local.name} -> {dest}"))
+
+    if facts.secrets:
+        names = tuple(sorted(facts.secrets))
+        actions.append(act(f"secrets {', '.join(names)} -> {paths.secrets_file} (mode 0600)",
+                           command=upload_command(paths.secrets_file, 0o600),
+                           stdin=scripts.export_lines(facts.secrets).encode(), secret=names))
+
+    if recipe.env.setup:
+        lines, env = render_setup(job)
+        digest = hashlib.sha256("\n".join([*lock, *lines]).encode()).hexdigest()
+        setup = scripts.render("setup.sh.j2", name=recipe.name, setup=lines, workdir=paths.workdir,
+                               venv=paths.venv, secrets_file=paths.secrets_file, exports=exports(job, env))
+        guarded = (f"marker={q(paths.setup_marker)}\n"
+                   f"if [ \"$(cat \"$marker\" 2>/dev/null)\" = {digest} ]; then "
+                   "echo 'setup already ran for this lock'; exit 0; fi\n"
+                   f"mkdir -p {q(paths.workdir)}\n"
+                   f"bash -s <<'RELAUNCH_SETUP'\n{setup}RELAUNCH_SETUP\n"
+                   f"echo {digest} > \"$marker\"\n")
+        actions.append(act("env.setup", command="bash -s", stdin=guarded.encode(), deadline=INSTALL_DEADLINE,
+                           say=f"running env.setup ({len(lines)} lines)"))
+
+    if lock:
+        actions += [act("pip freeze of the venv", command=f"{q(paths.venv)}/bin/python -c {q(FREEZE_PY)}",
+                        produces="freeze", parse="lines"),
+                    act("compare pip freeze with the lock", where=LOCAL, call="checks.drift",
+                        args={"lock": lock, "freeze": Ref("freeze")})]
+    return actions

@@ -1,17 +1,16 @@
-"""Launch: the run script, an exact-name tmux session, and a look a few seconds later."""
+"""Launch: the run script, an exact-name tmux session, and a watch until the command proves itself."""
 
 from __future__ import annotations
 
 import shlex
-import time
 
 from .. import scripts
-from ..errors import EnvError
+from ..host.connection import upload_command
+from ..job import Job
 from ..plan import Action
-from .common import Job
 from .env import exports
 
-GRACE_SECONDS = 3.0
+WATCH_SLACK = 30.0       # seconds beyond the grace for the watch itself (python start, a slow box)
 
 
 def render_run_script(job: Job) -> str:
@@ -24,7 +23,7 @@ def render_run_script(job: Job) -> str:
 
 
 def tail_command(path: str, lines: int = 20) -> str:
-    return f"tail -n {lines} {shlex.quote(path)} 2>/dev/null"
+    return f"tail -n {lines} -- {shlex.quote(path)} 2>/dev/null"
 
 
 def attach_command(job: Job) -> str:
@@ -38,36 +37,29 @@ def attach_command(job: Job) -> str:
     return shlex.join(parts)
 
 
+def watch_command(job: Job) -> str:
+    """Watch the session start: a `run.ready` line in its log, or `run.grace` seconds alive."""
+    run, paths = job.recipe.run, job.paths
+    args = [run.session, paths.log, paths.status_file, run.ready or "", f"{run.grace:g}"]
+    python = job.facts.host.python or "python3"
+    return f"{shlex.quote(python)} -c {shlex.quote(scripts.plain('watch.py'))} {shlex.join(args)}"
+
+
 def plan_launch(job: Job) -> list[Action]:
-    paths, session = job.paths, job.recipe.run.session
+    paths, run = job.paths, job.recipe.run
+    session = shlex.quote(run.session)
     script = render_run_script(job)
-    start = (f"mkdir -p {shlex.quote(paths.workdir)} && "
-             f"tmux new-session -d -s {shlex.quote(session)} {shlex.quote('bash ' + shlex.quote(paths.run_script))}")
-
-    def launch() -> None:
-        job.remote.put_bytes(paths.run_script, script.encode(), 0o700)
-        result = job.remote.exec(start)
-        if not result.ok and "duplicate session" in result.output:
-            job.say("launch", f"tmux session {session} appeared meanwhile (another `up`?); leaving it alone")
-            return
-        if not result.ok:
-            raise EnvError(f"{job.host}: launch: tmux failed: {result.output.strip()}")
-        time.sleep(GRACE_SECONDS)
-        alive = job.remote.exec(f"tmux has-session -t {shlex.quote('=' + session)}").ok
-        if alive:
-            job.ui.ok(f"[{job.host}] training is running in tmux session {session} "
-                      f"({'resumed from ' + job.checkpoint if job.checkpoint else 'fresh start'})")
-            job.ui.say(f"  attach: {attach_command(job)}\n  log:    {paths.log}")
-            return
-        status = job.remote.exec(f"cat {shlex.quote(paths.status_file)} 2>/dev/null").text.strip()
-        tail = job.remote.exec(tail_command(paths.log)).text
-        if status == "0":
-            job.ui.ok(f"[{job.host}] the command already finished (exit 0); log: {paths.log}")
-            return
-        lines = "\n".join("  | " + ln for ln in tail.rstrip().splitlines())
-        raise EnvError(f"{job.host}: launch: the command died at start (exit {status or '?'}); last lines of "
-                       f"{paths.log}:\n{lines}", "fix run.command (try it by hand in the venv) and rerun `up`")
-
-    shown = f"upload run.sh -> {paths.run_script} (mode 0700):\n{script}\n{start}\nsleep {GRACE_SECONDS:g}; " \
-            f"tmux has-session -t ={session}"
-    return [Action("launch", f"start tmux session {session}", shown, launch)]
+    # new-session fails when the session exists: an atomic create, so two `up`s start one trainer
+    start = (f"mkdir -p -- {shlex.quote(paths.workdir)} && "
+             f"{{ tmux new-session -d -s {session} {shlex.quote('bash ' + shlex.quote(paths.run_script))} || "
+             f"{{ tmux has-session -t {shlex.quote('=' + run.session)} && "
+             f"echo 'the session appeared meanwhile (another up?); left alone'; }}; }}")
+    waiting = (f"waiting until a log line matches run.ready {run.ready!r} (up to {run.grace:g}s)" if run.ready
+               else f"watching the command for {run.grace:g}s (run.grace) to see it start")
+    return [
+        Action("launch", f"upload run.sh -> {paths.run_script} (mode 0700)",
+               command=upload_command(paths.run_script, 0o700), stdin=script.encode()),
+        Action("launch", f"start tmux session {run.session}", command=start),
+        Action("launch", "watch the command start", command=watch_command(job), deadline=run.grace + WATCH_SLACK,
+               produces="launch", parse="json", say=waiting),
+    ]

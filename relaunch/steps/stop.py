@@ -1,38 +1,31 @@
-"""Ask training to save and exit (`evacuate --stop`): run.stop.signal to the command's process group."""
+"""Ask training to save and exit (`evacuate --stop`): run.stop.signal to the command's process
+group, then wait up to run.stop.timeout for the tmux session to end."""
 
 from __future__ import annotations
 
 import shlex
-import time
 
-from ..errors import EvacuationError
-from .common import Job
+from ..job import Job
+from ..plan import Action
 
-
-def session_alive(job: Job) -> bool:
-    return job.remote.exec(f"tmux has-session -t {shlex.quote('=' + job.recipe.run.session)}").ok
+STOPPED = "stopped"
+STILL_RUNNING = "still running"
 
 
-def stop_training(job: Job) -> bool:
-    """Signal the trainer and wait for it to end (up to run.stop.timeout). True if it ended."""
-    stop = job.recipe.run.stop
-    if not session_alive(job):
-        job.say("stop", f"tmux session {job.recipe.run.session} is not running; nothing to stop")
-        return True
-    pgid_file = shlex.quote(job.paths.pgid_file)
-    command = f"pgid=$(cat {pgid_file}) && kill -s {shlex.quote(stop.signal)} -- -\"$pgid\""
-    result = job.remote.exec(command)
-    if not result.ok:
-        raise EvacuationError(f"{job.host}: stop: could not signal the training ({result.output.strip()})",
-                              "stop it by hand (tmux attach), then run `relaunch evacuate` without --stop")
-    job.say("stop", f"sent SIG{stop.signal} to the training; waiting up to {stop.timeout:g}s for it to save and exit")
-    deadline = time.monotonic() + stop.timeout
-    while time.monotonic() < deadline:
-        if not session_alive(job):
-            status = job.remote.exec(f"cat {shlex.quote(job.paths.status_file)} 2>/dev/null").text.strip()
-            job.say("stop", f"training stopped (exit {status or '?'})")
-            return True
-        time.sleep(1)
-    job.ui.warn(f"{job.host}: training still running after {stop.timeout:g}s (run.stop.timeout); "
-                "evacuating what is there")
-    return False
+def plan_stop(job: Job) -> list[Action]:
+    stop, session = job.recipe.run.stop, job.recipe.run.session
+    if not job.facts.host.session_alive:
+        return [Action("stop", "stop the training", skip=f"tmux session {session} is not running; nothing to stop")]
+    q = shlex.quote
+    signal = f"pgid=$(cat -- {q(job.paths.pgid_file)}) && kill -s {q(stop.signal)} -- -\"$pgid\""
+    timeout = int(stop.timeout + 0.999)
+    wait = (f"end=$((SECONDS + {timeout})); while tmux has-session -t {q('=' + session)} 2>/dev/null; do "
+            f"if [ \"$SECONDS\" -ge \"$end\" ]; then echo {q(STILL_RUNNING)}; exit 0; fi; sleep 1; done; "
+            f"echo \"{STOPPED} $(cat -- {q(job.paths.status_file)} 2>/dev/null)\"")
+    return [
+        Action("stop", f"send SIG{stop.signal} to the training's process group", command=signal, fails_as="evacuate",
+               say=f"sent SIG{stop.signal} to the training; waiting up to {stop.timeout:g}s for it to save and exit",
+               hint="stop it by hand (tmux attach), then run `relaunch evacuate` without --stop"),
+        Action("stop", f"wait up to {stop.timeout:g}s (run.stop.timeout) for the session to end", command=wait,
+               deadline=stop.timeout + 30, produces="stop", parse="text", fails_as="evacuate"),
+    ]

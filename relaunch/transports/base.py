@@ -1,5 +1,6 @@
-"""What every kind of store does for the steps: receive a checkpoint off an instance, verify it,
-commit it; send one back; keep the manifest. One implementation per `checkpoint.remote` kind.
+"""What every kind of store offers the steps: read its state, plan how a checkpoint reaches it
+(receive, then accept: verify, commit, record) and how one goes back (send), and the in-process
+operations those plans call. One implementation per `checkpoint.remote` kind.
 
 Trust lives in the manifest alone: bytes may sit in the store before they are verified, but a
 checkpoint counts only once its record is in the manifest, which is written after the bytes.
@@ -9,57 +10,77 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import shlex
+import json
+import os
+import sys
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from .. import processes
+from ..errors import EvacuationError
 from ..layouts import Checkpoint
 from ..paths import state_dir
-from ..store import CheckpointRecord, FileRecord, StoreManifest
-from ..scripts import export_lines
-from ..ui import UI, redact
+from ..plan import LOCAL, Action, Ref
+from ..host.hashing import FileHash
+from ..store import CheckpointRecord, FileRecord, StoreManifest, utc_now
+from ..ui import UI
 
 if TYPE_CHECKING:
-    from ..steps.common import Job
+    from ..job import Job, StoreState
+
+LOCK_WAIT = 900.0         # seconds a writer waits for another one before it gives up and says who
 
 
-@contextmanager
-def instance_env(job: Job, values: dict[str, str]) -> Iterator[str]:
-    """Credentials for a command run on the instance: a 0600 file, never a command line.
-
-    Yields the shell prefix that loads them; the file is removed when the step ends.
-    """
-    redact.add(values.values())
-    path = f"{job.paths.state}/store.env"
-    job.remote.exec(f"mkdir -p {shlex.quote(job.paths.state)} && chmod 700 {shlex.quote(job.paths.state)}")
-    job.remote.put_bytes(path, export_lines(values).encode(), 0o600)
-    try:
-        yield f". {shlex.quote(path)} && "
-    finally:
-        job.remote.exec(f"rm -f {shlex.quote(path)}")
+class Vanished(Exception):
+    """The files being copied went away meanwhile (a trainer rotated its checkpoints)."""
 
 
-@dataclass
-class Received:
-    ok: bool
-    vanished: bool = False     # the trainer rotated the checkpoint away during the copy
-    lost: bool = False         # the connection to the instance dropped: worth another round
-    message: str = ""
+class Damaged(Exception):
+    """A checkpoint on the instance looks complete by its layout but its bytes say otherwise."""
+
+
+class Mismatch(EvacuationError):
+    """What the store received differs from the instance's bytes."""
+
+    def __init__(self, message: str, problems: list[str]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+def expected_record(cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> CheckpointRecord:
+    """The manifest record the instance's hashes promise for cp: Vanished when a file went away
+    after the copy, Damaged when one is a save that did not finish."""
+    files: dict[str, FileRecord] = {}
+    for entry in cp.files:
+        got = hashes.get(entry.path)
+        if got is None or got.missing:
+            raise Vanished(cp.name)
+        if got.problem:
+            raise Damaged(f"{entry.path}: {got.problem}")
+        files[entry.path] = FileRecord(size=got.size, sha256=got.hashes["sha256"])
+    return CheckpointRecord(name=cp.name, step=cp.step, files=files, verified_at=utc_now(), host=host,
+                            written_at=max((e.mtime for e in cp.files), default=None))
 
 
 class Store(ABC):
-    label: str                 # what the user wrote, for messages
-    via: str = "local"         # local: bytes pass through this machine | instance: the instance talks to it
+    label: str                                  # what the user wrote, for messages
+    recipe_name: str
+    manifest: StoreManifest | None = None       # as read by read(), then as this process changed it
+    instance_hashes: tuple[str, ...] = ("sha256",)   # what evacuate computes on the instance for it
+    hash_name = "sha256 on both ends"           # what "verified" means for this store, in words
+
+    def handlers(self) -> dict[str, Any]:
+        """The objects whose methods this store's plans call (`store.x`, `staging.x`, `remote.x`)."""
+        return {"store": self}
 
     # -- the record ---------------------------------------------------------------------------
     @abstractmethod
-    def is_empty(self) -> bool: ...
-
-    @abstractmethod
-    def load_manifest(self) -> StoreManifest | None: ...
+    def read(self, writing: bool = False) -> StoreState:
+        """Is it empty, and its manifest (kept in self.manifest). `writing`: for an evacuation,
+        which may create what does not exist yet."""
 
     @abstractmethod
     def save_manifest(self, manifest: StoreManifest) -> None: ...
@@ -68,39 +89,85 @@ class Store(ABC):
     def write_meta(self, filename: str, text: str) -> None: ...
 
     @abstractmethod
-    def prune(self, manifest: StoreManifest, keep: int) -> list[str]: ...
+    def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
+        """Drop all but the newest `keep` records (never one named in protect), manifest first."""
 
-    # -- evacuation: receive -> verify -> commit -> (caller) manifest --------------------------
+    def flush(self) -> None:
+        """Write the manifest as it is (with the metadata some stores hold back until then)."""
+        self.save_manifest(self.manifest or StoreManifest(recipe=self.recipe_name))
+
+    def record(self, record: CheckpointRecord) -> None:
+        """Name a verified, committed checkpoint in the manifest (written after the bytes)."""
+        manifest = self.manifest or StoreManifest(recipe=self.recipe_name)
+        manifest.add(record)
+        self.save_manifest(manifest)
+        self.manifest = manifest
+
+    # -- plans --------------------------------------------------------------------------------
     @abstractmethod
-    def receive(self, job: Job, cp: Checkpoint, again: bool = False) -> Received:
-        """Copy cp's files off the instance towards the store; `again`: compare full contents."""
+    def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
+        """Actions that put the record's files at `incoming/<path>` on the instance (the caller verifies)."""
 
     @abstractmethod
-    def verify(self, job: Job, cp: Checkpoint, expected: dict[str, FileRecord]) -> list[str]:
-        """Problems with what was received, against the instance's sha256 (empty = verified)."""
+    def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
+        """Actions that copy cp's files off the instance towards the store (not trusted yet);
+        `again`: compare every byte instead of trusting size and time."""
 
-    @abstractmethod
-    def commit(self, job: Job, record: CheckpointRecord) -> None:
-        """Put verified bytes where the store keeps them (never over different bytes)."""
+    def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref) -> list[Action]:
+        """Actions that verify what was received against the instance's hashes, commit it and
+        record it in the manifest (by default: one call of `accept`)."""
+        return [Action("evacuate", f"verify {cp.name} against the instance's hashes and record it in the store",
+                       where=LOCAL, call="store.accept", args={"cp": cp, "hashes": hashes, "host": job.host},
+                       fails_as="evacuate")]
 
-    # -- restore ----------------------------------------------------------------------------
-    @abstractmethod
-    def send(self, job: Job, record: CheckpointRecord, incoming: str) -> None:
-        """Copy the record's files to `incoming/<path>` on the instance (the caller verifies)."""
+    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> CheckpointRecord:
+        raise NotImplementedError(f"{type(self).__name__} plans its own acceptance")
 
-    def describe_send(self, job: Job, record: CheckpointRecord, incoming: str) -> str:
-        return f"copy {record.name} from {self.label} to {incoming}"
-
+    # -- one writer at a time -----------------------------------------------------------------
     @contextmanager
-    def lock(self, ui: UI) -> Iterator[None]:
-        """One writer per store on this machine: `sync` in the background and `evacuate` take turns."""
+    def lock(self, ui: UI, wait: float = LOCK_WAIT) -> Iterator[None]:
+        """One writer per store on this machine: `sync` in the background and `evacuate` take turns.
+
+        The holder writes who it is into the lock file; a waiter shows that, and gives up after
+        `wait` seconds naming the holder.
+        """
         folder = state_dir() / "locks"
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = folder / (hashlib.sha256(self.label.encode()).hexdigest()[:16] + ".lock")
-        with open(path, "w") as handle:
+        with open(path, "a+") as handle:
+            end = time.monotonic() + wait
+            told = False
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    holder = _holder(path)
+                    if not told:
+                        ui.say(f"waiting up to {wait:g}s for {holder} writing to {self.label}")
+                        told = True
+                    if time.monotonic() > end:
+                        raise EvacuationError(
+                            f"{self.label}: another relaunch still writes to this store after {wait:g}s: {holder}",
+                            "wait for it to finish, or stop it (it is safe to stop: nothing half-written is "
+                            "trusted), then rerun") from None
+                    processes.sleep(0.5)
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps({"pid": os.getpid(), "command": " ".join(["relaunch", *sys.argv[1:3]]),
+                                     "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
+            handle.flush()
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                ui.say(f"waiting for another relaunch writing to {self.label} (a sync round?)")
-                fcntl.flock(handle, fcntl.LOCK_EX)
-            yield
+                yield
+            finally:
+                handle.seek(0)
+                handle.truncate()
+
+
+def _holder(path: os.PathLike[str]) -> str:
+    try:
+        with open(path) as f:
+            info = json.loads(f.read() or "{}")
+        return f"`{info['command']}` (pid {info['pid']}, since {info['since']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another relaunch"

@@ -10,8 +10,9 @@ instance's; a regular (non-LFS) file has no sha256 on the Hub, so its git blob i
 (sha1 of b"blob <size>\\0" + content) is computed where the bytes are and compared.
 
 via instance (the default for hf remotes): the instance runs `hf upload` / `hf download` from
-relaunch's tools venv. via local: instance -> rsync -> a cache on this machine (verified) ->
-HfApi -> repo (verified), and the reverse for a restore.
+relaunch's tools venv (this class). via local: a Relay (relay.py) over this class's local
+primitives: instance -> rsync -> a cache on this machine (verified) -> HfApi -> repo (verified),
+and the reverse for a restore.
 
 Credentials: HF_TOKEN is used only when the recipe names it in env.secrets (never a token file
 nor an HF_TOKEN that the recipe did not name); on the instance it is only in a 0600 file
@@ -30,26 +31,25 @@ import json
 import os
 import re
 import shlex
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError
+from ..host.hashing import FileHash
+from ..job import Job, StoreState
 from ..layouts import Checkpoint
-from ..paths import state_dir
+from ..plan import LOCAL, Action, Ref
 from ..recipe import Recipe
-from ..steps.common import Job
-from ..steps.preflight import human
-from ..steps.tools import ensure_tool, tools_dir
 from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest, check_relpath, \
     utc_now
-from ..ui import redact
-from .base import Received, Store, instance_env
-from .local import pull_into, push_from
+from ..ui import human, redact
+from . import rsync
+from .base import Store, expected_record
+from .tools import credential_actions, tool_action, tool_path
 
 # Not secret: handed to the instance's `hf` on its command line when set on this machine.
 # HF_ENDPOINT points at a mirror (or the tests' fake hub); the others tune the client.
@@ -64,19 +64,6 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _COMMIT = re.compile(r"/commit/([0-9a-f]{40})")
 _AUTH = re.compile(r"\b401 Unauthorized\b|\b403 Forbidden\b|Invalid credentials")
 _NOT_FOUND = re.compile(r"not found|RepositoryNotFound|does not exist", re.I)
-
-# run on the instance by the tools venv's python: git blob ids of NUL-separated paths on stdin
-_BLOB_IDS = """
-import hashlib, os, sys
-for path in sys.stdin.buffer.read().split(b"\\0"):
-    if path:
-        h = hashlib.sha1(b"blob %d\\0" % os.path.getsize(path))
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        sys.stdout.buffer.write(h.hexdigest().encode() + b" " + path + b"\\0")
-"""
-
 
 def git_blob_id(path: Path) -> str:
     """The id git (and the Hub, for a regular file) gives a file's content."""
@@ -113,15 +100,15 @@ class Snapshot:
 
 
 class HfStore(Store):
-    def __init__(self, repo_id: str, subfolder: str, via: str, recipe_name: str, token: str | None,
+    instance_hashes = ("sha256", "gitblob")
+    hash_name = "sha256 on the instance = the Hub's LFS sha256 (git blob id for small files), at one commit"
+
+    def __init__(self, repo_id: str, subfolder: str, recipe_name: str, token: str | None,
                  endpoint: str | None, token_unlisted: bool = False) -> None:
-        self.repo_id, self.subfolder, self.via, self.recipe_name = repo_id, subfolder, via, recipe_name
+        self.repo_id, self.subfolder, self.recipe_name = repo_id, subfolder, recipe_name
         self.label = f"hf:{repo_id}" + (f"/{subfolder}" if subfolder else "")
         self.token, self.endpoint = token, endpoint
         self.token_unlisted = token_unlisted       # HF_TOKEN is set here but not in env.secrets
-        key = hashlib.sha256(self.label.encode()).hexdigest()[:12]
-        # via local, checkpoints pass through here (a LocalStore's staging) on their way
-        self.cache = LocalStore(state_dir() / "cache" / f"{recipe_name}-hf-{key}")
         self._synthetic: set[str] = set()          # records read from last-checkpoint/, never saved
         self._revision: str | None = None          # the commit the manifest was read at
         self._uploaded: dict[str, str] = {}        # checkpoint name -> commit its upload made
@@ -141,19 +128,20 @@ class HfStore(Store):
                 check_relpath(subfolder, "subfolder")
             except ValueError as exc:
                 raise UsageError(f"{where}: checkpoint.remote: {exc}") from None
-        # the recipe model's default is "local"; for hf the instance uploads itself unless the
-        # recipe (or an extended file, or --set) says otherwise
-        via = recipe.checkpoint.via if "via" in recipe.checkpoint.model_fields_set else "instance"
         listed = "HF_TOKEN" in recipe.env.secrets
         token = (os.environ.get("HF_TOKEN") or None) if listed else None
         if token:
             redact.add([token])
-        return cls(f"{owner}/{name}", subfolder, via, recipe.name, token, os.environ.get("HF_ENDPOINT") or None,
+        return cls(f"{owner}/{name}", subfolder, recipe.name, token, os.environ.get("HF_ENDPOINT") or None,
                    token_unlisted=not listed and bool(os.environ.get("HF_TOKEN")))
 
     # -- talking to the Hub from this machine ----------------------------------------------------
     def _api(self) -> Any:
-        from huggingface_hub import HfApi
+        try:
+            from huggingface_hub import HfApi
+        except ImportError:
+            raise UsageError("a checkpoint.remote of kind hf: needs huggingface_hub on this machine",
+                             "pip install 'relaunch[hf]'") from None
 
         # token=False: never a token file or an HF_TOKEN the recipe did not name
         return HfApi(endpoint=self.endpoint, token=self.token or False, library_name="relaunch")
@@ -236,33 +224,36 @@ class HfStore(Store):
         with self._hub(f"downloading {rel}"):
             return Path(self._api().hf_hub_download(self.repo_id, self._rp(rel), revision=sha, local_dir=folder))
 
-    def _ensure_repo(self, error: type[RelaunchError] = EvacuationError) -> None:
+    def ensure_repo(self) -> None:
         """Create the repo (private) if it does not exist; relaunch never changes an existing one."""
         if self._repo_ready:
             return
-        with self._hub("creating the repo", error):
+        with self._hub("creating the repo", EvacuationError):
             self._api().create_repo(self.repo_id, private=True, exist_ok=True)
         self._repo_ready = True
 
     # -- the record ------------------------------------------------------------------------------
-    def is_empty(self) -> bool:
+    def read(self, writing: bool = False) -> StoreState:
         sha = self._head()
         if sha is None:
-            raise self._missing_error()
-        files = self._snapshot(sha).files
-        return not [p for p in files if self.subfolder or p not in REPO_FILES]
-
-    def load_manifest(self) -> StoreManifest | None:
-        sha = self._head()
-        if sha is None:
-            return None
+            if not writing:
+                raise self._missing_error()
+            self.manifest = None
+            return StoreState(self.label, True, None)
         self._revision = sha
         snap = self._snapshot(sha)
+        empty = not [p for p in snap.files if (self.subfolder or p not in REPO_FILES)
+                     and not p.startswith(META_DIR + "/")]
+        self.manifest = self._load_manifest(snap)
+        return StoreState(self.label, empty, self.manifest)
+
+    def _load_manifest(self, snap: Snapshot) -> StoreManifest | None:
         manifest_path = f"{META_DIR}/{MANIFEST}"
         if manifest_path in snap.files:
             with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
-                text = self._download(manifest_path, sha, Path(tmp)).read_text(encoding="utf-8", errors="replace")
-            return StoreManifest.from_json(text, f"{self.label}/{manifest_path}@{sha[:12]}")
+                text = self._download(manifest_path, snap.sha, Path(tmp)).read_text(encoding="utf-8",
+                                                                                    errors="replace")
+            return StoreManifest.from_json(text, f"{self.label}/{manifest_path}@{snap.sha[:12]}")
         if f"{TRAINER_LAST}/trainer_state.json" in snap.files:
             return self._trainer_manifest(snap)
         return None
@@ -305,7 +296,7 @@ class HfStore(Store):
         texts = {**{f"{META_DIR}/{n}": t for n, t in self._pending_meta.items()},
                  f"{META_DIR}/{MANIFEST}": saved.to_json()}
         ops = [CommitOperationAdd(self._rp(path), text.encode()) for path, text in texts.items()]
-        self._ensure_repo()
+        self.ensure_repo()
         with self._hub("writing the manifest", EvacuationError):
             self._api().create_commit(self.repo_id, ops, commit_message="relaunch: manifest")
         self._pending_meta.clear()
@@ -316,10 +307,10 @@ class HfStore(Store):
             raise UsageError(f"write_meta: {filename!r} is not a plain metadata file name")
         self._pending_meta[filename] = text
 
-    def prune(self, manifest: StoreManifest, keep: int) -> list[str]:
+    def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         from huggingface_hub import CommitOperationDelete
 
-        drop = manifest.drop_beyond(keep)
+        drop = manifest.drop_beyond(keep, protect)
         if not drop:
             return []
         self.save_manifest(manifest)        # unlisted first: a crash leaves harmless extra files
@@ -357,128 +348,123 @@ class HfStore(Store):
                          for p in regular if ours.get(p) != snap.files[p].blob_id]
         return problems
 
-    def _blob_ids_on_instance(self, job: Job, paths: list[str]) -> dict[str, str]:
-        python = f"{tools_dir(job)}/bin/python"
-        listing = b"\0".join(p.encode() for p in paths) + b"\0"
-        result = job.remote.exec(f"cd {shlex.quote(job.paths.ckpt_dir)} && {shlex.quote(python)} -c "
-                                 f"{shlex.quote(_BLOB_IDS)}", stdin=listing, timeout=3600)
-        out: dict[str, str] = {}
-        for item in result.stdout.split(b"\0"):
-            digest, _, path = item.decode(errors="replace").partition(" ")
-            if path:
-                out[path] = digest
-        return out
-
-    # -- evacuation: receive -> verify -> commit ---------------------------------------------------
-    def _instance_command(self, job: Job, hf: str, args: list[str]) -> str:
+    # -- via instance: the instance runs `hf` ---------------------------------------------------
+    def _hf_command(self, job: Job, load: str, args: list[str]) -> str:
         passed = "".join(f"export {k}={shlex.quote(os.environ[k])}; " for k in PASSED_VARS if os.environ.get(k))
-        return f"{passed}{shlex.quote(hf)} {shlex.join(args)}"
+        return f"{load}{passed}{shlex.quote(tool_path(job, 'hf'))} {shlex.join(args)}"
 
-    def _token_file(self, job: Job) -> Any:
-        """The token for a command on the instance: a 0600 file, removed after the step."""
-        return instance_env(job, {"HF_TOKEN": self.token}) if self.token else nullcontext("")
+    def _credentials(self, job: Job, step: str, fails_as: str) -> tuple[list[Action], str, list[Action]]:
+        if not self.token:
+            return [], "", []
+        write, load, remove = credential_actions(job, step, {"HF_TOKEN": self.token}, fails_as)
+        return [write], load, [remove]
 
-    def _instance_failure(self, output: str) -> str:
-        """The `hf` CLI's error line; an auth refusal is raised (exit 3, or 6 in evacuate)."""
+    def explain(self, status: int | None, output: str) -> RelaunchError | None:
+        """The `hf` CLI's failure as one line of ours: an auth refusal is exit 3, a missing repo 5."""
         text = _last_line(output)
         if _AUTH.search(_ANSI.sub("", output)) and "No such file" not in text:
-            raise self._auth_error()
-        return text
+            return self._auth_error()
+        if _NOT_FOUND.search(text) and "No such file" not in text:
+            return CheckpointError(f"{self.label}: {text}", "check checkpoint.remote; nothing was put in place")
+        return None
 
-    def receive(self, job: Job, cp: Checkpoint, again: bool = False) -> Received:
-        if self.via == "local":
-            return pull_into(job, self.cache, cp, again)
-        hf = ensure_tool(job, "hf", EvacuationError)
-        self._ensure_repo()
+    def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
+        write, load, remove = self._credentials(job, "evacuate", "evacuate")
+        total = sum(e.size for e in cp.files)
         args = ["upload", self.repo_id, cp.name, self._rp(cp.name), "--private", "--format", "json",
                 "--commit-message", f"relaunch: {cp.name} (step {cp.step}) from {job.host}"]
-        job.say("evacuate", f"the instance uploads {cp.name} to {self.label}")
-        with self._token_file(job) as load:
-            command = f"cd {shlex.quote(job.paths.ckpt_dir)} && {load}{self._instance_command(job, hf, args)}"
-            result = job.remote.exec(command, timeout=24 * 3600)
-        if not result.ok:
-            text = self._instance_failure(result.output)
-            # "No such file": the trainer rotated the checkpoint away during the upload
-            return Received(False, vanished="No such file" in text, message=f"hf upload on the instance: {text}")
-        found = _COMMIT.search(result.text)
-        if found:
-            self._uploaded[cp.name] = found.group(1)
-        return Received(True)
+        upload = Action("evacuate", f"the instance uploads {cp.name} (step {cp.step}, {human(total)}) to {self.label}",
+                        command=f"cd {shlex.quote(job.paths.ckpt_dir)} && {self._hf_command(job, load, args)}",
+                        deadline=rsync.deadline_for(total), fails_as="evacuate", produces=f"upload:{cp.name}",
+                        parse="text", explain="store.explain", outcomes={"re:No such file": "vanished"},
+                        say=f"the instance uploads {cp.name} to {self.label}")
+        return [Action("evacuate", f"create the repo {self.repo_id} (private) unless it exists", where=LOCAL,
+                       call="store.ensure_repo", fails_as="evacuate"),
+                tool_action(job, "hf", "evacuate", "evacuate"), *write, upload, *remove]
 
-    def verify(self, job: Job, cp: Checkpoint, expected: dict[str, FileRecord]) -> list[str]:
-        if self.via == "local":
-            return self.cache.verify_staged(cp.name, expected)   # the repo is checked in commit
-        sha = self._uploaded.get(cp.name) or self._head()
+    def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref) -> list[Action]:
+        return [Action("evacuate", f"verify {cp.name} in the repo at the commit its upload made, record it",
+                       where=LOCAL, call="store.accept_upload", fails_as="evacuate",
+                       args={"cp": cp, "hashes": hashes, "upload": Ref(f"upload:{cp.name}"), "host": job.host})]
+
+    def accept_upload(self, cp: Checkpoint, hashes: dict[str, FileHash], upload: str, host: str) -> CheckpointRecord:
+        record = expected_record(cp, hashes, host)
+        found = _COMMIT.search(upload or "")
+        sha = found.group(1) if found else self._head()
         if sha is None:
-            return [f"the repo {self.repo_id} does not exist after the upload"]
-        return self._compare(self._snapshot(sha), expected, lambda paths: self._blob_ids_on_instance(job, paths))
-
-    def commit(self, job: Job, record: CheckpointRecord) -> None:
-        if self.via != "local":
-            return                  # the instance's upload is the commit; verify checked it
-        from huggingface_hub import CommitOperationAdd
-
-        staged = self.cache.staging(record.name)
-        files = sorted(record.files)
-        total = sum(f.size for f in record.files.values())
-        self._ensure_repo()
-        job.say("evacuate", f"uploading {record.name} ({len(files)} file(s), {human(total)}) to {self.label}")
-        ops = [CommitOperationAdd(self._rp(p), str(staged / p)) for p in files]
-        with self._hub(f"uploading {record.name}", EvacuationError):
-            info = self._api().create_commit(self.repo_id, ops, commit_message=f"relaunch: {record.name} "
-                                             f"(step {record.step}) from {job.host}")
-        problems = self._compare(self._snapshot(str(info.oid)), record.files,
-                                 lambda paths: {p: git_blob_id(staged / p) for p in paths})
+            raise EvacuationError(f"{self.label}: the repo {self.repo_id} does not exist after the upload")
+        blobs = {p: h.hashes.get("gitblob", "") for p, h in hashes.items()}
+        problems = self._compare(self._snapshot(sha), record.files, lambda paths: blobs)
         if problems:
-            raise EvacuationError(f"{self.label}: {record.name} did not verify in the repo: {problems[0]}")
-        shutil.rmtree(staged, ignore_errors=True)
+            raise EvacuationError(f"{self.label}: {cp.name} did not verify in the repo: {problems[0]}")
+        self.record(record)
+        return record
 
-    # -- restore -----------------------------------------------------------------------------------
-    def send(self, job: Job, record: CheckpointRecord, incoming: str) -> None:
-        sha = self._revision or self._head()
+    def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
+        sha = self._revision
         if sha is None:
             raise self._missing_error()
         files = sorted(record.files)
         total = sum(f.size for f in record.files.values())
-        if self.via == "local":
-            here = self.cache.staging(f"restore-{record.name}")
-            try:
-                for path in files:
-                    self._download(path, sha, here)
-                source = here / self._rp(record.name)
-                push_from(job, source, record.name, incoming, total)
-            finally:
-                shutil.rmtree(here, ignore_errors=True)
-            return
-        hf = ensure_tool(job, "hf", CheckpointError)
-        tmp = f"{job.paths.ckpt_dir}/.relaunch-hf-download"     # same filesystem: the move is a rename
-        args = ["download", self.repo_id, *[self._rp(p) for p in files], "--revision", sha,
-                "--local-dir", tmp, "--format", "json"]
+        write, load, remove = self._credentials(job, "checkpoint", "checkpoint")
         q = shlex.quote
-        move = (f"mkdir -p {q(incoming)} && mv -T -- {q(tmp + '/' + self._rp(record.name))} "
-                f"{q(incoming + '/' + record.name)}")
-        job.say("checkpoint", f"the instance downloads {record.name} ({len(files)} file(s)) from {self.label}")
-        try:
-            with self._token_file(job) as load:
-                command = f"rm -rf {q(tmp)} && mkdir -p {q(tmp)} && {load}{self._instance_command(job, hf, args)}"
-                result = job.remote.exec(command, timeout=24 * 3600)
-            if not result.ok:
-                text = self._instance_failure(result.output)
-                if _NOT_FOUND.search(text):
-                    raise CheckpointError(f"{self.label}: hf download on the instance: {text}",
-                                          "check checkpoint.remote; nothing was put in place")
-                raise CheckpointError(f"{self.label}: hf download on the instance failed: {text}",
-                                      "nothing is lost; rerun `relaunch up`")
-            # the files only: hf leaves its bookkeeping in <tmp>/.cache/huggingface/
-            job.remote.check(move, "checkpoint (moving the download)", CheckpointError)
-        finally:
-            job.remote.exec(f"rm -rf {q(tmp)}")
+        tmp = f"{job.paths.ckpt_dir}/.relaunch-hf-download"     # same filesystem: the move is a rename
+        args = ["download", self.repo_id, *[self._rp(p) for p in files], "--revision", sha, "--local-dir", tmp,
+                "--format", "json"]
+        download = Action("checkpoint", f"the instance downloads {record.name} ({human(total)}) from {self.label}",
+                          command=f"rm -rf -- {q(tmp)} && mkdir -p -- {q(tmp)} && {self._hf_command(job, load, args)}",
+                          deadline=rsync.deadline_for(total), fails_as="checkpoint", explain="store.explain",
+                          hint="nothing is lost; rerun `relaunch up`",
+                          say=f"the instance downloads {record.name} ({len(files)} file(s)) from {self.label}")
+        # the files only: hf leaves its bookkeeping in <tmp>/.cache/huggingface/
+        move = Action("checkpoint", f"move the download to {incoming}/{record.name}",
+                      command=f"mkdir -p -- {q(incoming)} && mv -T -- {q(tmp + '/' + self._rp(record.name))} "
+                              f"{q(incoming + '/' + record.name)}", fails_as="checkpoint")
+        clean = Action("checkpoint", f"remove {tmp}", command=f"rm -rf -- {q(tmp)}", always=True, fails_as="checkpoint")
+        return [tool_action(job, "hf", "checkpoint", "checkpoint"), *write, download, move, *remove, clean]
 
-    def describe_send(self, job: Job, record: CheckpointRecord, incoming: str) -> str:
-        files = sorted(record.files)
-        shown = " ".join(shlex.quote(self._rp(p)) for p in files[:3]) + (" ..." if len(files) > 3 else "")
-        if self.via == "local":
-            return (f"HfApi.hf_hub_download {self.repo_id} {shown} -> <cache>\n"
-                    f"rsync <cache>/{record.name} -> {incoming}/{record.name}")
-        return (f"(on the instance, HF_TOKEN from a 0600 file) hf download {self.repo_id} {shown} "
-                f"--local-dir {job.paths.ckpt_dir}/.relaunch-hf-download && mv it to {incoming}/{record.name}")
+    # -- via local: primitives for the relay -------------------------------------------------------
+    def upload_actions(self, staged: Path, cp: Checkpoint, host: str) -> list[Action]:
+        total = sum(e.size for e in cp.files)
+        return [Action("evacuate", f"{cp.name} ({human(total)}) from this machine to {self.label} in one commit",
+                       where=LOCAL, call="remote.commit_from", args={"staged": staged, "cp": cp, "host": host},
+                       fails_as="evacuate", say=f"uploading {cp.name} ({len(cp.files)} file(s), "
+                                                f"{human(total)}) to {self.label}")]
+
+    def commit_from(self, staged: Path, cp: Checkpoint, host: str) -> str:
+        from huggingface_hub import CommitOperationAdd
+
+        self.ensure_repo()
+        ops = [CommitOperationAdd(self._rp(e.path), str(staged / e.path)) for e in cp.files]
+        with self._hub(f"uploading {cp.name}", EvacuationError):
+            info = self._api().create_commit(self.repo_id, ops, commit_message=f"relaunch: {cp.name} "
+                                             f"(step {cp.step}) from {host}")
+        self._uploaded[cp.name] = str(info.oid)
+        return str(info.oid)
+
+    def check_uploaded(self, record: CheckpointRecord, staged: Path) -> str:
+        sha = self._uploaded.get(record.name) or self._head()
+        if sha is None:
+            raise EvacuationError(f"{self.label}: the repo {self.repo_id} does not exist after the upload")
+        problems = self._compare(self._snapshot(sha), record.files,
+                                 lambda paths: {p: git_blob_id(staged / p) for p in paths})
+        if problems:
+            raise EvacuationError(f"{self.label}: {record.name} did not verify in the repo: {problems[0]}")
+        return self.hash_name
+
+    def download_actions(self, record: CheckpointRecord, dest: Path) -> list[Action]:
+        total = sum(f.size for f in record.files.values())
+        return [Action("checkpoint", f"{record.name} ({human(total)}) from {self.label} to this machine",
+                       where=LOCAL, call="remote.download_to", args={"record": record, "dest": dest},
+                       fails_as="checkpoint")]
+
+    def download_to(self, record: CheckpointRecord, dest: Path) -> None:
+        sha = self._revision or self._head()
+        if sha is None:
+            raise self._missing_error()
+        with tempfile.TemporaryDirectory(prefix="relaunch-hf-", dir=dest.parent) as tmp:
+            for path in sorted(record.files):
+                self._download(path, sha, Path(tmp))
+            dest.mkdir(parents=True, exist_ok=True)
+            source = Path(tmp) / self._rp(record.name)
+            os.replace(source, dest / record.name)

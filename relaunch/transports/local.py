@@ -1,62 +1,92 @@
-"""A store that is a folder on this machine, reached with rsync over the instance's SSH settings."""
+"""A store that is a folder on this machine, reached with rsync over the instance's SSH settings.
+
+Its staging (`.relaunch/partial/`) is also how the relay (`via: local` for rclone and hf) holds
+a checkpoint on its way from the instance to the remote: `pull_actions` and `push_actions` are
+shared with it.
+"""
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
+from typing import Any
 
-from ..errors import CheckpointError, EvacuationError
+from ..host.hashing import FileHash, paths_stdin
+from ..job import Job, StoreState
 from ..layouts import Checkpoint
-from ..steps.common import Job
-from ..steps.preflight import human
-from ..store import CheckpointRecord, FileRecord, LocalStore, StoreManifest
-from .base import Received, Store
-from .rsync import RETRYABLE, Rsync
+from ..paths import known_hosts_file
+from ..plan import LOCAL, Action
+from ..store import CheckpointRecord, LocalStore, StoreManifest
+from ..ui import human
+from . import rsync
+from .base import Mismatch, Store, expected_record
 
 
-def pull_into(job: Job, store: LocalStore, cp: Checkpoint, again: bool) -> Received:
-    """rsync the checkpoint's listed files into the store's staging folder (never trusted)."""
-    rsync = Rsync(job.target, job.remote.known_hosts, job.ui)
+def pull_actions(job: Job, fs: LocalStore, cp: Checkpoint, again: bool, room: str) -> list[Action]:
+    """rsync exactly cp's listed files into the staging folder of `fs` (never trusted there)."""
     files = [e.path for e in cp.files]
     total = sum(e.size for e in cp.files)
-    extra = ["--checksum"] if again else []
-    result = rsync.pull_files(job.paths.ckpt_dir, files, store.staging(cp.name), f"{cp.name} <- {job.host}",
-                              total, extra)
-    if result.ok:
-        return Received(True)
-    if result.status == 11 or "No space left on device" in result.output:
-        raise EvacuationError(f"{job.host}: evacuate: no room in the store {store.root} for {cp.name} "
-                              f"({human(total)}): {result.output.strip()[-200:]}",
-                              "free space on this machine (nothing was deleted to make room), then rerun")
-    return Received(False, vanished=result.status in (23, 24), lost=result.status in RETRYABLE,
-                    message=f"rsync failed ({result.meaning}): {result.output.strip()[-300:]}")
+    staging = fs.staging_path(cp.name)
+    argv = rsync.pull_argv(job.target, known_hosts_file(), job.paths.ckpt_dir, staging,
+                           ("--checksum",) if again else ())
+    return [
+        Action("evacuate", f"prepare the staging folder of {cp.name}", where=LOCAL, call="staging.prepare",
+               args={"name": cp.name, "files": files}, fails_as="evacuate"),
+        Action("evacuate", f"{cp.name} (step {cp.step}, {len(files)} file(s), {human(total)}) from the instance",
+               where=LOCAL, argv=argv, stdin=paths_stdin(files), deadline=rsync.deadline_for(total), retry=True,
+               outcomes=rsync.OUTCOMES, fails_as="evacuate", progress="rsync", size=total, room=f"in {room}",
+               say=f"copying {cp.name} (step {cp.step}, {len(files)} file(s), {human(total)}) to {room}"
+                   + (", comparing every byte" if again else "")),
+    ]
 
 
-def push_from(job: Job, source: Path, name: str, incoming: str, total: int) -> None:
+def push_actions(job: Job, source: Path, name: str, incoming: str, total: int, is_dir: bool) -> list[Action]:
     """rsync a checkpoint (file or folder) from this machine to `incoming/<name>` on the instance."""
-    rsync = Rsync(job.target, job.remote.known_hosts, job.ui)
-    result = rsync.push(source, f"{incoming}/{name}", f"{name} -> {job.host}", total)
-    if not result.ok:
-        raise CheckpointError(f"{job.host}: checkpoint: rsync failed ({result.meaning}): "
-                              f"{result.output.strip()[-300:]}", "nothing is lost; rerun `relaunch up`")
+    argv = rsync.push_argv(job.target, known_hosts_file(), source, f"{incoming}/{name}", is_dir)
+    return [Action("checkpoint", f"{name} ({human(total)}) to the instance", where=LOCAL, argv=argv,
+                   deadline=rsync.deadline_for(total), retry=True, outcomes=rsync.PUSH_OUTCOMES,
+                   fails_as="checkpoint", progress="rsync", size=total, room="on the instance",
+                   hint="nothing is lost; rerun `relaunch up`")]
+
+
+class StagingCalls:
+    """The in-process operations on a LocalStore's staging that plans call (`staging.*`)."""
+
+    def __init__(self, fs: LocalStore) -> None:
+        self.fs = fs
+
+    def prepare(self, name: str, files: list[str]) -> None:
+        self.fs.prepare_staging(name, files)
+
+    def verify(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> CheckpointRecord:
+        """The staged copy against the instance's hashes: the record it earns, or Mismatch."""
+        record = expected_record(cp, hashes, host)
+        problems = self.fs.verify_staged(cp.name, record.files)
+        if problems:
+            raise Mismatch(f"{cp.name} did not verify: {problems[0]}"
+                           + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), problems)
+        return record
+
+    def drop(self, name: str) -> None:
+        self.fs.drop_staging(name)
 
 
 class LocalPathStore(Store):
-    via = "local"
-
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, recipe_name: str) -> None:
         self.fs = LocalStore(root)
         self.label = str(root)
+        self.recipe_name = recipe_name
+        self.staging = StagingCalls(self.fs)
 
     @property
     def root(self) -> Path:
         return self.fs.root
 
-    def is_empty(self) -> bool:
-        return self.fs.is_empty()
+    def handlers(self) -> dict[str, Any]:
+        return {"store": self, "staging": self.staging}
 
-    def load_manifest(self) -> StoreManifest | None:
-        return self.fs.load_manifest()
+    def read(self, writing: bool = False) -> StoreState:
+        self.manifest = self.fs.load_manifest()
+        return StoreState(self.label, self.fs.is_empty(), self.manifest)
 
     def save_manifest(self, manifest: StoreManifest) -> None:
         self.fs.save_manifest(manifest)
@@ -64,21 +94,19 @@ class LocalPathStore(Store):
     def write_meta(self, filename: str, text: str) -> None:
         self.fs.write_meta(filename, text)
 
-    def prune(self, manifest: StoreManifest, keep: int) -> list[str]:
-        return self.fs.prune(manifest, keep)
+    def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
+        return self.fs.prune(manifest, keep, protect)
 
-    def receive(self, job: Job, cp: Checkpoint, again: bool = False) -> Received:
-        return pull_into(job, self.fs, cp, again)
+    def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
+        total = sum(f.size for f in record.files.values())
+        source = self.root / record.name
+        return push_actions(job, source, record.name, incoming, total, is_dir=record.is_dir)
 
-    def verify(self, job: Job, cp: Checkpoint, expected: dict[str, FileRecord]) -> list[str]:
-        return self.fs.verify_staged(cp.name, expected)
+    def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
+        return pull_actions(job, self.fs, cp, again, f"the store {self.label}")
 
-    def commit(self, job: Job, record: CheckpointRecord) -> None:
+    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> CheckpointRecord:
+        record = self.staging.verify(cp, hashes, host)
         self.fs.commit(record)
-
-    def send(self, job: Job, record: CheckpointRecord, incoming: str) -> None:
-        push_from(job, self.root / record.name, record.name, incoming, sum(f.size for f in record.files.values()))
-
-    def describe_send(self, job: Job, record: CheckpointRecord, incoming: str) -> str:
-        rsync = Rsync(job.target, job.remote.known_hosts, job.ui)
-        return shlex.join(rsync.push_argv(self.root / record.name, f"{incoming}/{record.name}"))
+        self.record(record)
+        return record

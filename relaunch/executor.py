@@ -1,0 +1,248 @@
+"""The one place that runs actions: the exact command, argv or call an action holds, with its
+deadline, the one retry policy for what may be retried, and cancellation that reaches the remote
+process group and every local subprocess within seconds. Progress and the debug log are here too.
+
+Actions in different lanes that stand next to each other run at the same time (up's env install
+and checkpoint restore); when one lane fails, the others are stopped and the first failure is
+raised. Ctrl-C stops every lane the same way and raises Interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any
+
+from . import processes
+from .errors import CheckpointError, ConnectError, EnvError, EvacuationError, Interrupted, RelaunchError, \
+    remote_failure
+from .host.connection import Remote
+from .host.hashing import parse_hashes
+from .plan import LOCAL, Action, Ref
+from .retry import retrying
+from .transports.base import Vanished
+from .transports.rsync import MEANING as RSYNC_MEANING
+from .ui import UI, redact
+
+log = logging.getLogger("relaunch.executor")
+
+ERRORS: dict[str, type[RelaunchError]] = {
+    "connect": ConnectError, "env": EnvError, "checkpoint": CheckpointError, "evacuate": EvacuationError,
+}
+MEANINGS = {"rsync": RSYNC_MEANING}
+NO_SPACE = "No space left on device"
+
+
+class _Transient(Exception):
+    def __init__(self, error: RelaunchError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class Executor:
+    def __init__(self, ui: UI, host: str, remote: Remote | None = None,
+                 handlers: dict[str, Any] | None = None) -> None:
+        self.ui, self.host, self.remote = ui, host, remote
+        self.handlers = handlers or {}
+        self.results: dict[str, Any] = {}
+        self._stop = threading.Event()           # a sibling lane failed
+
+    # -- plans ------------------------------------------------------------------------------
+    def run(self, actions: Sequence[Action]) -> dict[str, Any]:
+        """Run actions in order; neighbours in different lanes at the same time. Returns the results."""
+        for group in _groups(actions):
+            if len(group) == 1:
+                self._run_lane(next(iter(group.values())))
+            else:
+                self._run_parallel(list(group.values()))
+        return self.results
+
+    def _run_parallel(self, lanes: list[list[Action]]) -> None:
+        self._stop.clear()
+        with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix="lane") as pool:
+            futures = [pool.submit(self._run_lane, lane) for lane in lanes]
+            try:
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                if any(f.exception() for f in done):
+                    self._stop.set()
+                wait(futures)
+            except KeyboardInterrupt:
+                processes.CANCEL.set()
+                wait(futures)
+                raise
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        real = [e for e in errors if not isinstance(e, Interrupted)]
+        if real:
+            for extra in real[1:]:
+                self.ui.warn(redact(str(extra)))
+            raise real[0]
+        if errors:
+            raise errors[0]
+
+    def _cancelled(self) -> bool:
+        return processes.CANCEL.is_set() or self._stop.is_set()
+
+    def _run_lane(self, actions: list[Action]) -> None:
+        failure: BaseException | None = None
+        for action in actions:
+            if failure is not None and not action.always:
+                continue
+            try:
+                self.run_one(action)
+            except BaseException as exc:  # noqa: B036 - cleanup actions still run, then it is re-raised
+                if failure is None:
+                    failure = exc
+                else:
+                    log.debug("cleanup %s failed after an earlier failure", action.title, exc_info=True)
+        if failure is not None:
+            raise failure
+
+    # -- one action ---------------------------------------------------------------------------
+    def run_one(self, action: Action) -> Any:
+        if action.skip:
+            self.ui.step(self.host, action.step, action.skip)
+            return None
+        if action.say:
+            self.ui.step(self.host, action.step, action.say)
+        if not action.runs:
+            return None
+        log.debug("action %s: %s", action.step, action.title)
+        if action.call:
+            result = self._call(action)
+        elif action.retry:
+            result = retrying(lambda: self._attempt(action), transient=lambda e: isinstance(e, _Transient),
+                              attempts=3, first=2.0, on_retry=lambda e, s: self.ui.warn(
+                                  f"{self.host}: {action.step}: {str(e).splitlines()[0]}; retrying in {s:.0f}s"))
+        else:
+            result = self._attempt(action)
+        if action.produces:
+            self.results[action.produces] = result
+        if action.done:
+            self.ui.step(self.host, action.step, action.done)
+        return result
+
+    def _attempt(self, action: Action) -> Any:
+        try:
+            return self._run_program(action)
+        except _Transient as exc:
+            if action.retry:
+                raise
+            raise exc.error from None
+
+    def _call(self, action: Action) -> Any:
+        owner, _, method = action.call.partition(".")
+        handler = self.handlers.get(owner)
+        if handler is None or not hasattr(handler, method):
+            raise RelaunchError(f"internal: no handler for {action.call}")
+        args = {k: self.results.get(v.name) if isinstance(v, Ref) else v for k, v in action.args.items()}
+        processes.check_cancel()
+        return getattr(handler, method)(**args)
+
+    def _run_program(self, action: Action) -> Any:
+        status: int | None
+        if action.where == LOCAL:
+            with self.ui.transfer(action.title, action.size, action.progress) as bar:
+                done = processes.run(action.argv, deadline=action.deadline, stdin=action.stdin,
+                                     on_stdout=bar.feed if bar else None, on_stderr=bar.feed_err if bar else None,
+                                     cancelled=self._cancelled)
+            status, stdout, stderr, timed_out = done.status, done.stdout, done.stderr, done.timed_out
+            program = action.argv[0].rsplit("/", 1)[-1]
+        else:
+            if self.remote is None:
+                raise RelaunchError(f"internal: {action.title} needs an instance")
+            result = self.remote.exec(action.command, deadline=action.deadline, stdin=action.stdin,
+                                      on_output=self._detail, cancelled=self._cancelled)
+            status, stdout, stderr, timed_out = result.status, result.stdout, result.stderr, result.timed_out
+            program = ""
+            if status is None and not timed_out and not self.remote.alive:
+                raise _Transient(ConnectError(
+                    f"{self.host}: {action.step}: the SSH connection was lost during: {action.title}",
+                    "the instance went away or its network dropped; nothing half-done is trusted: rerun"))
+        output = (stdout + b"\n" + stderr).decode(errors="replace")
+        if status != 0:
+            self._fail(action, status, output, timed_out, program)
+        return self._result(action, stdout)
+
+    def _fail(self, action: Action, status: int | None, output: str, timed_out: bool, program: str) -> None:
+        error = ERRORS[action.fails_as]
+        outcome = action.outcomes.get(status) if status is not None else None
+        for key, value in action.outcomes.items():
+            if isinstance(key, str) and key.startswith("re:") and re.search(key[3:], output):
+                outcome = value
+        if NO_SPACE in output:
+            outcome = "full"
+        if outcome == "vanished":
+            raise Vanished(action.title)
+        if outcome == "full":
+            raise error(f"{self.host}: {action.step}: no room {action.room or 'on the disk'} for {action.title}: "
+                        f"{_last_line(output)}",
+                        "free space (nothing was deleted to make room), then rerun")
+        if action.explain and outcome is None:
+            owner, _, method = action.explain.partition(".")
+            explained = getattr(self.handlers[owner], method)(status, output)
+            if explained is not None:
+                raise explained
+        if timed_out:
+            raise error(f"{self.host}: {action.step}: {action.title} did not finish within its deadline of "
+                        f"{action.deadline:g}s; it was ended", "the instance may be overloaded or hung; rerun")
+        meaning = MEANINGS.get(program, {}).get(status or -1)
+        described = f"{action.title}" + (f" ({program}: {meaning})" if meaning else "")
+        failure = remote_failure(error, self.host, action.step, described, status, redact(output), action.hint)
+        if outcome == "transient":
+            raise _Transient(failure)
+        raise failure
+
+    def _result(self, action: Action, stdout: bytes) -> Any:
+        if not action.parse:
+            return None
+        kind, _, algo = action.parse.partition(":")
+        if kind == "text":
+            return stdout.decode(errors="replace")
+        if kind == "lines":
+            return stdout.decode(errors="replace").splitlines()
+        if kind == "json":
+            return json.loads(stdout or b"null")
+        if kind == "hashes":
+            hashes = parse_hashes(stdout)
+            if action.expect is not None:
+                self._check_hashes(action, hashes, algo or "sha256")
+            return hashes
+        raise RelaunchError(f"internal: unknown parse {action.parse}")
+
+    def _check_hashes(self, action: Action, hashes: dict[str, Any], algo: str) -> None:
+        assert action.expect is not None
+        bad = []
+        for path, want in sorted(action.expect.items()):
+            got = hashes.get(path)
+            if got is None or got.missing:
+                bad.append(f"{path}: missing")
+            elif got.hashes.get(algo) != want:
+                bad.append(f"{path}: {algo} {got.hashes.get(algo)}, expected {want}")
+        if bad:
+            raise ERRORS[action.fails_as](
+                f"{self.host}: {action.step}: {len(bad)} file(s) differ from the store's verified copy after "
+                f"{action.title}, e.g. {bad[0]}", action.hint or "nothing was put in place; rerun")
+
+    def _detail(self, data: bytes) -> None:
+        self.ui.detail(data.decode(errors="replace").rstrip())
+
+
+def _groups(actions: Sequence[Action]) -> list[dict[str, list[Action]]]:
+    """Consecutive actions by lane: a run of actions in lanes forms one group run at the same time."""
+    groups: list[dict[str, list[Action]]] = []
+    for action in actions:
+        if action.lane and groups and "" not in groups[-1]:
+            groups[-1].setdefault(action.lane, []).append(action)
+        else:
+            groups.append({action.lane: [action]})
+    return groups
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in redact(text).splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "no output"
+

@@ -1,0 +1,83 @@
+"""Facts, gathered once per host before anything is planned: the instance (one script), its
+checkpoint folder (one listing), the store, and this machine's inputs (lock, secrets, file
+modes). Every read has a deadline; none changes anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+from .errors import CheckpointError, ConnectError, EnvError, RelaunchError, remote_failure
+from .host.connection import HOME_COMMAND, Remote, environ_secrets
+from .host.facts import FACTS_DEADLINE, HostFacts, facts_script, parse_facts
+from .job import Facts, Job, Node, read_lock
+from .layouts import LISTING_COMMAND, Entry, parse_listing
+from .recipe import Recipe
+from .transports import Store
+
+LISTING_DEADLINE = 300.0        # a folder of thousands of checkpoint shards on a slow disk
+
+
+def listing_command(ckpt_dir: str) -> str:
+    q = shlex.quote(ckpt_dir)
+    return f"if [ -d {q} ]; then {LISTING_COMMAND.format(dir=q)}; fi"
+
+
+def read_host(remote: Remote, job: Job) -> HostFacts:
+    recipe, paths = job.recipe, job.paths
+    script = facts_script(recipe.env.python, paths.venv, paths.ckpt_dir, recipe.run.session, list(recipe.env.apt))
+    result = remote.exec("bash -s", stdin=script.encode(), deadline=FACTS_DEADLINE)
+    _check(remote, result, "reading facts (facts.sh)", EnvError, FACTS_DEADLINE)
+    facts = parse_facts(result.text)
+    if not facts.home:
+        facts.home = remote.home
+    return facts
+
+
+def read_listing(remote: Remote, ckpt_dir: str, error: type[RelaunchError] = CheckpointError) -> list[Entry]:
+    """checkpoint.dir on the instance ([] when it does not exist yet)."""
+    command = listing_command(ckpt_dir)
+    result = remote.exec(command, deadline=LISTING_DEADLINE)
+    # find exits 1 when a file vanishes while it walks (trainers rotate checkpoints); the
+    # listing is still good. Anything else it says is a real problem.
+    vanished = all("No such file or directory" in line for line in result.stderr.decode(errors="replace")
+                   .splitlines() if line.strip())
+    if not (result.status == 1 and vanished):
+        _check(remote, result, "listing checkpoint.dir", error, LISTING_DEADLINE, command)
+    return parse_listing(result.stdout)
+
+
+def _check(remote: Remote, result: object, what: str, error: type[RelaunchError], deadline: float,
+           command: str | None = None) -> None:
+    from .host.connection import ExecResult
+
+    assert isinstance(result, ExecResult)
+    if result.ok:
+        return
+    if result.timed_out:
+        raise error(f"{remote.label}: {what} did not answer within {deadline:g}s; it was ended",
+                    "the instance may be overloaded or hung (a broken GPU driver?); rerun, or reboot it")
+    if result.status is None:
+        raise ConnectError(f"{remote.label}: {what}: the SSH connection was lost")
+    raise remote_failure(error, remote.label, what, command or result.command, result.status, result.output)
+
+
+def gather(remote: Remote, recipe: Recipe, node: Node, store: Store | None = None, *, listing: bool = True,
+           writing: bool = False) -> Job:
+    """The job on this node with every fact planning needs (the store only when given)."""
+    job = Job(recipe, node, Facts(host=HostFacts(home=remote.home)))
+    host = read_host(remote, job)
+    job = Job(recipe, node, Facts(host=host))
+    paths = job.paths
+    facts = job.facts
+    facts.reads = [HOME_COMMAND, "bash -s"]        # stdin of bash -s: facts.sh
+    if listing:
+        facts.listing = read_listing(remote, paths.ckpt_dir)
+        facts.reads.append(listing_command(paths.ckpt_dir))
+    if store is not None:
+        facts.store = store.read(writing)
+    facts.lock = read_lock(recipe.env.lock)
+    facts.secrets = environ_secrets(list(recipe.env.secrets))
+    facts.modes = {str(p): os.stat(p).st_mode & 0o777 for p in recipe.env.files if p.exists()}
+    return job

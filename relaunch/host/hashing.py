@@ -1,0 +1,70 @@
+"""Hashes computed on the instance, where the bytes are: the command and the parser of its output.
+
+One small Python script (templates/hashes.py) reads each file once and computes every hash a
+store needs (sha256 always; md5 for S3-like remotes; the git blob id for small files on the
+Hub), and says when a file cannot be trusted: a torch zip without its central directory or a
+safetensors file whose header does not match its size (a save that crashed half-way). The files
+are named on stdin, NUL-separated, relative to a folder, so any name stays data.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+
+from ..errors import CheckpointError
+from ..scripts import plain
+
+ALGOS = ("sha256", "md5", "gitblob")
+HASH_DEADLINE_PER_GIB = 30.0     # seconds per GiB read on the instance (a slow disk reads 40 MB/s)
+
+
+@dataclass(frozen=True)
+class FileHash:
+    path: str
+    size: int = -1
+    hashes: dict[str, str] = field(default_factory=dict, hash=False)
+    problem: str = ""            # why the bytes cannot be trusted ("truncated zip ...")
+    missing: bool = False        # gone (rotated away) when it was read
+
+
+def hash_command(root: str, python: str, algos: tuple[str, ...] = ("sha256",)) -> str:
+    """Hash the NUL-separated paths on stdin, relative to `root`, with `python` on the instance."""
+    for algo in algos:
+        if algo not in ALGOS:
+            raise ValueError(f"unknown hash {algo}")
+    return (f"cd {shlex.quote(root)} && {shlex.quote(python or 'python3')} -c "
+            f"{shlex.quote(plain('hashes.py'))} {' '.join(algos)}")
+
+
+def paths_stdin(paths: list[str]) -> bytes:
+    return b"".join(p.encode("utf-8", "surrogateescape") + b"\0" for p in paths)
+
+
+def hash_deadline(total_bytes: int) -> float:
+    return float(round(60.0 + HASH_DEADLINE_PER_GIB * total_bytes / 1024**3))
+
+
+def parse_hashes(raw: bytes) -> dict[str, FileHash]:
+    """The hasher's JSON lines, by path."""
+    result: dict[str, FileHash] = {}
+    for n, line in enumerate(raw.decode("utf-8", "surrogateescape").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+            path = doc["path"]
+            if doc.get("missing"):
+                result[path] = FileHash(path, missing=True)
+                continue
+            result[path] = FileHash(path, int(doc["size"]), {a: str(doc[a]) for a in ALGOS if a in doc},
+                                    str(doc.get("problem", "")))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"could not read the instance's hashes: line {n} {line[:80]!r}: {exc}",
+                                  "the instance runs its python3 to hash files; is it a working Python?") from None
+    return result
+
+
+def sha256_of(hashes: dict[str, FileHash]) -> dict[str, str]:
+    return {p: h.hashes.get("sha256", "") for p, h in hashes.items() if not h.missing}

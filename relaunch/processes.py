@@ -1,0 +1,155 @@
+"""Local subprocesses that can be ended: each in its own process group, with a deadline, and
+stopped within a second when relaunch is interrupted.
+
+A Ctrl-C in a terminal reaches every process of the foreground group, but a `kill -INT` or a
+SIGTERM from a supervisor reaches relaunch alone; so children run in groups of their own and
+relaunch ends them itself. `CANCEL` is set once by the CLI's signal handler; every wait in
+relaunch (here, remote commands, retry sleeps) looks at it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import Interrupted
+
+log = logging.getLogger("relaunch.processes")
+
+CANCEL = threading.Event()
+GRACE = 3.0            # seconds between SIGTERM and SIGKILL when ending a process group
+
+
+def check_cancel() -> None:
+    if CANCEL.is_set():
+        raise Interrupted("interrupted")
+
+
+def sleep(seconds: float) -> None:
+    """time.sleep that ends at once when relaunch is interrupted."""
+    if CANCEL.wait(max(seconds, 0)):
+        raise Interrupted("interrupted")
+
+
+@dataclass
+class Completed:
+    argv: Sequence[str]
+    status: int | None          # None: killed at its deadline or on cancel
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 0
+
+    @property
+    def text(self) -> str:
+        return self.stdout.decode(errors="replace")
+
+    @property
+    def err(self) -> str:
+        return self.stderr.decode(errors="replace")
+
+
+def end_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the child's process group, SIGKILL after GRACE seconds."""
+    for sig, wait in ((signal.SIGTERM, GRACE), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run(argv: Sequence[str], *, deadline: float, stdin: bytes | Path | None = None,
+        on_stdout: Callable[[bytes], None] | None = None, on_stderr: Callable[[bytes], None] | None = None,
+        env: dict[str, str] | None = None, cwd: str | Path | None = None,
+        cancelled: Callable[[], bool] = CANCEL.is_set) -> Completed:
+    """Run argv in its own process group; end it at `deadline` seconds or on cancel.
+
+    Output is collected (and passed to the callbacks as it arrives). Cancellation raises
+    Interrupted after the group is gone; a deadline returns with `timed_out` set.
+    """
+    check_cancel()
+    log.debug("run: %s", list(argv))
+    stdin_file = open(stdin, "rb") if isinstance(stdin, Path) else None
+    try:
+        proc = subprocess.Popen(
+            list(argv), stdin=stdin_file or (subprocess.PIPE if stdin is not None else subprocess.DEVNULL),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env, cwd=cwd)
+    except OSError as exc:
+        if stdin_file:
+            stdin_file.close()
+        return Completed(argv, 127, b"", f"{argv[0]}: {exc.strerror or exc}".encode())
+    writer = None
+    if isinstance(stdin, bytes):
+        writer = threading.Thread(target=_feed, args=(proc, stdin), daemon=True)
+        writer.start()
+    out, err = bytearray(), bytearray()
+    end = time.monotonic() + deadline
+    timed_out = False
+    try:
+        with selectors.DefaultSelector() as sel:
+            assert proc.stdout is not None and proc.stderr is not None
+            sel.register(proc.stdout, selectors.EVENT_READ, (out, on_stdout))
+            sel.register(proc.stderr, selectors.EVENT_READ, (err, on_stderr))
+            while sel.get_map():
+                if cancelled():
+                    end_group(proc)
+                    raise Interrupted("interrupted")
+                if time.monotonic() > end:
+                    timed_out = True
+                    end_group(proc)
+                    break
+                for key, _ in sel.select(timeout=0.2):
+                    chunk = os.read(key.fd, 65536)
+                    buffer, callback = key.data
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    buffer += chunk
+                    if callback:
+                        callback(chunk)
+        while proc.poll() is None:
+            if cancelled():
+                end_group(proc)
+                raise Interrupted("interrupted")
+            if time.monotonic() > end:
+                timed_out = True
+                end_group(proc)
+                break
+            time.sleep(0.05)
+        status = proc.wait()
+    except BaseException:
+        end_group(proc)
+        raise
+    finally:
+        if stdin_file:
+            stdin_file.close()
+        for stream in (proc.stdout, proc.stderr):
+            if stream:
+                stream.close()
+    check_cancel()
+    return Completed(argv, None if timed_out else status, bytes(out), bytes(err), timed_out)
+
+
+def _feed(proc: subprocess.Popen[bytes], data: bytes) -> None:
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(data)
+        proc.stdin.close()
+    except (BrokenPipeError, OSError):
+        pass

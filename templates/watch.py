@@ -1,0 +1,52 @@
+# relaunch: watch a training command start. Changes nothing.
+# argv: session log status_file ready_regex grace_seconds. Prints one JSON line:
+# state "ready" (a log line matched), "alive" (still running after the grace), "finished"
+# (ended with exit 0) or "died" (ended otherwise), with the last lines of the log.
+import json, re, subprocess, sys, time
+
+session, log, status_file, ready, grace = sys.argv[1:6]
+pattern = re.compile(ready) if ready else None
+end = time.monotonic() + float(grace)
+MARK = "=== relaunch: start "
+
+
+def this_run():
+    try:
+        with open(log, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    starts = [i for i, line in enumerate(lines) if line.startswith(MARK)]
+    return lines[starts[-1] + 1:] if starts else lines
+
+
+def alive():
+    return subprocess.run(["tmux", "has-session", "-t", "=" + session], capture_output=True).returncode == 0
+
+
+def status():
+    try:
+        with open(status_file) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+state, line, started = "alive", "", time.monotonic()
+while True:
+    lines = this_run()
+    if pattern:
+        found = [ln for ln in lines if pattern.search(ln)]
+        if found:
+            state, line = "ready", found[0]
+            break
+    if not alive():
+        time.sleep(0.2)          # the run script writes the exit status as tmux ends
+        code = status()
+        state = "finished" if code == "0" else "died"
+        break
+    if time.monotonic() >= end:
+        break
+    time.sleep(0.5)
+print(json.dumps({"state": state, "line": line, "status": status(), "seconds": round(time.monotonic() - started, 1),
+                  "tail": [ln for ln in this_run() if not ln.startswith("=== relaunch:")][-20:]}))
