@@ -28,7 +28,7 @@ import shutil
 import stat
 import tempfile
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ _RSYNC_TEMP = re.compile(r"\.(.+)\.[A-Za-z0-9]{6}")   # rsync's in-flight temp n
 
 def utc_now() -> str:
     """An ISO 8601 UTC timestamp for `verified_at`: 2025-01-31T12:00:00Z."""
-    return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def check_relpath(path: str, what: str = "path") -> str:

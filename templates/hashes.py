@@ -1,7 +1,11 @@
 # relaunch: hash files on the instance in one read each. Changes nothing.
 # argv: the hashes wanted (sha256, md5, gitblob); stdin: NUL-separated paths relative to the
 # current folder. One JSON line per path: its size and hashes, or why it cannot be trusted.
-import hashlib, json, os, struct, sys
+import hashlib
+import json
+import os
+import struct
+import sys
 
 algos = sys.argv[1:]
 
@@ -24,7 +28,7 @@ def problem(path, size, head, tail):
         except (ValueError, KeyError, TypeError, IndexError, OSError):
             return "safetensors header unreadable"
         if 8 + n + end != size:
-            return "safetensors size %d, header says %d" % (size, 8 + n + end)
+            return f"safetensors size {size}, header says {8 + n + end}"
     return ""
 
 

@@ -2,7 +2,11 @@
 # argv: session log status_file ready_regex grace_seconds. Prints one JSON line:
 # state "ready" (a log line matched), "alive" (still running after the grace), "finished"
 # (ended with exit 0) or "died" (ended otherwise), with the last lines of the log.
-import json, re, subprocess, sys, time
+import json
+import re
+import subprocess
+import sys
+import time
 
 session, log, status_file, ready, grace = sys.argv[1:6]
 pattern = re.compile(ready) if ready else None

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from e2e import example_recipe, plain_recipe, run_cli, wait_for
