@@ -1,0 +1,144 @@
+"""Plans from facts, no network: given these facts and this recipe, exactly these actions.
+
+Each case in tests/fixtures/plans/*.json names a facts fixture (JSON, as `Facts.as_dict` writes
+it) with a patch for the case, the store, and the actions expected: every field the executor
+uses (command, argv, call, stdin, deadline, retry, lane, skip), in order. Paths that depend on
+where the tests run are written `<repo>` and `<state>`.
+
+To rewrite the expectations after an intended change: RELAUNCH_REGEN_PLANS=1 pytest
+tests/test_plans.py, then read the diff of the fixtures before committing it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relaunch.cycle import plan_up
+from relaunch.host.spec import Target
+from relaunch.job import Facts, Job, Node
+from relaunch.layouts import Checkpoint
+from relaunch.plan import Action, action_dict
+from relaunch.recipe import load_recipe
+from relaunch.steps.checkpoint import choose
+from relaunch.steps.evacuate import plan_copy, plan_meta
+from relaunch.steps.stop import plan_stop
+from relaunch.transports.base import Store
+from relaunch.transports.hf import HfStore
+from relaunch.transports.local import LocalPathStore
+from relaunch.transports.rclone import RcloneStore
+from relaunch.transports.relay import Relay
+
+HERE = Path(__file__).parent
+FIX = HERE / "fixtures" / "plans"
+REPO = HERE.parent
+CASES = sorted(FIX.glob("case-*.json"))
+LISTINGS = sorted((HERE / "fixtures" / "listings").glob("*.json"))
+
+
+def merge(base: Any, patch: Any) -> Any:
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for key, value in patch.items():
+            out[key] = merge(base.get(key), value)
+        return out
+    return copy.deepcopy(patch)
+
+
+def make_store(kind: str, recipe_name: str, state: Path) -> Store:
+    if kind == "local":
+        return LocalPathStore(FIX / "store" / "planned", recipe_name)
+    rclone = RcloneStore("s3", "bucket/runs/a", recipe_name)
+    rclone._env = {"RCLONE_CONFIG_S3_TYPE": "s3", "RCLONE_CONFIG_S3_SECRET_ACCESS_KEY": "not-a-real-secret-0123"}
+    hf = HfStore("acme/ckpts", "run1", recipe_name, "hf_notarealtoken0123", None)
+    hf._revision = "0123456789abcdef0123456789abcdef01234567"
+    return {"rclone": rclone, "hf": hf, "relay-rclone": Relay(rclone, state / "cache" / "planned"),
+            "relay-hf": Relay(hf, state / "cache" / "planned")}[kind]
+
+
+def job_for(case: dict[str, Any], state: Path) -> tuple[Job, Store]:
+    recipe = load_recipe(FIX / "recipe.yaml", case.get("set", []))
+    facts_doc = merge(json.loads((FIX / case["facts"]).read_text()), case.get("patch", {}))
+    facts = Facts.from_dict(facts_doc)
+    target = Target(address="203.0.113.7", user=recipe.ssh.user, port=22, key="/keys/id_ed25519")
+    return Job(recipe, Node(target), facts), make_store(case["store"], recipe.name, state)
+
+
+def shown(actions: list[Action], state: Path) -> list[dict[str, Any]]:
+    text = json.dumps([action_dict(a) for a in actions], indent=1)
+    text = text.replace(str(REPO), "<repo>").replace(str(state), "<state>")
+    text = text.replace(str(Path(sys.executable).parent), "<bin>")
+    return json.loads(text)
+
+
+def planned(case: dict[str, Any], state: Path) -> list[Action]:
+    job, store = job_for(case, state)
+    what = case["plan"]
+    if what == "up":
+        return plan_up(job, store)[0].actions
+    if what == "stop":
+        return plan_stop(job)
+    if what == "meta":
+        return plan_meta(job)
+    if what == "copy":
+        checkpoints = {c.name: c for c in _instance_checkpoints(job)}
+        return plan_copy(job, store, checkpoints[case["checkpoint"]], again=case.get("again", False))
+    raise AssertionError(f"unknown plan {what}")
+
+
+def _instance_checkpoints(job: Job) -> list[Checkpoint]:
+    from relaunch.steps.checkpoint import instance_checkpoints
+
+    return instance_checkpoints(job)
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("RELAUNCH_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
+def test_plan_case(path: Path, state: Path) -> None:
+    case = json.loads(path.read_text())
+    got = shown(planned(case, state), state)
+    if os.environ.get("RELAUNCH_REGEN_PLANS"):
+        case["expect"] = got
+        path.write_text(json.dumps(case, indent=1, ensure_ascii=False) + "\n")
+    assert got == case["expect"], case["why"]
+
+
+def test_every_plan_function_has_a_case() -> None:
+    kinds = {json.loads(p.read_text())["plan"] for p in CASES}
+    stores = {json.loads(p.read_text())["store"] for p in CASES}
+    assert kinds == {"up", "stop", "meta", "copy"}
+    assert stores == {"local", "rclone", "hf", "relay-rclone", "relay-hf"}
+
+
+@pytest.mark.parametrize("path", LISTINGS, ids=[p.stem for p in LISTINGS])
+def test_every_layouts_newest_complete_checkpoint_is_chosen(path: Path, state: Path) -> None:
+    """With an empty store, `up` resumes from the newest complete checkpoint the layout finds."""
+    spec = json.loads(path.read_text())
+    listing = [line.split(" ", 3) for line in spec["listing"]]
+    case = {"facts": "facts-root.json", "store": "local",
+            "patch": {"listing": [[k, int(s), float(m), p] for k, s, m, p in listing]},
+            "set": [f"checkpoint.layout={spec['layout']}", f"checkpoint.pattern={spec.get('pattern', 'ckpt-*.pt')}"]}
+    job, store = job_for(case, state)
+    plan, resumed = plan_up(job, store)
+    expect = spec["expect"]
+    restore = [a for a in plan.actions if a.step == "checkpoint"]
+    if not expect:
+        assert resumed.checkpoint == "" and [a.skip for a in restore] == [f"the store {job.facts.store.label} is "
+                                                                          "empty: fresh start"]
+        return
+    newest = expect[-1]
+    assert choose(job).on_instance is not None
+    assert (resumed.checkpoint, resumed.step) == (f"/root/ckpt/{newest['name']}", newest["step"])
+    assert [a.skip for a in restore] == [f"the instance already has {newest['name']} (step {newest['step']}), "
+                                         "newer than the store's"]
