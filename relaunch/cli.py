@@ -62,9 +62,11 @@ def cli() -> None:
 @click.option("--dry-run", is_flag=True, help="Show what would run, change nothing (same as `relaunch plan`).")
 @click.option("--accept-new-host-key", is_flag=True,
               help="The address was reused by a new instance: forget its recorded host key and record the new one.")
+@click.option("--checkpoint", "checkpoint", metavar="NAME", default=None,
+              help="Resume from this checkpoint (a name in the store's manifest) instead of the newest.")
 @common
-def up(recipe: str, hosts: tuple[str, ...], dry_run: bool, accept_new_host_key: bool, overrides: tuple[str, ...],
-       as_json: bool, verbose: bool, yes: bool) -> None:
+def up(recipe: str, hosts: tuple[str, ...], dry_run: bool, accept_new_host_key: bool, checkpoint: str | None,
+       overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
     """Bring fresh instance(s) back to training: connect, rebuild the env, restore the newest
     complete checkpoint, start the command in tmux. HOST is ADDRESS, USER@ADDRESS or USER@ADDRESS:PORT."""
     from . import cycle
@@ -72,7 +74,7 @@ def up(recipe: str, hosts: tuple[str, ...], dry_run: bool, accept_new_host_key: 
     r = load(recipe, overrides)
     specs = [HostSpec.parse(h) for h in hosts]
     ui = UI(verbose=verbose)
-    results = cycle.up(r, specs, ui, dry_run=dry_run, accept_new_host_key=accept_new_host_key)
+    results = cycle.up(r, specs, ui, dry_run=dry_run, accept_new_host_key=accept_new_host_key, checkpoint=checkpoint)
     if dry_run:
         show_plans(results, as_json)
         return
@@ -95,14 +97,17 @@ def show_plans(results: list[Any], as_json: bool) -> None:
 @cli.command()
 @click.argument("recipe")
 @click.argument("host")
+@click.option("--checkpoint", "checkpoint", metavar="NAME", default=None,
+              help="Plan the resume from this checkpoint instead of the newest.")
 @common
-def plan(recipe: str, host: str, overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
+def plan(recipe: str, host: str, checkpoint: str | None, overrides: tuple[str, ...], as_json: bool, verbose: bool,
+         yes: bool) -> None:
     """What `up` would do on HOST: the exact commands and rendered scripts, changing nothing."""
     from . import cycle
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
-    show_plans(cycle.up(r, [HostSpec.parse(host)], ui, dry_run=True), as_json)
+    show_plans(cycle.up(r, [HostSpec.parse(host)], ui, dry_run=True, checkpoint=checkpoint), as_json)
 
 
 @cli.command()
@@ -389,13 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except click.exceptions.Exit as exc:
         return exc.exit_code
-    except click.exceptions.Abort:
-        click.echo("interrupted", err=True)
-        return 130
     except click.ClickException as exc:
         exc.show()
         return 2
-    except (KeyboardInterrupt, Interrupted):
+    except (KeyboardInterrupt, Interrupted, click.exceptions.Abort):  # click turns Ctrl-C into Abort
         click.echo("interrupted: nothing half-written is trusted; rerun to continue", err=True)
         if command == ["evacuate"]:
             click.echo("evacuation NOT verified: DO NOT destroy the instance", err=True)

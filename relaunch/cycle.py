@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from . import processes
-from .errors import EnvError, EvacuationError, RelaunchError, UsageError
-from .executor import Executor
+from .errors import EnvError, EvacuationError, RelaunchError, UsageError, shorten
+from .executor import Executor, HashMismatch
 from .gather import gather, read_listing
 from .host.connection import Remote, connect
 from .host.spec import HostSpec, Target
@@ -81,11 +83,28 @@ def open_host(recipe: Recipe, spec: HostSpec, ui: UI, accept_new_host_key: bool 
     return node, remote
 
 
+# the lines of pip's or uv's output that name what could not be installed, best first
+_INSTALL_ERRORS = (re.compile(r"Because (.+?)(?:, we can conclude.*)?$", re.M),            # uv
+                   re.compile(r"^ERROR: (No matching distribution found for .+)$", re.M),   # pip
+                   re.compile(r"^(?:ERROR|error): (.+)$", re.M))
+
+
 class Checks:
-    """In-process checks that plans call (`checks.x`): they only say what they found."""
+    """In-process checks that plans call (`checks.x`): they say what they found."""
 
     def __init__(self, ui: UI, host: str) -> None:
         self.ui, self.host = ui, host
+
+    def install_failure(self, status: int | None, output: str) -> RelaunchError | None:
+        """The installer's own words for the package it could not install, as the error line."""
+        text = redact(output)
+        for pattern in _INSTALL_ERRORS:
+            found = pattern.search(text)
+            if found:
+                return EnvError(f"{self.host}: env: installing the lock failed: {shorten(found.group(1))}",
+                                "fix that pin in env.lock (or env.index_url if the package lives on another index), "
+                                "then rerun `relaunch up`; the full output is in the debug log")
+        return None
 
     def drift(self, lock: list[str], freeze: list[str]) -> None:
         differences = drift(lock, freeze)
@@ -116,13 +135,14 @@ class UpResult:
         return {"host": self.host, "status": self.status, "checkpoint": self.checkpoint, "step": self.step}
 
 
-def plan_up(job: Job, store: Store) -> tuple[Plan, Job]:
+def plan_up(job: Job, store: Store, exclude: frozenset[str] = frozenset(),
+            wanted: str | None = None) -> tuple[Plan, Job]:
     """Everything `up` does on this host, from its facts alone (no I/O)."""
     if job.facts.host.session_alive:
         return Plan(job.host, reads=list(job.facts.reads), actions=[Action(
             "launch", f"start tmux session {job.recipe.run.session}",
             skip=f"training is already running in tmux session {job.recipe.run.session}")]), job
-    choice = choose(job)
+    choice = choose(job, exclude, wanted)
     preflight = plan_preflight(job, choice.copy_bytes)
     job, restore = plan_restore(job, store, choice)
     plan = Plan(job.host, reads=list(job.facts.reads))
@@ -131,24 +151,54 @@ def plan_up(job: Job, store: Store) -> tuple[Plan, Job]:
 
 
 def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept_new_host_key: bool = False,
-           rank: int = 0, nnodes: int = 1, master_addr: str = "") -> UpResult:
+           rank: int = 0, nnodes: int = 1, master_addr: str = "", wanted: str | None = None) -> UpResult:
     node, remote = open_host(recipe, spec, ui, accept_new_host_key, rank, nnodes, master_addr)
     with remote:
         store = open_store(recipe)
-        job = gather(remote, recipe, node, store)
-        for line in summary(job):
-            ui.step(job.host, "preflight", line)
-        plan, job = plan_up(job, store)
-        if dry_run:
-            return UpResult(job.host, "planned", job.checkpoint, job.step, plan)
-        if job.facts.host.session_alive:
-            ui.ok(f"[{job.host}] training is already running in tmux session {recipe.run.session}; nothing to do")
-            remember_host(recipe, node.target)
-            return UpResult(job.host, "already running")
-        results = executor_for(job, remote, store, ui).run(plan.actions)
+        damaged: set[str] = set()           # store records whose bytes failed their check twice
+        suspect: set[str] = set()           # ... once: copied again before they count as damaged
+        while True:
+            job = gather(remote, recipe, node, store)
+            _say_facts(job, store, ui)
+            plan, job = plan_up(job, store, frozenset(damaged), wanted)
+            if dry_run:
+                return UpResult(job.host, "planned", job.checkpoint, job.step, plan)
+            if job.facts.host.session_alive:
+                ui.ok(f"[{job.host}] training is already running in tmux session {recipe.run.session}; "
+                      "nothing to do")
+                remember_host(recipe, node.target)
+                return UpResult(job.host, "already running")
+            executor = executor_for(job, remote, store, ui)
+            try:
+                results = executor.run(plan.actions)
+                break
+            except HashMismatch as exc:
+                name = job.checkpoint.rsplit("/", 1)[-1]
+                executor.run_one(Action("checkpoint", f"remove the copy of {name} that did not verify",
+                                        command=f"rm -rf -- {shlex.quote(job.paths.incoming)}"))
+                if name in suspect or wanted is not None:
+                    damaged.add(name)
+                    if wanted is not None:
+                        raise
+                    ui.warn(f"{name} in the store {store.label} does not match its manifest ({exc.message}); it "
+                            "is damaged and kept as it is; falling back to the newest checkpoint that verifies")
+                else:
+                    suspect.add(name)
+                    ui.warn(f"{exc.message}; copying {name} again before calling it damaged")
         status = _launched(job, results.get("launch") or {}, ui)
         remember_host(recipe, node.target)
         return UpResult(job.host, status, job.checkpoint, job.step)
+
+
+def _say_facts(job: Job, store: Store, ui: UI) -> None:
+    if job.facts.withheld:
+        ui.warn(f"env.secrets lists {', '.join(job.facts.withheld)}, the credentials of the store "
+                f"{store.label}: relaunch hands them to the instance only while a copy runs, not to training; "
+                "remove them from env.secrets")
+    for name, why in sorted(job.facts.damaged.items()):
+        ui.warn(f"{job.host}: {name} on the instance is a save that did not finish ({why}); not used")
+    for line in summary(job):
+        ui.step(job.host, "preflight", line)
 
 
 def _launched(job: Job, watch: dict[str, Any], ui: UI) -> str:
@@ -172,12 +222,13 @@ def _launched(job: Job, watch: dict[str, Any], ui: UI) -> str:
 
 
 def up(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
-       accept_new_host_key: bool = False) -> list[UpResult]:
+       accept_new_host_key: bool = False, checkpoint: str | None = None) -> list[UpResult]:
     if len(specs) == 1:
-        return [up_one(recipe, specs[0], ui, dry_run, accept_new_host_key)]
+        return [up_one(recipe, specs[0], ui, dry_run, accept_new_host_key, wanted=checkpoint)]
     master = specs[0].address
     with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="host") as pool:
-        futures = [pool.submit(up_one, recipe, spec, ui, dry_run, accept_new_host_key, rank, len(specs), master)
+        futures = [pool.submit(up_one, recipe, spec, ui, dry_run, accept_new_host_key, rank, len(specs), master,
+                               checkpoint)
                    for rank, spec in enumerate(specs)]
         try:
             for future in futures:
@@ -298,6 +349,7 @@ def _evacuate_one(job: Job, store: Store, executor: Executor, cp: Checkpoint, re
     if known is not None:
         if not reverify and {p: f.size for p, f in known.files.items()} == sizes:
             report.already.append(cp.name)        # a sync round: same files, same sizes, verified before
+            report.unchanged.append(cp.name)
             return
         from .steps.evacuate import hash_action
 
@@ -314,12 +366,12 @@ def _evacuate_one(job: Job, store: Store, executor: Executor, cp: Checkpoint, re
             "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right")
     try:
         try:
-            executor.run(plan_copy(job, store, cp))
+            results = executor.run(plan_copy(job, store, cp))
         except Mismatch as exc:
             # a quick check (size + mtime) can trust a damaged partial file: compare every byte
             ui = executor.ui
             ui.warn(f"{cp.name}: {exc.problems[0]}; copying again, comparing every byte")
-            executor.run(plan_copy(job, store, cp, again=True))
+            results = executor.run(plan_copy(job, store, cp, again=True))
     except Vanished:
         executor.ui.step(job.host, "evacuate", f"{cp.name} was rotated away by the trainer during the copy; skipped")
         report.skipped.append(cp.name)
@@ -330,5 +382,6 @@ def _evacuate_one(job: Job, store: Store, executor: Executor, cp: Checkpoint, re
         return
     report.copied.append(cp.name)
     report.bytes_copied += sum(sizes.values())
-    executor.ui.step(job.host, "evacuate", f"{cp.name} verified: {len(sizes)} file(s), {store.hash_name}")
+    executor.ui.step(job.host, "evacuate", f"{cp.name} verified: {len(sizes)} file(s), "
+                                           f"{results.get(f'verified:{cp.name}') or store.hash_name}")
 

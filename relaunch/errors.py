@@ -77,6 +77,15 @@ class Interrupted(RelaunchError):
     exit_code = 130
 
 
+def shorten(text: str, limit: int = 300) -> str:
+    """One line of at most `limit` characters, cut between words so that a path stays whole."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit - 4)
+    return text[: cut if cut > limit // 2 else limit - 4] + " ..."
+
+
 def remote_failure(
     cls: type[RelaunchError],
     host: str,

@@ -19,7 +19,7 @@ from typing import Any
 
 from . import processes
 from .errors import CheckpointError, ConnectError, EnvError, EvacuationError, Interrupted, RelaunchError, \
-    remote_failure
+    remote_failure, shorten
 from .host.connection import Remote
 from .host.hashing import parse_hashes
 from .plan import LOCAL, Action, Ref
@@ -35,6 +35,12 @@ ERRORS: dict[str, type[RelaunchError]] = {
 }
 MEANINGS = {"rsync": RSYNC_MEANING}
 NO_SPACE = "No space left on device"
+CLEANUP_DEADLINE = 15.0
+
+
+class HashMismatch(CheckpointError):
+    """Bytes on the instance differ from the hashes they had to have (a copy that went wrong,
+    or a damaged copy in the store)."""
 
 
 class _Transient(Exception):
@@ -74,6 +80,7 @@ class Executor:
                 processes.CANCEL.set()
                 wait(futures)
                 raise
+        self._stop.clear()          # the lanes are over: later actions of this executor run as usual
         errors = [e for e in (f.exception() for f in futures) if e is not None]
         real = [e for e in errors if not isinstance(e, Interrupted)]
         if real:
@@ -89,17 +96,27 @@ class Executor:
     def _run_lane(self, actions: list[Action]) -> None:
         failure: BaseException | None = None
         for action in actions:
-            if failure is not None and not action.always:
-                continue
-            try:
-                self.run_one(action)
-            except BaseException as exc:  # noqa: B036 - cleanup actions still run, then it is re-raised
-                if failure is None:
+            if failure is None:
+                try:
+                    self.run_one(action)
+                except BaseException as exc:  # noqa: B036 - cleanup actions still run, then it is re-raised
                     failure = exc
-                else:
-                    log.debug("cleanup %s failed after an earlier failure", action.title, exc_info=True)
+            elif action.always:
+                self._cleanup(action)
         if failure is not None:
             raise failure
+
+    def _cleanup(self, action: Action) -> None:
+        """A cleanup after a failure or Ctrl-C (remove credentials, a temp folder): run it even
+        when cancelled, briefly, and never let it hide the failure."""
+        try:
+            if action.call:
+                self._call(action, check=False)
+            elif self.remote is not None and action.command:
+                self.remote.exec(action.command, deadline=min(action.deadline, CLEANUP_DEADLINE),
+                                 stdin=action.stdin, cancelled=lambda: False)
+        except Exception:  # the failure that got us here is what the user needs to see
+            log.debug("cleanup %s failed after an earlier failure", action.title, exc_info=True)
 
     # -- one action ---------------------------------------------------------------------------
     def run_one(self, action: Action) -> Any:
@@ -133,13 +150,14 @@ class Executor:
                 raise
             raise exc.error from None
 
-    def _call(self, action: Action) -> Any:
+    def _call(self, action: Action, check: bool = True) -> Any:
         owner, _, method = action.call.partition(".")
         handler = self.handlers.get(owner)
         if handler is None or not hasattr(handler, method):
             raise RelaunchError(f"internal: no handler for {action.call}")
         args = {k: self.results.get(v.name) if isinstance(v, Ref) else v for k, v in action.args.items()}
-        processes.check_cancel()
+        if check:
+            processes.check_cancel()
         return getattr(handler, method)(**args)
 
     def _run_program(self, action: Action) -> Any:
@@ -223,9 +241,9 @@ class Executor:
             elif got.hashes.get(algo) != want:
                 bad.append(f"{path}: {algo} {got.hashes.get(algo)}, expected {want}")
         if bad:
-            raise ERRORS[action.fails_as](
-                f"{self.host}: {action.step}: {len(bad)} file(s) differ from the store's verified copy after "
-                f"{action.title}, e.g. {bad[0]}", action.hint or "nothing was put in place; rerun")
+            raise HashMismatch(
+                f"{self.host}: {action.step}: {len(bad)} file(s) differ from the store's verified copy: "
+                f"{action.title}: e.g. {bad[0]}", action.hint or "nothing was put in place")
 
     def _detail(self, data: bytes) -> None:
         self.ui.detail(data.decode(errors="replace").rstrip())
@@ -244,5 +262,5 @@ def _groups(actions: Sequence[Action]) -> list[dict[str, list[Action]]]:
 
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in redact(text).splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else "no output"
+    return shorten(lines[-1]) if lines else "no output"
 

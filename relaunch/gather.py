@@ -11,12 +11,15 @@ import shlex
 from .errors import CheckpointError, ConnectError, EnvError, RelaunchError, remote_failure
 from .host.connection import HOME_COMMAND, Remote, environ_secrets
 from .host.facts import FACTS_DEADLINE, HostFacts, facts_script, parse_facts
+from .host.hashing import hash_command, parse_hashes, paths_stdin
 from .job import Facts, Job, Node, read_lock
 from .layouts import LISTING_COMMAND, Entry, parse_listing
 from .recipe import Recipe
+from .steps.checkpoint import instance_checkpoints
 from .transports import Store
 
 LISTING_DEADLINE = 300.0        # a folder of thousands of checkpoint shards on a slow disk
+CHECKED = 10                    # how many of the instance's newest checkpoints are checked for a finished save
 
 
 def listing_command(ckpt_dir: str) -> str:
@@ -48,6 +51,25 @@ def read_listing(remote: Remote, ckpt_dir: str, error: type[RelaunchError] = Che
     return parse_listing(result.stdout)
 
 
+def read_damaged(remote: Remote, job: Job) -> dict[str, str]:
+    """Which of the instance's newest complete checkpoints (newer than the store's) are saves that
+    did not finish: a torch zip without its end, a safetensors file shorter than its header says.
+    Reads only each file's first and last bytes."""
+    stored = job.facts.store.manifest.newest() if job.facts.store and job.facts.store.manifest else None
+    newer = [cp for cp in instance_checkpoints(job) if stored is None or cp.step > stored.step][-CHECKED:]
+    if not newer:
+        return {}
+    files = {e.path: cp.name for cp in newer for e in cp.files}
+    command = hash_command(job.paths.ckpt_dir, job.facts.host.python, ())
+    result = remote.exec(command, stdin=paths_stdin(sorted(files)), deadline=LISTING_DEADLINE)
+    _check(remote, result, "checking the newest checkpoints", CheckpointError, LISTING_DEADLINE, command)
+    damaged: dict[str, str] = {}
+    for path, found in parse_hashes(result.stdout).items():
+        if found.problem and files.get(path) and files[path] not in damaged:
+            damaged[files[path]] = f"{path}: {found.problem}"
+    return damaged
+
+
 def _check(remote: Remote, result: object, what: str, error: type[RelaunchError], deadline: float,
            command: str | None = None) -> None:
     from .host.connection import ExecResult
@@ -77,7 +99,12 @@ def gather(remote: Remote, recipe: Recipe, node: Node, store: Store | None = Non
         facts.reads.append(listing_command(paths.ckpt_dir))
     if store is not None:
         facts.store = store.read(writing)
+        if facts.listing:
+            facts.damaged = read_damaged(remote, job)
+            facts.reads.append(hash_command(paths.ckpt_dir, facts.host.python, ()))
     facts.lock = read_lock(recipe.env.lock)
-    facts.secrets = environ_secrets(list(recipe.env.secrets))
+    # the store's own credentials go to the instance only for a copy, never into training's file
+    facts.withheld = [n for n in recipe.env.secrets if store is not None and store.is_credential(n)]
+    facts.secrets = environ_secrets([n for n in recipe.env.secrets if n not in facts.withheld])
     facts.modes = {str(p): os.stat(p).st_mode & 0o777 for p in recipe.env.files if p.exists()}
     return job

@@ -54,6 +54,8 @@ class Facts:
     lock: list[str] = field(default_factory=list)          # the recipe's lock file, here
     secrets: dict[str, str] = field(default_factory=dict)  # env.secrets set on this machine
     modes: dict[str, int] = field(default_factory=dict)    # env.files here: local path -> mode
+    withheld: list[str] = field(default_factory=list)      # env.secrets that are the store's credentials
+    damaged: dict[str, str] = field(default_factory=dict)  # instance checkpoint -> why its save did not finish
     reads: list[str] = field(default_factory=list)         # the commands that read the instance
 
     def as_dict(self) -> dict[str, Any]:
@@ -64,6 +66,7 @@ class Facts:
                 "label": self.store.label, "empty": self.store.empty,
                 "manifest": None if self.store.manifest is None else self.store.manifest.to_dict()},
             "lock": self.lock, "secrets": self.secrets, "modes": self.modes, "reads": self.reads,
+            "withheld": self.withheld, "damaged": self.damaged,
         }
 
     @classmethod
@@ -77,7 +80,8 @@ class Facts:
                 store["label"], store["empty"],
                 None if store.get("manifest") is None else StoreManifest.from_dict(store["manifest"], "fixture")),
             lock=list(data.get("lock", [])), secrets=dict(data.get("secrets", {})), modes=dict(data.get("modes", {})),
-            reads=list(data.get("reads", [])),
+            reads=list(data.get("reads", [])), withheld=list(data.get("withheld", [])),
+            damaged=dict(data.get("damaged", {})),
         )
 
 

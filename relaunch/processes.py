@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import selectors
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +28,10 @@ log = logging.getLogger("relaunch.processes")
 
 CANCEL = threading.Event()
 GRACE = 3.0            # seconds between SIGTERM and SIGKILL when ending a process group
+# A child in a group of its own outlives a `kill -9` of relaunch; on Linux it is told to go
+# too (the kernel's parent-death signal), so no copy keeps writing into a store nobody holds.
+_DIE_WITH_US = (["setpriv", "--pdeathsig", "TERM", "--"]
+                if sys.platform.startswith("linux") and shutil.which("setpriv") else [])
 
 
 def check_cancel() -> None:
@@ -88,7 +94,7 @@ def run(argv: Sequence[str], *, deadline: float, stdin: bytes | Path | None = No
     stdin_file = open(stdin, "rb") if isinstance(stdin, Path) else None
     try:
         proc = subprocess.Popen(
-            list(argv), stdin=stdin_file or (subprocess.PIPE if stdin is not None else subprocess.DEVNULL),
+            [*_DIE_WITH_US, *argv], stdin=stdin_file or (subprocess.PIPE if stdin is not None else subprocess.DEVNULL),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env, cwd=cwd)
     except OSError as exc:
         if stdin_file:

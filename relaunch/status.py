@@ -13,6 +13,7 @@ from .recipe import Recipe
 from .steps.checkpoint import instance_checkpoints
 from .steps.launch import tail_command
 from .transports import open_store
+from .errors import shorten
 from .ui import UI, human
 
 GPU_QUERY = ("timeout -k 2 10 nvidia-smi --query-gpu=name,utilization.gpu,memory.used,memory.total "
@@ -45,7 +46,7 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
         if facts.tools.get("nvidia-smi"):
             gpus = remote.exec(GPU_QUERY, deadline=LOOK_DEADLINE)
             result.gpus = (gpus.text.splitlines() if gpus.ok
-                           else [f"nvidia-smi failed or hung: {gpus.output.strip()[:100]}"])
+                           else [f"nvidia-smi failed or hung: {shorten(gpus.output, 100)}"])
         listing = instance_checkpoints(job)
         if listing:
             newest = listing[-1]

@@ -39,6 +39,17 @@ for raw in sys.stdin.buffer.read().split(b"\0"):
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
+            if not algos:
+                # no hash wanted: only whether the save finished (its first and last bytes)
+                head = f.read(16)
+                f.seek(max(size - 65558, 0))
+                tail = f.read()
+                out = {"path": path, "size": size}
+                bad = problem(path, size, head, tail)
+                if bad:
+                    out["problem"] = bad
+                sys.stdout.write(json.dumps(out) + "\n")
+                continue
             hs = {a: hashlib.sha1(b"blob %d\0" % size) if a == "gitblob" else hashlib.new(a) for a in algos}
             head, tail = b"", b""
             while True:

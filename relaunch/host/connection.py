@@ -11,6 +11,7 @@ so what `relaunch plan` shows is all that ever runs.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -27,7 +28,7 @@ from fabric import Connection
 from paramiko.ssh_exception import NoValidConnectionsError
 
 from .. import processes
-from ..errors import ConnectError, HostKeyError, Interrupted
+from ..errors import ConnectError, HostKeyError, Interrupted, shorten
 from ..retry import retrying
 from .known_hosts import KnownHosts, TrustPolicy, fingerprint
 from .spec import Target
@@ -39,7 +40,9 @@ KEEPALIVE = 10
 # kernel's ~15 minutes of TCP retransmissions: keepalives keep data in flight and
 # TCP_USER_TIMEOUT aborts the socket when it stays unacknowledged.
 TCP_USER_TIMEOUT_MS = 30_000
-AUTH_GRACE = 60.0
+# cloud-init installs the key a few seconds after sshd starts; a key that is still refused after
+# this long is the wrong key or user, and the user hears so at once instead of after ssh.wait
+AUTH_GRACE = 20.0
 PGID_LINE = re.compile(rb"relaunch-pgid (\d+)\n")
 HOME_COMMAND = 'printf %s "$HOME"'
 
@@ -82,6 +85,9 @@ def upload_command(path: str, mode: int) -> str:
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, NoValidConnectionsError):
+        causes = list(exc.errors.values())
+        if causes and all(getattr(c, "errno", None) != errno.ECONNREFUSED for c in causes):
+            return _describe(causes[0])
         return "connection refused (sshd not listening yet?)"
     if isinstance(exc, paramiko.AuthenticationException):
         return f"authentication failed ({exc}); the key may not be installed yet"
@@ -89,6 +95,9 @@ def _describe(exc: BaseException) -> str:
         return "port open but no SSH banner yet (sshd starting?)"
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return "timed out"
+    if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ENETUNREACH, errno.EHOSTUNREACH):
+        # a blackhole or missing route answers EINVAL at once: to the user, the host is unreachable
+        return "no route to the host (unreachable)"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror.lower()
     return f"{type(exc).__name__}: {exc}"
@@ -363,7 +372,7 @@ def connect(target: Target, *, accept_new_host_key: bool = False, known_hosts: P
         if not result.ok or not result.text.startswith("/"):
             conn.close()
             raise ConnectError(f"{target.label}: connected, but could not run a command: "
-                               f"{result.output.strip()[:200]}")
+                               f"{shorten(result.output, 200)}")
         remote.home = result.text
         return remote
 

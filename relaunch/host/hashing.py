@@ -30,7 +30,8 @@ class FileHash:
 
 
 def hash_command(root: str, python: str, algos: tuple[str, ...] = ("sha256",)) -> str:
-    """Hash the NUL-separated paths on stdin, relative to `root`, with `python` on the instance."""
+    """Hash the NUL-separated paths on stdin, relative to `root`, with `python` on the instance;
+    no algos: only check that each save finished (reads a file's first and last bytes)."""
     for algo in algos:
         if algo not in ALGOS:
             raise ValueError(f"unknown hash {algo}")

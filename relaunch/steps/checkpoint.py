@@ -49,13 +49,25 @@ def instance_checkpoints(job: Job) -> list[Checkpoint]:
     return complete_checkpoints(job.facts.listing or [], c.layout, c.pattern)
 
 
-def choose(job: Job) -> Choice:
+def choose(job: Job, exclude: frozenset[str] = frozenset(), wanted: str | None = None) -> Choice:
+    """The checkpoint `up` resumes from: the newest complete one, the instance's own when it is
+    newer (never one whose save did not finish), or `wanted` by name; `exclude`: store records
+    found damaged."""
     store = job.facts.store
     assert store is not None
-    local = instance_checkpoints(job)
+    local = [cp for cp in instance_checkpoints(job) if cp.name not in job.facts.damaged]
     newest_here = local[-1] if local else None
-    record = store.manifest.newest() if store.manifest else None
+    records = [r for r in store.manifest.ordered() if r.name not in exclude] if store.manifest else []
+    if wanted is not None:
+        return _wanted(job, wanted, records, local)
+    record = records[-1] if records else None
     if record is None:
+        if exclude:
+            raise CheckpointError(
+                f"every verified checkpoint in the store {store.label} failed its check on the instance "
+                f"({', '.join(sorted(exclude))}): their bytes no longer match the manifest",
+                "nothing was deleted; check the store's disk, or resume from a copy elsewhere with "
+                "`relaunch up --checkpoint NAME`")
         if not store.empty:
             raise CheckpointError(
                 f"the store {store.label} holds checkpoint files but no verified checkpoint "
@@ -73,6 +85,20 @@ def choose(job: Job) -> Choice:
     if newest_here is not None and newest_here.name == record.name:
         return Choice(record, newest_here, f"{record.name} (step {record.step}) is already on the instance")
     return Choice(record, None, f"newest verified in the store: {record.name} (step {record.step})")
+
+
+def _wanted(job: Job, name: str, records: list[CheckpointRecord], local: list[Checkpoint]) -> Choice:
+    record = next((r for r in records if r.name == name), None)
+    here = next((cp for cp in local if cp.name == name), None)
+    if record is not None:
+        return Choice(record, here, f"{name} (step {record.step}) from the store, as asked (--checkpoint)")
+    if here is not None:
+        return Choice(None, here, f"{name} (step {here.step}) on the instance, as asked (--checkpoint)")
+    store = job.facts.store
+    assert store is not None
+    names = ", ".join(r.name for r in records) or "none"
+    raise CheckpointError(f"--checkpoint {name}: no such verified checkpoint in the store {store.label} and no "
+                          "complete one of that name on the instance", f"the store holds: {names}")
 
 
 def plan_restore(job: Job, store: Store, choice: Choice) -> tuple[Job, list[Action]]:

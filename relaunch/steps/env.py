@@ -58,7 +58,7 @@ def plan_env(job: Job) -> list[Action]:
         pinned = f"installing {len(lock)} pinned packages with {recipe.env.installer}"
         actions.append(act(f"create {paths.venv}" + (f" and install {len(lock)} pinned packages" if lock else ""),
                            command="bash -s", stdin=script.encode(), deadline=INSTALL_DEADLINE,
-                           say=pinned if lock else "creating the venv",
+                           say=pinned if lock else "creating the venv", explain="checks.install_failure",
                            hint="the full output is in the debug log (relaunch -v shows it live)"))
 
     for local, remote_path in recipe.env.files.items():

@@ -29,6 +29,7 @@ class Report(Lag):
     verified_by: str = ""                                 # what "verified" means for this store
     copied: list[str] = field(default_factory=list)
     already: list[str] = field(default_factory=list)      # verified before (re-hashed on the instance)
+    unchanged: list[str] = field(default_factory=list)    # in `sync`: same sizes as their verified copies
     skipped: list[str] = field(default_factory=list)      # rotated away mid-copy
     damaged: list[str] = field(default_factory=list)      # "name: why" (a save that did not finish)
     pruned: list[str] = field(default_factory=list)
@@ -91,5 +92,7 @@ def round_line(report: Report) -> str:
     newest = f"newest verified: {report.stored} (step {report.stored_step})" if report.stored else "store empty"
     skipped = f"; skipped {', '.join(report.skipped)} (rotated away mid-copy)" if report.skipped else ""
     damaged = f"; NOT copied, damaged on the instance: {'; '.join(report.damaged)}" if report.damaged else ""
-    return (f"{time.strftime('%H:%M:%S')} copied {copied} ({human(report.bytes_copied)}{speed}){skipped}{damaged}; "
-            f"{newest}; {lag}")
+    unchanged = (f"; unchanged: {', '.join(report.unchanged)} (same sizes as their verified copies)"
+                 if report.unchanged else "")
+    return (f"{time.strftime('%H:%M:%S')} copied {copied} ({human(report.bytes_copied)}{speed}){skipped}{damaged}"
+            f"{unchanged}; {newest}; {lag}")

@@ -31,7 +31,8 @@ from ..ui import UI
 if TYPE_CHECKING:
     from ..job import Job, StoreState
 
-LOCK_WAIT = 900.0         # seconds a writer waits for another one before it gives up and says who
+# seconds a writer waits for another one before it gives up and says who (RELAUNCH_LOCK_WAIT)
+LOCK_WAIT = 900.0
 
 
 class Vanished(Exception):
@@ -70,7 +71,12 @@ class Store(ABC):
     recipe_name: str
     manifest: StoreManifest | None = None       # as read by read(), then as this process changed it
     instance_hashes: tuple[str, ...] = ("sha256",)   # what evacuate computes on the instance for it
-    hash_name = "sha256 on both ends"           # what "verified" means for this store, in words
+    # what "verified" means for this store, in words
+    hash_name = "sha256 computed on the instance = sha256 of the copy, computed here"
+
+    def is_credential(self, name: str) -> bool:
+        """Is this environment variable one of the store's credentials (never a training secret)?"""
+        return False
 
     def handlers(self) -> dict[str, Any]:
         """The objects whose methods this store's plans call (`store.x`, `staging.x`, `remote.x`)."""
@@ -118,19 +124,22 @@ class Store(ABC):
         record it in the manifest (by default: one call of `accept`)."""
         return [Action("evacuate", f"verify {cp.name} against the instance's hashes and record it in the store",
                        where=LOCAL, call="store.accept", args={"cp": cp, "hashes": hashes, "host": job.host},
-                       fails_as="evacuate")]
+                       produces=f"verified:{cp.name}", fails_as="evacuate")]
 
-    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> CheckpointRecord:
+    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> str:
+        """Verify, commit and record cp; return what was compared with what, in words."""
         raise NotImplementedError(f"{type(self).__name__} plans its own acceptance")
 
     # -- one writer at a time -----------------------------------------------------------------
     @contextmanager
-    def lock(self, ui: UI, wait: float = LOCK_WAIT) -> Iterator[None]:
+    def lock(self, ui: UI, wait: float | None = None) -> Iterator[None]:
         """One writer per store on this machine: `sync` in the background and `evacuate` take turns.
 
         The holder writes who it is into the lock file; a waiter shows that, and gives up after
         `wait` seconds naming the holder.
         """
+        if wait is None:
+            wait = float(os.environ.get("RELAUNCH_LOCK_WAIT") or LOCK_WAIT)
         folder = state_dir() / "locks"
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = folder / (hashlib.sha256(self.label.encode()).hexdigest()[:16] + ".lock")

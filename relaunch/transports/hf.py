@@ -14,10 +14,10 @@ relaunch's tools venv (this class). via local: a Relay (relay.py) over this clas
 primitives: instance -> rsync -> a cache on this machine (verified) -> HfApi -> repo (verified),
 and the reverse for a restore.
 
-Credentials: HF_TOKEN is used only when the recipe names it in env.secrets (never a token file
-nor an HF_TOKEN that the recipe did not name); on the instance it is only in a 0600 file
-(`instance_env`). These variables of this machine are passed to the instance's `hf` as they
-are (they are not secret): see PASSED_VARS.
+Credentials: this machine's HF_TOKEN (else the token `hf auth login` stored), as the `hf` CLI
+does; it is not a training secret, so it needs no place in env.secrets. On the instance it exists
+only in a 0600 file while one copy runs (`credential_actions`). These variables of this machine
+are passed to the instance's `hf` as they are (they are not secret): see PASSED_VARS.
 
 A repo that holds no relaunch manifest but a Trainer's `last-checkpoint/` (push_to_hub with
 hub_strategy="checkpoint") is read as a store with that one checkpoint, so `up` can resume from
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError
+from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError, shorten
 from ..host.hashing import FileHash
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
@@ -65,6 +65,17 @@ _COMMIT = re.compile(r"/commit/([0-9a-f]{40})")
 _AUTH = re.compile(r"\b401 Unauthorized\b|\b403 Forbidden\b|Invalid credentials")
 _NOT_FOUND = re.compile(r"not found|RepositoryNotFound|does not exist", re.I)
 
+def _token() -> str | None:
+    """This machine's Hub token: HF_TOKEN, else the one `hf auth login` stored (as the `hf` CLI does)."""
+    if os.environ.get("HF_TOKEN"):
+        return os.environ["HF_TOKEN"]
+    try:
+        from huggingface_hub import get_token
+    except ImportError:
+        return None
+    return get_token() or None
+
+
 def git_blob_id(path: Path) -> str:
     """The id git (and the Hub, for a regular file) gives a file's content."""
     digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
@@ -81,7 +92,7 @@ def _sha256(path: Path) -> str:
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in _ANSI.sub("", redact(text)).splitlines() if ln.strip()]
     lines = [ln for ln in lines if not ln.startswith("Hint: set HF_DEBUG")]
-    return lines[-1][:300] if lines else "no output"
+    return shorten(lines[-1]) if lines else "no output"
 
 
 @dataclass
@@ -101,14 +112,13 @@ class Snapshot:
 
 class HfStore(Store):
     instance_hashes = ("sha256", "gitblob")
-    hash_name = "sha256 on the instance = the Hub's LFS sha256 (git blob id for small files), at one commit"
+    hash_name = "the Hub's LFS sha256 (git blob id for small files) = the same of the instance's bytes, at commit"
 
     def __init__(self, repo_id: str, subfolder: str, recipe_name: str, token: str | None,
-                 endpoint: str | None, token_unlisted: bool = False) -> None:
+                 endpoint: str | None) -> None:
         self.repo_id, self.subfolder, self.recipe_name = repo_id, subfolder, recipe_name
         self.label = f"hf:{repo_id}" + (f"/{subfolder}" if subfolder else "")
         self.token, self.endpoint = token, endpoint
-        self.token_unlisted = token_unlisted       # HF_TOKEN is set here but not in env.secrets
         self._synthetic: set[str] = set()          # records read from last-checkpoint/, never saved
         self._revision: str | None = None          # the commit the manifest was read at
         self._uploaded: dict[str, str] = {}        # checkpoint name -> commit its upload made
@@ -128,12 +138,10 @@ class HfStore(Store):
                 check_relpath(subfolder, "subfolder")
             except ValueError as exc:
                 raise UsageError(f"{where}: checkpoint.remote: {exc}") from None
-        listed = "HF_TOKEN" in recipe.env.secrets
-        token = (os.environ.get("HF_TOKEN") or None) if listed else None
+        token = _token()
         if token:
             redact.add([token])
-        return cls(f"{owner}/{name}", subfolder, recipe.name, token, os.environ.get("HF_ENDPOINT") or None,
-                   token_unlisted=not listed and bool(os.environ.get("HF_TOKEN")))
+        return cls(f"{owner}/{name}", subfolder, recipe.name, token, os.environ.get("HF_ENDPOINT") or None)
 
     # -- talking to the Hub from this machine ----------------------------------------------------
     def _api(self) -> Any:
@@ -143,7 +151,7 @@ class HfStore(Store):
             raise UsageError("a checkpoint.remote of kind hf: needs huggingface_hub on this machine",
                              "pip install 'relaunch[hf]'") from None
 
-        # token=False: never a token file or an HF_TOKEN the recipe did not name
+        # token=False when there is none: never anonymous by accident of some other default
         return HfApi(endpoint=self.endpoint, token=self.token or False, library_name="relaunch")
 
     def _rp(self, rel: str) -> str:
@@ -151,19 +159,16 @@ class HfStore(Store):
         return f"{self.subfolder}/{rel}" if self.subfolder else rel
 
     def _auth_error(self) -> ConnectError:
-        hint = ("put HF_TOKEN (a token with write access to the repo) in env.secrets and in this shell's "
-                "environment")
-        if self.token_unlisted:
-            hint = "HF_TOKEN is set here but not listed in env.secrets, so relaunch does not use it; " + hint
-        return ConnectError(f"hf: HF_TOKEN is missing or not allowed for {self.repo_id}", hint)
+        return ConnectError(f"hf: HF_TOKEN is missing or not allowed for {self.repo_id}",
+                            "set HF_TOKEN in this shell (or `hf auth login`) to a token with write access to "
+                            "the repo; relaunch hands it to the instance only for a copy")
 
     def _missing_error(self) -> CheckpointError:
         # a typo must not look like a fresh start (training from scratch, then a new repo)
         hint = (f"check checkpoint.remote; for a new run create it first: `hf repos create {self.repo_id} "
                 "--private`")
         if not self.token:
-            hint += ("; a private repo looks missing without a token: put HF_TOKEN in env.secrets"
-                     + (" (it is set here but not listed there)" if self.token_unlisted else ""))
+            hint += "; a private repo looks missing without a token: set HF_TOKEN here (or `hf auth login`)"
         return CheckpointError(f"{self.label}: the repo {self.repo_id} does not exist (or is not visible with "
                                "this token)", hint)
 
@@ -384,10 +389,10 @@ class HfStore(Store):
 
     def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref) -> list[Action]:
         return [Action("evacuate", f"verify {cp.name} in the repo at the commit its upload made, record it",
-                       where=LOCAL, call="store.accept_upload", fails_as="evacuate",
+                       where=LOCAL, call="store.accept_upload", fails_as="evacuate", produces=f"verified:{cp.name}",
                        args={"cp": cp, "hashes": hashes, "upload": Ref(f"upload:{cp.name}"), "host": job.host})]
 
-    def accept_upload(self, cp: Checkpoint, hashes: dict[str, FileHash], upload: str, host: str) -> CheckpointRecord:
+    def accept_upload(self, cp: Checkpoint, hashes: dict[str, FileHash], upload: str, host: str) -> str:
         record = expected_record(cp, hashes, host)
         found = _COMMIT.search(upload or "")
         sha = found.group(1) if found else self._head()
@@ -398,7 +403,7 @@ class HfStore(Store):
         if problems:
             raise EvacuationError(f"{self.label}: {cp.name} did not verify in the repo: {problems[0]}")
         self.record(record)
-        return record
+        return f"{self.hash_name} {sha[:12]}"
 
     def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
         sha = self._revision
@@ -443,6 +448,7 @@ class HfStore(Store):
         return str(info.oid)
 
     def check_uploaded(self, record: CheckpointRecord, staged: Path) -> str:
+        """The commit made from `staged` against the bytes here; what was compared, in words."""
         sha = self._uploaded.get(record.name) or self._head()
         if sha is None:
             raise EvacuationError(f"{self.label}: the repo {self.repo_id} does not exist after the upload")
@@ -450,7 +456,7 @@ class HfStore(Store):
                                  lambda paths: {p: git_blob_id(staged / p) for p in paths})
         if problems:
             raise EvacuationError(f"{self.label}: {record.name} did not verify in the repo: {problems[0]}")
-        return self.hash_name
+        return f"{self.hash_name} {sha[:12]}"
 
     def download_actions(self, record: CheckpointRecord, dest: Path) -> list[Action]:
         total = sum(f.size for f in record.files.values())

@@ -105,8 +105,8 @@ class LocalPathStore(Store):
     def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
         return pull_actions(job, self.fs, cp, again, f"the store {self.label}")
 
-    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> CheckpointRecord:
+    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> str:
         record = self.staging.verify(cp, hashes, host)
         self.fs.commit(record)
         self.record(record)
-        return record
+        return self.hash_name

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from .. import processes
-from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError
+from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError, shorten
 from ..host.hashing import FileHash, paths_stdin
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
@@ -76,12 +76,12 @@ def _message(stderr: str) -> str:
         pass
     line = re.sub(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\s+(ERROR|NOTICE|INFO|CRITICAL|DEBUG)\s*:\s*", "", line)
     line = re.sub(r"\s*status code: \d+, request id: [^,]*(, host id: \S*)?", "", line)
-    return redact(line.strip())[:200]
+    return shorten(redact(line.strip()), 200)
 
 
 class RcloneStore(Store):
     instance_hashes = ("sha256", "md5")
-    hash_name = "sha256 on the instance; on the remote its sha256, else the md5 of the same bytes"
+    hash_name = "the remote's sha256 (else its md5) = the same hash of the instance's bytes"
 
     def __init__(self, remote: str, path: str, recipe_name: str) -> None:
         self.remote, self.path, self.recipe_name = remote, path.strip("/"), recipe_name
@@ -110,6 +110,9 @@ class RcloneStore(Store):
             return True
         listed = processes.run([rclone_binary(), "listremotes"], deadline=READ_DEADLINE)
         return f"{self.remote}:" in listed.text.split()
+
+    def is_credential(self, name: str) -> bool:
+        return name.startswith(f"RCLONE_CONFIG_{self.remote.upper().replace('-', '_')}_")
 
     @property
     def credentials(self) -> dict[str, str]:
@@ -236,10 +239,10 @@ class RcloneStore(Store):
         hashes = {p: seen[p].get("Hashes") or {} for p in files}
         if all("sha256" in h for h in hashes.values()):
             return [f"{p}: sha256 differs" for p in files if hashes[p]["sha256"] != expected[p].sha256], \
-                "sha256 on the instance = sha256 on the remote"
+                "sha256 of the instance's bytes = the remote's sha256"
         if all("md5" in h for h in hashes.values()) and all(p in md5 for p in files):
             return [f"{p}: md5 differs" for p in files if hashes[p]["md5"] != md5[p]], \
-                "md5 of the instance's bytes = the remote's md5 (it offers no sha256)"
+                "md5 of the instance's bytes = the remote's md5 (the remote offers no sha256)"
         # no hash in common: compute sha256 from the remote's bytes (rclone downloads them)
         total = sum(r.size for r in expected.values())
         result = self.run("hashsum", "sha256", "--download", "--files-from0", "-", self._path(),
@@ -251,17 +254,16 @@ class RcloneStore(Store):
             digest, _, name = line.partition("  ")
             got[name] = digest
         return [f"{p}: sha256 differs" for p in files if got.get(p) != expected[p].sha256], \
-            "sha256 on the instance = sha256 of the remote's bytes, downloaded"
+            "sha256 of the instance's bytes = sha256 of the remote's bytes, downloaded again"
 
-    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> CheckpointRecord:
+    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> str:
         record = expected_record(cp, hashes, host)
         md5 = {p: h.hashes["md5"] for p, h in hashes.items() if "md5" in h.hashes}
         problems, compared = self.check_remote(record.files, md5)
         if problems:
             raise EvacuationError(f"{self.label}: {cp.name} did not verify on the remote: {problems[0]}")
-        self.compared = compared
         self.record(record)
-        return record
+        return compared
 
     # -- via instance: the instance runs rclone ------------------------------------------------
     def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
@@ -300,6 +302,7 @@ class RcloneStore(Store):
                        explain="remote.explain", say=f"uploading {cp.name} ({human(total)}) to {self.label}")]
 
     def check_uploaded(self, record: CheckpointRecord, staged: Path) -> str:
+        """The upload from `staged` against the remote; what was compared, in words."""
         md5 = {p: LocalStore.hash_file(staged / p, "md5") for p in record.files}
         problems, compared = self.check_remote(record.files, md5)
         if problems:

@@ -30,7 +30,7 @@ class Relay(Store):
         self.staging = StagingCalls(self.cache)
         self.label = remote.label
         self.recipe_name = remote.recipe_name
-        self.hash_name = f"sha256 on the instance = sha256 here; then {remote.hash_name}"
+        self.hash_name = f"sha256 of the instance's bytes = sha256 of the copy here; then {remote.hash_name}"
 
     @property  # type: ignore[override]
     def manifest(self) -> StoreManifest | None:
@@ -39,6 +39,9 @@ class Relay(Store):
     @manifest.setter
     def manifest(self, value: StoreManifest | None) -> None:
         self.remote.manifest = value
+
+    def is_credential(self, name: str) -> bool:
+        return self.remote.is_credential(name)
 
     def handlers(self) -> dict[str, Any]:
         return {"store": self, "staging": self.staging, "remote": self.remote}
@@ -68,13 +71,15 @@ class Relay(Store):
                    produces=record.name, fails_as="evacuate"),
             *self.remote.upload_actions(staged, cp, job.host),
             Action("evacuate", f"verify {cp.name} on {self.label}, record it, clear the cache", where=LOCAL,
-                   call="store.finish", args={"record": record, "staged": staged}, fails_as="evacuate"),
+                   call="store.finish", args={"record": record, "staged": staged}, fails_as="evacuate",
+                   produces=f"verified:{cp.name}"),
         ]
 
-    def finish(self, record: CheckpointRecord, staged: Path) -> None:
-        self.remote.check_uploaded(record, staged)
+    def finish(self, record: CheckpointRecord, staged: Path) -> str:
+        compared = self.remote.check_uploaded(record, staged)
         self.record(record)
         self.cache.drop_staging(record.name)
+        return f"sha256 of the instance's bytes = sha256 of the copy here; then {compared}"
 
     # -- restore ------------------------------------------------------------------------------
     def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
