@@ -222,15 +222,13 @@ def test_errors_are_one_line_with_the_right_exit_code_and_no_token(tmp_path, san
     usage = run_cli("up", str(typo), inst.host, home=home, env=hub_env(hub, tmp_path))
     assert usage.returncode == 2 and "hf:OWNER/REPO" in usage.stderr, usage.stderr
 
-    # the token the recipe does not name is not used: the private repo looks missing, and says why
-    private = hf_recipe(tmp_path, "hfunlisted", ssh_key, inst, "hf:acme/private", layout="files")
+    # without any token a private repo looks missing, and the message says why
+    private = hf_recipe(tmp_path, "hfnotoken", ssh_key, inst, "hf:acme/private", layout="files")
     hub.seed("acme/private", {"ckpt-00000001.pt": b"y" * 100}, private=True)
-    data = yaml.safe_load(private.read_text())
-    data["env"]["secrets"] = []
-    private.write_text(yaml.safe_dump(data))
-    unlisted = run_cli("up", str(private), inst.host, home=home, env=hub_env(hub, tmp_path))
+    no_token = {**hub_env(hub, tmp_path), "HF_TOKEN": ""}
+    unlisted = run_cli("up", str(private), inst.host, home=home, env=no_token)
     assert unlisted.returncode == 5, unlisted.stderr
-    assert "not listed" in unlisted.stderr
+    assert "a private repo looks missing without a token: set HF_TOKEN here" in unlisted.stderr
     outputs += [bad, evac, gone, usage, unlisted]
     assert_no_secret(home, outputs, wrong, hub.token)
     assert not [m for m, _, s in hub.log if m == "POST" and s == 200]     # nothing was written to the hub
