@@ -239,7 +239,7 @@ def test_failing_create_leaves_nothing_behind(ssh_key: Path) -> None:
     assert leftovers == []
     new_links = {dev for dev in set(os.listdir("/sys/class/net")) - links_before if dev.startswith("rlv")}
     # other sessions may create instances meanwhile: any new link must belong to a live instance
-    live = {sb._veths(json.loads((d / "instance.json").read_text())["slot"])[0]
+    live = {json.loads((d / "instance.json").read_text())["veth"][0]
             for d in sb.RUN_DIR.iterdir() if (d / "instance.json").exists()}  # fmt: skip
     assert new_links <= live
     assert sb.destroy(name) is False
