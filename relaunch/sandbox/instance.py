@@ -7,9 +7,12 @@ configuration is masked (a real instance has none). Every instance gets a fresh 
 like a new cloud instance, and reaches no package registry: `index.build_index` prepares a local
 PEP 503 index on this machine that the instance can serve to itself. Its network is `network`'s.
 
-Everything needed to find an instance again lives in `/run/relaunch-sandbox/<name>/` (the CLI
-creates in one process and destroys in another). That folder is under /run on purpose: /root and
-/tmp are masked inside the instance, /run is not, so sshd can read its config and keys there.
+Everything needed to find an instance again lives in `RUN_DIR/<name>/` (the CLI creates in one
+process and destroys in another). RUN_DIR, the sandbox dir, is /run/relaunch-sandbox unless
+$RELAUNCH_SANDBOX_DIR names another: a separate set of instances with its own address range and
+its own last instance (a test can empty its own dir while other sessions keep theirs). It must be
+a folder of its own that sshd can read inside an instance: /root, /tmp and the `ubuntu` user's
+home are masked there, /run is not.
 """
 
 from __future__ import annotations
@@ -27,12 +30,16 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from ipaddress import IPv4Network
 from pathlib import Path
+from typing import Any
 
 from relaunch.errors import RelaunchError, UsageError
 
 from . import network
-from .network import RUN_DIR, TOOLS, locked, netns_exists, require_tools, run, veths
+from .network import TOOLS, locked, netns_exists, require_tools, run, veths
+
+RUN_DIR = Path(os.path.abspath(os.environ.get("RELAUNCH_SANDBOX_DIR") or network.MACHINE_DIR))
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,12}")
 DISK_RE = re.compile(r"[1-9][0-9]*[kKmMgG]?")
@@ -41,7 +48,8 @@ SSH_PORT = 22
 USERS = {"root": "/root", "ubuntu": "/home/ubuntu"}
 # sshd hands sessions this PATH; commands run with run_in get the same, so they see what ssh sees.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-SUDOERS = Path("/etc/sudoers.d/relaunch-sandbox")
+SUDOERS = Path("/etc/sudoers.d/relaunch-sandbox")  # the sandbox's own name: removed with the last instance
+SUDOERS_TMP = SUDOERS.with_name(".relaunch-sandbox.tmp")  # sudo ignores names containing "."
 # Global pip configuration of this machine points at local disks (find-links, constraints); a
 # fresh cloud image has none, so these are masked inside the instance.
 PIP_CONFIG_DIRS = [Path("/etc/xdg/pip")]
@@ -167,23 +175,73 @@ def _public_key(authorized_key: Path | None) -> str:
 
 def _ensure_ubuntu() -> tuple[int, int]:
     """The `ubuntu` user as on cloud images: exists, not locked, passwordless sudo."""
-    with locked(RUN_DIR / ".users.lock"):
-        if not _has_user("ubuntu"):
-            require_tools(["useradd"])
-            run(["useradd", "-M", "-d", "/home/ubuntu", "-s", "/bin/bash", "ubuntu"])
-        # With `UsePAM no`, sshd refuses even key logins for a "locked" account (shadow password
-        # starting with "!", which is what useradd leaves). "*" means: no password, not locked.
-        if _shadow_password("ubuntu").startswith("!"):
-            run(["usermod", "-p", "*", "ubuntu"])
+    with network.machine_lock():
+        _ensure_user("ubuntu", USERS["ubuntu"])
         rule = "ubuntu ALL=(ALL) NOPASSWD:ALL\n"
         if not SUDOERS.exists() or SUDOERS.read_text() != rule:
-            tmp = SUDOERS.with_name(".relaunch-sandbox.tmp")  # sudo ignores names containing "."
-            tmp.write_text(rule)
-            tmp.chmod(0o440)
-            os.replace(tmp, SUDOERS)
-        Path("/home/ubuntu").mkdir(parents=True, exist_ok=True)  # the mount point of its disk
+            SUDOERS_TMP.write_text(rule)
+            SUDOERS_TMP.chmod(0o440)
+            os.replace(SUDOERS_TMP, SUDOERS)
         entry = pwd.getpwnam("ubuntu")
         return entry.pw_uid, entry.pw_gid
+
+
+def _user_record(user: str) -> Path:
+    return network.MACHINE_DIR / f".user-{user}.json"
+
+
+def _ensure_user(user: str, home: str) -> None:
+    """`user` exists, is not locked, and its home (the mount point of its disk) exists. What has to
+    change for that is recorded before it is done, for _restore_user. Call under machine_lock()."""
+    record = _user_record(user)
+    changes: dict[str, Any] = {"created": False, "password": None, "home": False}
+    with contextlib.suppress(OSError, ValueError):
+        changes = json.loads(record.read_text())
+    exists = _has_user(user)
+    # With `UsePAM no`, sshd refuses even key logins for a "locked" account (shadow password
+    # starting with "!", which is what useradd leaves). "*" means: no password, not locked.
+    password = _shadow_password(user) if exists else "!"
+    changes["created"] = changes["created"] or not exists
+    if password.startswith("!") and not changes["created"] and changes["password"] is None:
+        changes["password"] = password
+    changes["home"] = changes["home"] or not Path(home).exists()
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(changes) + "\n")
+    record.chmod(0o600)  # it may hold a password hash
+    if not exists:
+        require_tools(["useradd"])
+        run(["useradd", "-M", "-d", home, "-s", "/bin/bash", user])
+    if password.startswith("!"):
+        run(["usermod", "-p", "*", user])
+    Path(home).mkdir(parents=True, exist_ok=True)
+
+
+def _restore_user(user: str, home: str) -> None:
+    """Undo what _ensure_user changed: delete the user if it made it, else lock it again as it was;
+    remove the home folder if it made it. Call under machine_lock(), with no instance left."""
+    record = _user_record(user)
+    try:
+        changes = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return
+    if changes["created"]:
+        if _has_user(user):
+            run(["userdel", user])
+    elif changes["password"] is not None and _shadow_password(user) == "*":
+        # through stdin: a hash on a command line would be visible in `ps`
+        run(["chpasswd", "-e"], input=f"{user}:{changes['password']}\n")
+    if changes["home"]:
+        with contextlib.suppress(OSError):
+            Path(home).rmdir()  # only if empty: nothing of anyone else's goes
+    record.unlink()
+
+
+def _restore_machine() -> None:
+    """With the last instance on this machine gone: undo what the sandbox changed outside /run.
+    Call under machine_lock()."""
+    for path in (SUDOERS, SUDOERS_TMP):
+        path.unlink(missing_ok=True)
+    _restore_user("ubuntu", USERS["ubuntu"])
 
 
 def _has_user(user: str) -> bool:
@@ -283,19 +341,22 @@ def create(
     pubkey = _public_key(authorized_key)
 
     folder = _folder(name)
-    RUN_DIR.mkdir(parents=True, exist_ok=True)
-    RUN_DIR.chmod(0o755)  # sshd reads authorized_keys as the login user
-    with locked(RUN_DIR / ".slots.lock"):
-        if folder.exists() or netns_exists(name):
-            raise UsageError(f"sandbox {name!r} already exists", hint=f"relaunch sandbox destroy {name}")
+    with network.machine_lock():
+        owner = network.claimed_dir(name)
+        if folder.exists() or owner is not None or netns_exists(name):
+            where = f" (in the sandbox dir {owner})" if owner not in (None, RUN_DIR) else ""
+            raise UsageError(f"sandbox {name!r} already exists{where}", hint=f"relaunch sandbox destroy {name}")
+        RUN_DIR.mkdir(parents=True, exist_ok=True)
+        RUN_DIR.chmod(0o755)  # sshd reads authorized_keys as the login user
         folder.mkdir(mode=0o755)
         try:
-            slot = network.allocate_slot(folder)
+            slot, net = network.claim(name, folder)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
+            network.release(name, RUN_DIR)
             raise
     try:
-        return _boot(name, folder, slot, user, pubkey, disk, rate, index_dir, boot_delay, key_delay)
+        return _boot(name, folder, slot, net, user, pubkey, disk, rate, index_dir, boot_delay, key_delay)
     except BaseException:
         # a half-created instance must leave nothing behind
         destroy(name)
@@ -306,6 +367,7 @@ def _boot(
     name: str,
     folder: Path,
     slot: int,
+    net: IPv4Network,
     user: str,
     pubkey: str,
     disk: str,
@@ -318,7 +380,7 @@ def _boot(
     home = USERS[user]
     ids = _ensure_ubuntu() if user == "ubuntu" else None
     host_dev, inst_dev = veths(slot)
-    address = network.addresses(slot)[1]
+    address = network.addresses(slot, net)[1]
     ns = network.netns(name)
 
     # a fresh host key: every instance is a new machine as far as ssh is concerned
@@ -335,7 +397,7 @@ def _boot(
         with contextlib.suppress(FileNotFoundError):
             (folder / f).chmod(0o644)  # read by sshd as the login user
 
-    network.connect(name, slot)
+    network.connect(name, slot, net)
 
     # sshd in a private mount namespace: empty home, private /tmp, no pip config of this machine
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
@@ -373,8 +435,8 @@ def _boot(
         index_url = f"http://127.0.0.1:{INDEX_PORT}/simple/"
 
     inst = Instance(name, address, user, SSH_PORT, home, fingerprint, index_url)
-    meta = {**asdict(inst), "slot": slot, "veth": [host_dev, inst_dev], "disk": disk, "rate": rate,
-            "index_dir": str(index_dir) if index_dir else None, "created": time.time()}  # fmt: skip
+    meta = {**asdict(inst), "slot": slot, "range": str(net), "veth": [host_dev, inst_dev], "disk": disk,
+            "rate": rate, "index_dir": str(index_dir) if index_dir else None, "created": time.time()}  # fmt: skip
     tmp = folder / "instance.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, folder / "instance.json")
@@ -459,11 +521,19 @@ def _netns_pids(name: str) -> list[int]:
 
 def destroy(name: str) -> bool:
     """Power off and delete instance `name`: every process in it, its link, its netns, its state.
+    With the last instance of the sandbox dir its address range goes, with the last one on this
+    machine the `ubuntu` user's sudoers file and the user itself if the sandbox made it.
 
     Idempotent; works on half-created instances. Returns True if anything existed.
     """
     _check_name(name)
     _require_root()
+    owner = network.claimed_dir(name)
+    if owner not in (None, RUN_DIR):
+        raise UsageError(
+            f"sandbox {name!r} is in the sandbox dir {owner}",
+            hint=f"RELAUNCH_SANDBOX_DIR={owner} relaunch sandbox destroy {name}",
+        )
     folder = _folder(name)
     slot: int | None = None
     with contextlib.suppress(OSError, ValueError):
@@ -485,7 +555,11 @@ def destroy(name: str) -> bool:
     _reap(name, wait=True)
 
     network.disconnect(name, slot)
-    shutil.rmtree(folder, ignore_errors=True)
+    with network.machine_lock():  # under the lock that creates take: who is last is decided once
+        shutil.rmtree(folder, ignore_errors=True)
+        network.release(name, RUN_DIR)
+        if not network.names_everywhere():
+            _restore_machine()
     return existed
 
 
