@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pwd
 import re
 import socket
 import subprocess
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -318,3 +320,46 @@ def test_build_index_is_cached(tmp_path: Path, monkeypatch) -> None:
         sb.build_index([req], tmp_path / "index", extra=["sympy==1.14.0"])
     with pytest.raises(UsageError):
         sb.build_index([tmp_path / "missing.txt"], tmp_path / "index")
+
+
+def test_command_log_has_every_command_byte_for_byte_and_runs_it_as_sshd_would(sandbox, ssh) -> None:
+    inst = sandbox(command_log=True)
+    assert sb.commands(inst.name) == []
+    tricky = "printf '%s|' \"a  b\" 'c\"d' \\\\x $(echo sub)\necho \"$HOME\"; echo '$(not run)'\n"
+    assert ssh(inst, tricky).stdout == "a  b|c\"d|\\x|sub|/root\n$(not run)\n"
+    assert ssh(inst, "exit 7", check=False).returncode == 7
+    # a session without a command is a login shell, and logs nothing
+    assert ssh(inst, "", input="echo from-stdin\n").stdout.strip() == "from-stdin"
+    assert sb.commands(inst.name) == [tricky, "exit 7"]
+
+    # two at once: each arrives whole (big enough that an unlocked append could be split)
+    big = {c: f": {c * 100_000}; echo {c}" for c in "xy"}
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda c: ssh(inst, big[c]).stdout, big))
+    assert outs == ["x\n", "y\n"]
+    logged = sb.commands(inst.name)
+    assert len(logged) == 4 and sorted(logged[2:]) == sorted(big.values())
+
+    # the log: read here, appended to by the login user, writable by no one else
+    folder = sb.RUN_DIR / inst.name
+    assert [p.name for p in folder.iterdir() if p.stat().st_mode & 0o002] == []
+    no_log = sandbox()
+    with pytest.raises(UsageError, match="does not log commands"):
+        sb.commands(no_log.name)
+
+
+def test_command_log_as_ubuntu_with_sftp(sandbox, ssh, tmp_path: Path) -> None:
+    inst = sandbox(user="ubuntu", command_log=True)
+    log = sb.RUN_DIR / inst.name / "commands.log"
+    assert (log.stat().st_uid, log.stat().st_mode & 0o777) == (pwd.getpwnam("ubuntu").pw_uid, 0o644)
+    assert ssh(inst, "sudo -n id -un").stdout.strip() == "root"
+    # Fabric's put/get speak SFTP: it works, and the session is logged as the server it runs
+    (tmp_path / "up.txt").write_text("sent\n")
+    batch = tmp_path / "batch"
+    batch.write_text(f"put {tmp_path / 'up.txt'} up.txt\n")
+    options = ["-P" if o == "-p" else o for o in ssh.options(inst)]  # sftp's port option is -P
+    sftp = subprocess.run(["sftp", *options, "-b", str(batch), f"ubuntu@{inst.address}"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert sftp.returncode == 0, sftp.stderr
+    assert ssh(inst, "cat ~/up.txt").stdout == "sent\n"
+    assert sb.commands(inst.name) == ["sudo -n id -un", "/usr/lib/openssh/sftp-server", "cat ~/up.txt"]

@@ -3,7 +3,8 @@
 An instance is a Linux network namespace `rl-<name>` joined to this machine by a veth pair, with a
 real OpenSSH sshd listening on its own address, an empty private home and a private /tmp.
 
-- `instance`: create, destroy, list_instances, get, run_in, set_link (and sshd, mounts, users)
+- `instance`: create, destroy, list_instances, get, run_in, set_link, commands (and sshd,
+  mounts, users)
 - `network`: slots, addresses, namespaces, veth pairs, routes, link state, rate shaping
 - `index`: build_index, a local PEP 503 package index an instance serves to itself
 
@@ -30,6 +31,7 @@ from .instance import (
     INDEX_PORT,
     RUN_DIR,
     Instance,
+    commands,
     create,
     default_key,
     destroy,
@@ -44,6 +46,7 @@ __all__ = [
     "RUN_DIR",
     "Instance",
     "build_index",
+    "commands",
     "create",
     "default_key",
     "destroy",

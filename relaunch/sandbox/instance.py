@@ -1,4 +1,4 @@
-"""Sandbox instances: create, boot, destroy, list, get, run_in, set_link.
+"""Sandbox instances: create, boot, destroy, list, get, run_in, set_link, commands.
 
 An instance is a Linux network namespace `rl-<name>` joined to this machine by a veth pair, with a
 real OpenSSH sshd listening on its own address. sshd runs in a private mount namespace where the
@@ -37,7 +37,7 @@ from typing import Any
 from relaunch.errors import RelaunchError, UsageError
 
 from . import network
-from .network import TOOLS, locked, netns_exists, require_tools, run, veths
+from .network import TOOLS, TOOLS_COMMAND_LOG, locked, netns_exists, require_tools, run, veths
 
 RUN_DIR = Path(os.path.abspath(os.environ.get("RELAUNCH_SANDBOX_DIR") or network.MACHINE_DIR))
 
@@ -48,6 +48,8 @@ SSH_PORT = 22
 USERS = {"root": "/root", "ubuntu": "/home/ubuntu"}
 # sshd hands sessions this PATH; commands run with run_in get the same, so they see what ssh sees.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+COMMAND_LOG, LOG_COMMAND = "commands.log", "log-command"  # in the instance's folder
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 SUDOERS = Path("/etc/sudoers.d/relaunch-sandbox")  # the sandbox's own name: removed with the last instance
 SUDOERS_TMP = SUDOERS.with_name(".relaunch-sandbox.tmp")  # sudo ignores names containing "."
 # Global pip configuration of this machine points at local disks (find-links, constraints); a
@@ -260,7 +262,7 @@ def _shadow_password(user: str) -> str:
     return ""
 
 
-def _sshd_config(folder: Path, address: str) -> str:
+def _sshd_config(folder: Path, address: str, command_log: bool) -> str:
     return "\n".join(
         [
             f"ListenAddress {address}",
@@ -275,11 +277,31 @@ def _sshd_config(folder: Path, address: str) -> str:
             "PrintMotd no",
             "PrintLastLog no",
             "X11Forwarding no",
-            # Fabric's put/get speak SFTP; the in-process server needs no binary from the image.
-            "Subsystem sftp internal-sftp",
+            # Fabric's put/get speak SFTP; the in-process server needs no binary from the image,
+            # but a forced command cannot run it: a logged instance runs the server program
+            *(
+                [f"ForceCommand {shlex.quote(str(folder / LOG_COMMAND))}", f"Subsystem sftp {SFTP_SERVER}"]
+                if command_log
+                else ["Subsystem sftp internal-sftp"]
+            ),
             "",
         ]
     )
+
+
+def _log_command_script(log: Path) -> str:
+    """sshd runs this instead of what the client asked for (ForceCommand), as the login user."""
+    quoted = shlex.quote(str(log))
+    return f"""#!/bin/sh
+# Log the client's command, then run it exactly as sshd would have without a ForceCommand.
+if [ -n "${{SSH_ORIGINAL_COMMAND+set}}" ]; then
+    # channels run at once: the lock keeps one command's bytes together
+    {{ flock 9 && printf '%s\\0' "$SSH_ORIGINAL_COMMAND" >&9; }} 9>>{quoted} ||
+        {{ echo "relaunch sandbox: cannot log the command" >&2; exit 255; }}
+    exec "$SHELL" -c "$SSH_ORIGINAL_COMMAND"
+fi
+exec "$SHELL" -l
+"""
 
 
 def _mount_script(folder: Path, user: str, home: str, disk: str, ids: tuple[int, int] | None) -> str:
@@ -313,6 +335,7 @@ def create(
     index_dir: Path | None = None,
     boot_delay: float = 0.0,
     key_delay: float = 0.0,
+    command_log: bool = False,
 ) -> Instance:
     """Create and boot instance `name`; returns once sshd accepts TCP (at once with boot_delay).
 
@@ -321,6 +344,10 @@ def create(
     ways ("20mbit"). index_dir: a build_index() folder served inside at INDEX_PORT. boot_delay:
     sshd starts only after that many seconds (the address refuses connections meanwhile).
     key_delay: the key is authorized only after that many seconds (auth fails meanwhile).
+    command_log: sshd logs every command it is asked to run, byte for byte, for `commands(name)`;
+    a session without a command (a login shell) logs nothing. SFTP still works, through
+    /usr/lib/openssh/sftp-server instead of sshd's own: each SFTP session logs that program's path
+    as its command. Other subsystems are not supported on such an instance.
     """
     _check_name(name)
     if user not in USERS:
@@ -337,7 +364,7 @@ def create(
                 f"no package index at {index_dir} (no simple/ folder)", hint="build it with build_index()"
             )
     _require_root()
-    require_tools(list(TOOLS))
+    require_tools(list(TOOLS) + (list(TOOLS_COMMAND_LOG) if command_log else []))
     pubkey = _public_key(authorized_key)
 
     folder = _folder(name)
@@ -356,7 +383,9 @@ def create(
             network.release(name, RUN_DIR)
             raise
     try:
-        return _boot(name, folder, slot, net, user, pubkey, disk, rate, index_dir, boot_delay, key_delay)
+        return _boot(
+            name, folder, slot, net, user, pubkey, disk, rate, index_dir, boot_delay, key_delay, command_log
+        )
     except BaseException:
         # a half-created instance must leave nothing behind
         destroy(name)
@@ -375,6 +404,7 @@ def _boot(
     index_dir: Path | None,
     boot_delay: float,
     key_delay: float,
+    command_log: bool,
 ) -> Instance:
     folder.chmod(0o755)
     home = USERS[user]
@@ -387,7 +417,14 @@ def _boot(
     key = folder / "ssh_host_ed25519_key"
     run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{ns}", "-f", str(key)])
     fingerprint = run(["ssh-keygen", "-lf", f"{key}.pub"]).stdout.split()[1]
-    (folder / "sshd_config").write_text(_sshd_config(folder, address))
+    (folder / "sshd_config").write_text(_sshd_config(folder, address, command_log))
+    if command_log:
+        forced = folder / LOG_COMMAND
+        forced.write_text(_log_command_script(folder / COMMAND_LOG))
+        forced.chmod(0o755)
+        # appended to by the login user's sessions, read from this machine; writable by no one else
+        (folder / COMMAND_LOG).touch(mode=0o644)
+        os.chown(folder / COMMAND_LOG, *(ids or (0, 0)))
     (folder / "empty").write_text("")
     if key_delay > 0:
         (folder / "authorized_keys.pending").write_text(pubkey + "\n")
@@ -436,7 +473,8 @@ def _boot(
 
     inst = Instance(name, address, user, SSH_PORT, home, fingerprint, index_url)
     meta = {**asdict(inst), "slot": slot, "range": str(net), "veth": [host_dev, inst_dev], "disk": disk,
-            "rate": rate, "index_dir": str(index_dir) if index_dir else None, "created": time.time()}  # fmt: skip
+            "rate": rate, "index_dir": str(index_dir) if index_dir else None, "command_log": command_log,
+            "created": time.time()}  # fmt: skip
     tmp = folder / "instance.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, folder / "instance.json")
@@ -627,6 +665,20 @@ def run_in(name: str, argv: list[str], **kw: object) -> subprocess.CompletedProc
     kw.setdefault("env", {"PATH": DEFAULT_PATH, "HOME": "/root", "USER": "root", "LANG": "C.UTF-8"})
     kw.setdefault("cwd", "/")
     return subprocess.run(["nsenter", "-t", str(pid), "-n", "-m", "--", *argv], **kw)  # type: ignore[call-overload]
+
+
+def commands(name: str) -> list[str]:
+    """The commands instance `name` was asked to run over ssh, in the order they arrived, byte for
+    byte (bytes that are not UTF-8 come back as surrogate escapes). Needs create(command_log=True)."""
+    get(name)
+    try:
+        data = (_folder(name) / COMMAND_LOG).read_bytes()
+    except FileNotFoundError:
+        raise UsageError(
+            f"sandbox {name!r} does not log commands", hint="create it with command_log=True"
+        ) from None
+    # every command ends with a NUL byte; a command being appended right now has none yet
+    return [c.decode("utf-8", "surrogateescape") for c in data.split(b"\0")[:-1]]
 
 
 def set_link(name: str, up: bool) -> None:

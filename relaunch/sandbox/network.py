@@ -50,6 +50,8 @@ TOOLS = {  # command -> Debian package that provides it
     "ssh-keygen": "openssh-client",
     "/usr/sbin/sshd": "openssh-server",
 }
+# needed only by instances that log commands (see instance.create)
+TOOLS_COMMAND_LOG = {"flock": "util-linux", "/usr/lib/openssh/sftp-server": "openssh-sftp-server"}
 
 
 def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
@@ -64,7 +66,7 @@ def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
 def require_tools(tools: list[str]) -> None:
     for tool in tools:
         if shutil.which(tool) is None:
-            pkg = TOOLS.get(tool, tool)
+            pkg = {**TOOLS, **TOOLS_COMMAND_LOG}.get(tool, tool)
             raise UsageError(f"sandbox needs `{tool}`, which is not installed", hint=f"apt-get install {pkg}")
 
 
