@@ -131,7 +131,7 @@ def package_index() -> Path:
 # ---------------------------------------------------------------------------------------------
 # Real local servers for checkpoint remotes: a fake Hugging Face Hub (tests/hubserver.py) and
 # `rclone serve s3`. Both are factories taking the bind address: 127.0.0.1 (default) for clients
-# on this machine, or an instance's host-side address (`host_side_address(instance)`, 10.213.N.1)
+# on this machine, or an instance's host-side address (`host_side_address(instance)`, X.Y.N.1)
 # so that code running inside a sandbox instance reaches them too. Never 0.0.0.0.
 # Imports stay inside the functions so this section needs nothing at the top of the file.
 
@@ -153,7 +153,7 @@ def tool_path(name: str) -> str:
 
 
 def host_side_address(instance: Instance) -> str:
-    """This machine's end of an instance's veth pair (instance 10.213.N.2 -> 10.213.N.1)."""
+    """This machine's end of an instance's veth pair (instance X.Y.N.2 -> X.Y.N.1, e.g. 10.213.N.1)."""
     return instance.address.rsplit(".", 1)[0] + ".1"
 
 

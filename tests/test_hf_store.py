@@ -90,7 +90,7 @@ def assert_no_secret(home: Path, outputs: list, *secrets: str) -> None:
 def test_via_instance_evacuate_then_up_elsewhere(tmp_path, sandbox, ssh, ssh_key, package_index, hf_hub):
     first = sandbox(index_dir=package_index)
     second = sandbox(user="ubuntu", index_dir=package_index)
-    # bound to the second's host side: both instances route 10.213.0.0/16 to this machine
+    # bound to the second's host side: both instances route the whole sandbox range to this machine
     hub = hf_hub(bind=host_side_address(second), lfs_threshold=1000)   # small json files stay regular
     env, home = hub_env(hub, tmp_path), tmp_path / "state"
     recipe = hf_recipe(tmp_path, "hfinst", ssh_key, first, f"hf:{REPO}/{SUB}", layout="hf-trainer")

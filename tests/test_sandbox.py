@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pwd
 import re
 import socket
 import subprocess
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,10 +25,17 @@ def _out(*argv: str, stdin: str | None = None) -> str:
     return subprocess.run(argv, capture_output=True, text=True, input=stdin).stdout
 
 
-def _unroutable(address: str) -> bool:
-    """This machine has no route to address (asked locally; no packet is sent)."""
+def _via_sandbox_link(address: str) -> bool:
+    """This machine would send a packet for address through a sandbox link (asked locally; no
+    packet is sent).
+
+    An address of a destroyed instance is unreachable while its sandbox dir has other instances
+    (their range's `unreachable` route), but with the dir's last instance that route goes too (the
+    sandbox leaves no route behind), and the address then follows this machine's own routes. So
+    what holds in every case is only this: no sandbox link is the way to it any more.
+    """
     proc = subprocess.run(["ip", "route", "get", address], capture_output=True, text=True)
-    return proc.returncode != 0 and "No route to host" in proc.stderr
+    return re.search(r"\bdev rlv\d+[hi]\b", proc.stdout) is not None
 
 
 def _meta(name: str) -> dict:
@@ -161,8 +170,8 @@ def test_destroy_while_booting(ssh_key: Path) -> None:
     assert sb.destroy(name) is True
     assert [pid for pid in starters if _stat_state(pid) not in ("gone", "Z")] == []
     assert not (sb.RUN_DIR / name).exists() and f"rl-{name}" not in _out("ip", "netns", "list")
-    # the address is gone with the link, and nothing for it leaves by the default route
-    assert _unroutable(inst.address)
+    # the address is gone with the link
+    assert not _via_sandbox_link(inst.address)
 
 
 def test_key_delay_fails_auth_then_works(sandbox, ssh) -> None:
@@ -209,7 +218,7 @@ def test_destroy_leaves_nothing_behind(sandbox, ssh, package_index: Path) -> Non
     assert not Path("/sys/class/net", host_dev).exists()
     addrs = _out("ip", "-o", "addr")
     assert meta["address"].rsplit(".", 1)[0] + "." not in addrs
-    assert _unroutable(meta["address"])
+    assert not _via_sandbox_link(meta["address"])
     assert [p for p in pids if Path(f"/proc/{p}").exists() and _stat_state(p) != "Z"] == []
     assert _pids_in_mnt_ns(mnt) == []  # nobody holds the instance's disk mount
     assert not folder.exists()
@@ -239,7 +248,7 @@ def test_failing_create_leaves_nothing_behind(ssh_key: Path) -> None:
     assert leftovers == []
     new_links = {dev for dev in set(os.listdir("/sys/class/net")) - links_before if dev.startswith("rlv")}
     # other sessions may create instances meanwhile: any new link must belong to a live instance
-    live = {sb._veths(json.loads((d / "instance.json").read_text())["slot"])[0]
+    live = {json.loads((d / "instance.json").read_text())["veth"][0]
             for d in sb.RUN_DIR.iterdir() if (d / "instance.json").exists()}  # fmt: skip
     assert new_links <= live
     assert sb.destroy(name) is False
@@ -311,3 +320,46 @@ def test_build_index_is_cached(tmp_path: Path, monkeypatch) -> None:
         sb.build_index([req], tmp_path / "index", extra=["sympy==1.14.0"])
     with pytest.raises(UsageError):
         sb.build_index([tmp_path / "missing.txt"], tmp_path / "index")
+
+
+def test_command_log_has_every_command_byte_for_byte_and_runs_it_as_sshd_would(sandbox, ssh) -> None:
+    inst = sandbox(command_log=True)
+    assert sb.commands(inst.name) == []
+    tricky = "printf '%s|' \"a  b\" 'c\"d' \\\\x $(echo sub)\necho \"$HOME\"; echo '$(not run)'\n"
+    assert ssh(inst, tricky).stdout == "a  b|c\"d|\\x|sub|/root\n$(not run)\n"
+    assert ssh(inst, "exit 7", check=False).returncode == 7
+    # a session without a command is a login shell, and logs nothing
+    assert ssh(inst, "", input="echo from-stdin\n").stdout.strip() == "from-stdin"
+    assert sb.commands(inst.name) == [tricky, "exit 7"]
+
+    # two at once: each arrives whole (big enough that an unlocked append could be split)
+    big = {c: f": {c * 100_000}; echo {c}" for c in "xy"}
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda c: ssh(inst, big[c]).stdout, big))
+    assert outs == ["x\n", "y\n"]
+    logged = sb.commands(inst.name)
+    assert len(logged) == 4 and sorted(logged[2:]) == sorted(big.values())
+
+    # the log: read here, appended to by the login user, writable by no one else
+    folder = sb.RUN_DIR / inst.name
+    assert [p.name for p in folder.iterdir() if p.stat().st_mode & 0o002] == []
+    no_log = sandbox()
+    with pytest.raises(UsageError, match="does not log commands"):
+        sb.commands(no_log.name)
+
+
+def test_command_log_as_ubuntu_with_sftp(sandbox, ssh, tmp_path: Path) -> None:
+    inst = sandbox(user="ubuntu", command_log=True)
+    log = sb.RUN_DIR / inst.name / "commands.log"
+    assert (log.stat().st_uid, log.stat().st_mode & 0o777) == (pwd.getpwnam("ubuntu").pw_uid, 0o644)
+    assert ssh(inst, "sudo -n id -un").stdout.strip() == "root"
+    # Fabric's put/get speak SFTP: it works, and the session is logged as the server it runs
+    (tmp_path / "up.txt").write_text("sent\n")
+    batch = tmp_path / "batch"
+    batch.write_text(f"put {tmp_path / 'up.txt'} up.txt\n")
+    options = ["-P" if o == "-p" else o for o in ssh.options(inst)]  # sftp's port option is -P
+    sftp = subprocess.run(["sftp", *options, "-b", str(batch), f"ubuntu@{inst.address}"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert sftp.returncode == 0, sftp.stderr
+    assert ssh(inst, "cat ~/up.txt").stdout == "sent\n"
+    assert sb.commands(inst.name) == ["sudo -n id -un", "/usr/lib/openssh/sftp-server", "cat ~/up.txt"]

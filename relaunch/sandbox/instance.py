@@ -1,23 +1,23 @@
-"""Throwaway local "cloud GPU instances" (without the GPU) for trying recipes and for tests.
+"""Sandbox instances: create, boot, destroy, list, get, run_in, set_link, commands.
 
 An instance is a Linux network namespace `rl-<name>` joined to this machine by a veth pair, with a
 real OpenSSH sshd listening on its own address. sshd runs in a private mount namespace where the
 user's home is an empty tmpfs (the instance's "disk"), /tmp is private, and this machine's pip
 configuration is masked (a real instance has none). Every instance gets a fresh ed25519 host key,
-like a new cloud instance, and reaches no package registry: `build_index` prepares a local PEP 503
-index on this machine that the instance can serve to itself.
+like a new cloud instance, and reaches no package registry: `index.build_index` prepares a local
+PEP 503 index on this machine that the instance can serve to itself. Its network is `network`'s.
 
-Everything needed to find an instance again lives in `/run/relaunch-sandbox/<name>/` (the CLI
-creates in one process and destroys in another). That folder is under /run on purpose: /root and
-/tmp are masked inside the instance, /run is not, so sshd can read its config and keys there.
+Everything needed to find an instance again lives in `RUN_DIR/<name>/` (the CLI creates in one
+process and destroys in another). RUN_DIR, the sandbox dir, is /run/relaunch-sandbox unless
+$RELAUNCH_SANDBOX_DIR names another: a separate set of instances with its own address range and
+its own last instance (a test can empty its own dir while other sessions keep theirs). It must be
+a folder of its own that sshd can read inside an instance: /root, /tmp and the `ubuntu` user's
+home are masked there, /run is not.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
-import html
 import json
 import os
 import pwd
@@ -29,35 +29,33 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from ipaddress import IPv4Network
 from pathlib import Path
+from typing import Any
 
 from relaunch.errors import RelaunchError, UsageError
 
-RUN_DIR = Path("/run/relaunch-sandbox")
+from . import network
+from .network import TOOLS, TOOLS_COMMAND_LOG, locked, netns_exists, require_tools, run, veths
+
+RUN_DIR = Path(os.path.abspath(os.environ.get("RELAUNCH_SANDBOX_DIR") or network.MACHINE_DIR))
+
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,12}")
 DISK_RE = re.compile(r"[1-9][0-9]*[kKmMgG]?")
-SUBNET = "10.213"  # instance N gets 10.213.N.0/30: .1 on this machine, .2 inside
 INDEX_PORT = 8765
 SSH_PORT = 22
 USERS = {"root": "/root", "ubuntu": "/home/ubuntu"}
 # sshd hands sessions this PATH; commands run with run_in get the same, so they see what ssh sees.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-SUDOERS = Path("/etc/sudoers.d/relaunch-sandbox")
+COMMAND_LOG, LOG_COMMAND = "commands.log", "log-command"  # in the instance's folder
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"
+SUDOERS = Path("/etc/sudoers.d/relaunch-sandbox")  # the sandbox's own name: removed with the last instance
+SUDOERS_TMP = SUDOERS.with_name(".relaunch-sandbox.tmp")  # sudo ignores names containing "."
 # Global pip configuration of this machine points at local disks (find-links, constraints); a
 # fresh cloud image has none, so these are masked inside the instance.
 PIP_CONFIG_DIRS = [Path("/etc/xdg/pip")]
 PIP_CONFIG_FILES = [Path("/etc/pip.conf")]
-TOOLS = {  # command -> Debian package that provides it
-    "ip": "iproute2",
-    "tc": "iproute2",
-    "unshare": "util-linux",
-    "nsenter": "util-linux",
-    "mount": "mount",
-    "ssh-keygen": "openssh-client",
-    "/usr/sbin/sshd": "openssh-server",
-}
 
 # Popen objects of the children this process started, so that destroy() can reap them instead
 # of leaving zombies behind in a long pytest session.
@@ -93,14 +91,14 @@ def default_key() -> Path:
     """The private key sandbox instances accept when create() is given none; made on first use."""
     key = state_dir() / "id_ed25519"
     if not key.exists():
-        _require_tools(["ssh-keygen"])
+        require_tools(["ssh-keygen"])
         key.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with _locked(key.parent / ".key.lock"):
+        with locked(key.parent / ".key.lock"):
             if not key.exists():
                 tmp = key.with_name(f".{key.name}.{os.getpid()}")
                 for p in (tmp, tmp.with_suffix(".pub")):
                     p.unlink(missing_ok=True)
-                _run(
+                run(
                     ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "relaunch-sandbox", "-f", str(tmp)]
                 )
                 # public half first: whoever sees the private key may rely on the .pub being there
@@ -108,22 +106,6 @@ def default_key() -> Path:
                 os.replace(tmp, key)
     key.chmod(0o600)
     return key
-
-
-def _run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-    """Run a local command; a failure becomes a RelaunchError naming the command and its output."""
-    proc = subprocess.run(argv, capture_output=True, text=True, **kw)  # type: ignore[call-overload]
-    if proc.returncode != 0:
-        out = (proc.stderr or proc.stdout or "").strip()
-        raise RelaunchError(f"sandbox: `{shlex.join(argv)}` failed (exit {proc.returncode}): {out}")
-    return proc
-
-
-def _require_tools(tools: list[str]) -> None:
-    for tool in tools:
-        if shutil.which(tool) is None:
-            pkg = TOOLS.get(tool, tool)
-            raise UsageError(f"sandbox needs `{tool}`, which is not installed", hint=f"apt-get install {pkg}")
 
 
 def _require_root() -> None:
@@ -139,36 +121,8 @@ def _check_name(name: str) -> None:
         raise UsageError(f"bad sandbox name {name!r}: use 1 to 12 of A-Z a-z 0-9 _ -")
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive flock: slot allocation and user setup must not race between processes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _netns(name: str) -> str:
-    return f"rl-{name}"
-
-
 def _folder(name: str) -> Path:
     return RUN_DIR / name
-
-
-def _veths(slot: int) -> tuple[str, str]:
-    return f"rlv{slot}h", f"rlv{slot}i"
-
-
-def _netns_exists(name: str) -> bool:
-    return Path("/run/netns", _netns(name)).exists()
-
-
-def _link_exists(dev: str) -> bool:
-    return Path("/sys/class/net", dev).exists()
 
 
 def _start_time(pid: int) -> str | None:
@@ -223,23 +177,73 @@ def _public_key(authorized_key: Path | None) -> str:
 
 def _ensure_ubuntu() -> tuple[int, int]:
     """The `ubuntu` user as on cloud images: exists, not locked, passwordless sudo."""
-    with _locked(RUN_DIR / ".users.lock"):
-        if not _has_user("ubuntu"):
-            _require_tools(["useradd"])
-            _run(["useradd", "-M", "-d", "/home/ubuntu", "-s", "/bin/bash", "ubuntu"])
-        # With `UsePAM no`, sshd refuses even key logins for a "locked" account (shadow password
-        # starting with "!", which is what useradd leaves). "*" means: no password, not locked.
-        if _shadow_password("ubuntu").startswith("!"):
-            _run(["usermod", "-p", "*", "ubuntu"])
+    with network.machine_lock():
+        _ensure_user("ubuntu", USERS["ubuntu"])
         rule = "ubuntu ALL=(ALL) NOPASSWD:ALL\n"
         if not SUDOERS.exists() or SUDOERS.read_text() != rule:
-            tmp = SUDOERS.with_name(".relaunch-sandbox.tmp")  # sudo ignores names containing "."
-            tmp.write_text(rule)
-            tmp.chmod(0o440)
-            os.replace(tmp, SUDOERS)
-        Path("/home/ubuntu").mkdir(parents=True, exist_ok=True)  # the mount point of its disk
+            SUDOERS_TMP.write_text(rule)
+            SUDOERS_TMP.chmod(0o440)
+            os.replace(SUDOERS_TMP, SUDOERS)
         entry = pwd.getpwnam("ubuntu")
         return entry.pw_uid, entry.pw_gid
+
+
+def _user_record(user: str) -> Path:
+    return network.MACHINE_DIR / f".user-{user}.json"
+
+
+def _ensure_user(user: str, home: str) -> None:
+    """`user` exists, is not locked, and its home (the mount point of its disk) exists. What has to
+    change for that is recorded before it is done, for _restore_user. Call under machine_lock()."""
+    record = _user_record(user)
+    changes: dict[str, Any] = {"created": False, "password": None, "home": False}
+    with contextlib.suppress(OSError, ValueError):
+        changes = json.loads(record.read_text())
+    exists = _has_user(user)
+    # With `UsePAM no`, sshd refuses even key logins for a "locked" account (shadow password
+    # starting with "!", which is what useradd leaves). "*" means: no password, not locked.
+    password = _shadow_password(user) if exists else "!"
+    changes["created"] = changes["created"] or not exists
+    if password.startswith("!") and not changes["created"] and changes["password"] is None:
+        changes["password"] = password
+    changes["home"] = changes["home"] or not Path(home).exists()
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(changes) + "\n")
+    record.chmod(0o600)  # it may hold a password hash
+    if not exists:
+        require_tools(["useradd"])
+        run(["useradd", "-M", "-d", home, "-s", "/bin/bash", user])
+    if password.startswith("!"):
+        run(["usermod", "-p", "*", user])
+    Path(home).mkdir(parents=True, exist_ok=True)
+
+
+def _restore_user(user: str, home: str) -> None:
+    """Undo what _ensure_user changed: delete the user if it made it, else lock it again as it was;
+    remove the home folder if it made it. Call under machine_lock(), with no instance left."""
+    record = _user_record(user)
+    try:
+        changes = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return
+    if changes["created"]:
+        if _has_user(user):
+            run(["userdel", user])
+    elif changes["password"] is not None and _shadow_password(user) == "*":
+        # through stdin: a hash on a command line would be visible in `ps`
+        run(["chpasswd", "-e"], input=f"{user}:{changes['password']}\n")
+    if changes["home"]:
+        with contextlib.suppress(OSError):
+            Path(home).rmdir()  # only if empty: nothing of anyone else's goes
+    record.unlink()
+
+
+def _restore_machine() -> None:
+    """With the last instance on this machine gone: undo what the sandbox changed outside /run.
+    Call under machine_lock()."""
+    for path in (SUDOERS, SUDOERS_TMP):
+        path.unlink(missing_ok=True)
+    _restore_user("ubuntu", USERS["ubuntu"])
 
 
 def _has_user(user: str) -> bool:
@@ -258,26 +262,7 @@ def _shadow_password(user: str) -> str:
     return ""
 
 
-def _allocate_slot(name: str) -> int:
-    """A free small integer N (1..254): veth names rlv<N>h/i and subnet 10.213.N.0/30."""
-    used: set[int] = set()
-    for slot_file in RUN_DIR.glob("*/slot"):
-        with contextlib.suppress(OSError, ValueError):
-            used.add(int(slot_file.read_text()))
-    for dev in Path("/sys/class/net").iterdir():
-        m = re.fullmatch(r"rlv(\d+)[hi]", dev.name)
-        if m:
-            used.add(int(m.group(1)))
-    for slot in range(1, 255):
-        if slot not in used:
-            (_folder(name) / "slot").write_text(f"{slot}\n")
-            return slot
-    raise UsageError(
-        "no free sandbox slot (254 instances exist)", hint="relaunch sandbox list / destroy NAME"
-    )
-
-
-def _sshd_config(folder: Path, address: str) -> str:
+def _sshd_config(folder: Path, address: str, command_log: bool) -> str:
     return "\n".join(
         [
             f"ListenAddress {address}",
@@ -292,11 +277,31 @@ def _sshd_config(folder: Path, address: str) -> str:
             "PrintMotd no",
             "PrintLastLog no",
             "X11Forwarding no",
-            # Fabric's put/get speak SFTP; the in-process server needs no binary from the image.
-            "Subsystem sftp internal-sftp",
+            # Fabric's put/get speak SFTP; the in-process server needs no binary from the image,
+            # but a forced command cannot run it: a logged instance runs the server program
+            *(
+                [f"ForceCommand {shlex.quote(str(folder / LOG_COMMAND))}", f"Subsystem sftp {SFTP_SERVER}"]
+                if command_log
+                else ["Subsystem sftp internal-sftp"]
+            ),
             "",
         ]
     )
+
+
+def _log_command_script(log: Path) -> str:
+    """sshd runs this instead of what the client asked for (ForceCommand), as the login user."""
+    quoted = shlex.quote(str(log))
+    return f"""#!/bin/sh
+# Log the client's command, then run it exactly as sshd would have without a ForceCommand.
+if [ -n "${{SSH_ORIGINAL_COMMAND+set}}" ]; then
+    # channels run at once: the lock keeps one command's bytes together
+    {{ flock 9 && printf '%s\\0' "$SSH_ORIGINAL_COMMAND" >&9; }} 9>>{quoted} ||
+        {{ echo "relaunch sandbox: cannot log the command" >&2; exit 255; }}
+    exec "$SHELL" -c "$SSH_ORIGINAL_COMMAND"
+fi
+exec "$SHELL" -l
+"""
 
 
 def _mount_script(folder: Path, user: str, home: str, disk: str, ids: tuple[int, int] | None) -> str:
@@ -330,6 +335,7 @@ def create(
     index_dir: Path | None = None,
     boot_delay: float = 0.0,
     key_delay: float = 0.0,
+    command_log: bool = False,
 ) -> Instance:
     """Create and boot instance `name`; returns once sshd accepts TCP (at once with boot_delay).
 
@@ -338,6 +344,10 @@ def create(
     ways ("20mbit"). index_dir: a build_index() folder served inside at INDEX_PORT. boot_delay:
     sshd starts only after that many seconds (the address refuses connections meanwhile).
     key_delay: the key is authorized only after that many seconds (auth fails meanwhile).
+    command_log: sshd logs every command it is asked to run, byte for byte, for `commands(name)`;
+    a session without a command (a login shell) logs nothing. SFTP still works, through
+    /usr/lib/openssh/sftp-server instead of sshd's own: each SFTP session logs that program's path
+    as its command. Other subsystems are not supported on such an instance.
     """
     _check_name(name)
     if user not in USERS:
@@ -354,23 +364,28 @@ def create(
                 f"no package index at {index_dir} (no simple/ folder)", hint="build it with build_index()"
             )
     _require_root()
-    _require_tools(list(TOOLS))
+    require_tools(list(TOOLS) + (list(TOOLS_COMMAND_LOG) if command_log else []))
     pubkey = _public_key(authorized_key)
 
     folder = _folder(name)
-    RUN_DIR.mkdir(parents=True, exist_ok=True)
-    RUN_DIR.chmod(0o755)  # sshd reads authorized_keys as the login user
-    with _locked(RUN_DIR / ".slots.lock"):
-        if folder.exists() or _netns_exists(name):
-            raise UsageError(f"sandbox {name!r} already exists", hint=f"relaunch sandbox destroy {name}")
+    with network.machine_lock():
+        owner = network.claimed_dir(name)
+        if folder.exists() or owner is not None or netns_exists(name):
+            where = f" (in the sandbox dir {owner})" if owner not in (None, RUN_DIR) else ""
+            raise UsageError(f"sandbox {name!r} already exists{where}", hint=f"relaunch sandbox destroy {name}")
+        RUN_DIR.mkdir(parents=True, exist_ok=True)
+        RUN_DIR.chmod(0o755)  # sshd reads authorized_keys as the login user
         folder.mkdir(mode=0o755)
         try:
-            slot = _allocate_slot(name)
+            slot, net = network.claim(name, folder)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
+            network.release(name, RUN_DIR)
             raise
     try:
-        return _boot(name, folder, slot, user, pubkey, disk, rate, index_dir, boot_delay, key_delay)
+        return _boot(
+            name, folder, slot, net, user, pubkey, disk, rate, index_dir, boot_delay, key_delay, command_log
+        )
     except BaseException:
         # a half-created instance must leave nothing behind
         destroy(name)
@@ -381,6 +396,7 @@ def _boot(
     name: str,
     folder: Path,
     slot: int,
+    net: IPv4Network,
     user: str,
     pubkey: str,
     disk: str,
@@ -388,19 +404,27 @@ def _boot(
     index_dir: Path | None,
     boot_delay: float,
     key_delay: float,
+    command_log: bool,
 ) -> Instance:
     folder.chmod(0o755)
     home = USERS[user]
     ids = _ensure_ubuntu() if user == "ubuntu" else None
-    host_dev, inst_dev = _veths(slot)
-    gateway, address = f"{SUBNET}.{slot}.1", f"{SUBNET}.{slot}.2"
-    ns = _netns(name)
+    host_dev, inst_dev = veths(slot)
+    address = network.addresses(slot, net)[1]
+    ns = network.netns(name)
 
     # a fresh host key: every instance is a new machine as far as ssh is concerned
     key = folder / "ssh_host_ed25519_key"
-    _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{ns}", "-f", str(key)])
-    fingerprint = _run(["ssh-keygen", "-lf", f"{key}.pub"]).stdout.split()[1]
-    (folder / "sshd_config").write_text(_sshd_config(folder, address))
+    run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{ns}", "-f", str(key)])
+    fingerprint = run(["ssh-keygen", "-lf", f"{key}.pub"]).stdout.split()[1]
+    (folder / "sshd_config").write_text(_sshd_config(folder, address, command_log))
+    if command_log:
+        forced = folder / LOG_COMMAND
+        forced.write_text(_log_command_script(folder / COMMAND_LOG))
+        forced.chmod(0o755)
+        # appended to by the login user's sessions, read from this machine; writable by no one else
+        (folder / COMMAND_LOG).touch(mode=0o644)
+        os.chown(folder / COMMAND_LOG, *(ids or (0, 0)))
     (folder / "empty").write_text("")
     if key_delay > 0:
         (folder / "authorized_keys.pending").write_text(pubkey + "\n")
@@ -410,20 +434,7 @@ def _boot(
         with contextlib.suppress(FileNotFoundError):
             (folder / f).chmod(0o644)  # read by sshd as the login user
 
-    # The whole sandbox range is unreachable except through an instance's own link: without this,
-    # a packet for a destroyed (or not yet created) instance would leave by the default route.
-    _run(["ip", "route", "replace", "unreachable", f"{SUBNET}.0.0/16"])
-    # the network: namespace, veth pair, addresses
-    _run(["ip", "netns", "add", ns])
-    _run(["ip", "link", "add", host_dev, "type", "veth", "peer", "name", inst_dev, "netns", ns])
-    _run(["ip", "addr", "add", f"{gateway}/30", "dev", host_dev])
-    _run(["ip", "link", "set", host_dev, "up"])
-    _run(["ip", "netns", "exec", ns, "ip", "addr", "add", f"{address}/30", "dev", inst_dev])
-    _run(["ip", "netns", "exec", ns, "ip", "link", "set", inst_dev, "up"])
-    _run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"])
-    # services on this machine's side of any instance's link (a test S3 or Hub server) are
-    # reachable from every instance, the way a datacenter's object store is; nothing else is
-    _run(["ip", "netns", "exec", ns, "ip", "route", "add", f"{SUBNET}.0.0/16", "via", gateway])
+    network.connect(name, slot, net)
 
     # sshd in a private mount namespace: empty home, private /tmp, no pip config of this machine
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
@@ -448,15 +459,7 @@ def _boot(
         _spawn(name, "keys", ["sh", "-c", move], folder / "keys.log")
 
     if rate is not None:
-        for prefix, dev in (([], host_dev), (["ip", "netns", "exec", ns], inst_dev)):
-            tc = [*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", str(rate)]
-            proc_tc = subprocess.run(
-                [*tc, "burst", "32kbit", "latency", "400ms"], capture_output=True, text=True
-            )
-            if proc_tc.returncode != 0:
-                raise UsageError(
-                    f"bad rate {rate!r}: {proc_tc.stderr.strip()}", hint="use a tc rate like 20mbit"
-                )
+        network.shape(name, slot, rate)
 
     index_url = None
     if index_dir is not None:
@@ -469,8 +472,9 @@ def _boot(
         index_url = f"http://127.0.0.1:{INDEX_PORT}/simple/"
 
     inst = Instance(name, address, user, SSH_PORT, home, fingerprint, index_url)
-    meta = {**asdict(inst), "slot": slot, "veth": [host_dev, inst_dev], "disk": disk, "rate": rate,
-            "index_dir": str(index_dir) if index_dir else None, "created": time.time()}  # fmt: skip
+    meta = {**asdict(inst), "slot": slot, "range": str(net), "veth": [host_dev, inst_dev], "disk": disk,
+            "rate": rate, "index_dir": str(index_dir) if index_dir else None, "command_log": command_log,
+            "created": time.time()}  # fmt: skip
     tmp = folder / "instance.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, folder / "instance.json")
@@ -509,7 +513,7 @@ def _wait_for_index(name: str, log: Path, timeout: float = 20) -> None:
         "sys.exit(1)\n"
     )
     proc = subprocess.run(
-        ["ip", "netns", "exec", _netns(name), sys.executable, "-c", probe], capture_output=True
+        ["ip", "netns", "exec", network.netns(name), sys.executable, "-c", probe], capture_output=True
     )
     if proc.returncode != 0:
         raise RelaunchError(f"sandbox {name}: the package index server did not start\n{_log_tail(log)}")
@@ -547,25 +551,32 @@ def _cmdline(pid: int) -> bytes:
 
 
 def _netns_pids(name: str) -> list[int]:
-    if not _netns_exists(name):
+    if not netns_exists(name):
         return []
-    proc = subprocess.run(["ip", "netns", "pids", _netns(name)], capture_output=True, text=True)
+    proc = subprocess.run(["ip", "netns", "pids", network.netns(name)], capture_output=True, text=True)
     return [int(p) for p in proc.stdout.split() if p.isdigit() and int(p) != os.getpid()]
 
 
 def destroy(name: str) -> bool:
     """Power off and delete instance `name`: every process in it, its link, its netns, its state.
+    With the last instance of the sandbox dir its address range goes, with the last one on this
+    machine the `ubuntu` user's sudoers file and the user itself if the sandbox made it.
 
     Idempotent; works on half-created instances. Returns True if anything existed.
     """
     _check_name(name)
     _require_root()
+    owner = network.claimed_dir(name)
+    if owner not in (None, RUN_DIR):
+        raise UsageError(
+            f"sandbox {name!r} is in the sandbox dir {owner}",
+            hint=f"RELAUNCH_SANDBOX_DIR={owner} relaunch sandbox destroy {name}",
+        )
     folder = _folder(name)
-    ns = _netns(name)
     slot: int | None = None
     with contextlib.suppress(OSError, ValueError):
         slot = int((folder / "slot").read_text())
-    existed = folder.exists() or _netns_exists(name) or (slot is not None and _link_exists(_veths(slot)[0]))
+    existed = folder.exists() or netns_exists(name) or (slot is not None and network.link_exists(veths(slot)[0]))
 
     if folder.exists():
         _kill_recorded(folder)
@@ -581,11 +592,12 @@ def destroy(name: str) -> bool:
         time.sleep(0.02)
     _reap(name, wait=True)
 
-    if slot is not None and _link_exists(_veths(slot)[0]):
-        subprocess.run(["ip", "link", "del", _veths(slot)[0]], capture_output=True)
-    if _netns_exists(name):
-        _run(["ip", "netns", "del", ns])
-    shutil.rmtree(folder, ignore_errors=True)
+    network.disconnect(name, slot)
+    with network.machine_lock():  # under the lock that creates take: who is last is decided once
+        shutil.rmtree(folder, ignore_errors=True)
+        network.release(name, RUN_DIR)
+        if not network.names_everywhere():
+            _restore_machine()
     return existed
 
 
@@ -655,17 +667,25 @@ def run_in(name: str, argv: list[str], **kw: object) -> subprocess.CompletedProc
     return subprocess.run(["nsenter", "-t", str(pid), "-n", "-m", "--", *argv], **kw)  # type: ignore[call-overload]
 
 
+def commands(name: str) -> list[str]:
+    """The commands instance `name` was asked to run over ssh, in the order they arrived, byte for
+    byte (bytes that are not UTF-8 come back as surrogate escapes). Needs create(command_log=True)."""
+    get(name)
+    try:
+        data = (_folder(name) / COMMAND_LOG).read_bytes()
+    except FileNotFoundError:
+        raise UsageError(
+            f"sandbox {name!r} does not log commands", hint="create it with command_log=True"
+        ) from None
+    # every command ends with a NUL byte; a command being appended right now has none yet
+    return [c.decode("utf-8", "surrogateescape") for c in data.split(b"\0")[:-1]]
+
+
 def set_link(name: str, up: bool) -> None:
     """Take the instance's link down (an outage: packets vanish, connections time out) or up again."""
     inst = get(name)
-    slot = int((_folder(name) / "slot").read_text())
-    host_dev, inst_dev = _veths(slot)
-    _run(["ip", "netns", "exec", _netns(name), "ip", "link", "set", inst_dev, "up" if up else "down"])
+    network.set_link_state(name, int((_folder(name) / "slot").read_text()), up)
     if up:
-        # neighbour entries that failed during the outage would answer "no route to host" for a
-        # while; a recovered link should work at once, like a recovered instance
-        _run(["ip", "neigh", "flush", "dev", host_dev])
-        _run(["ip", "netns", "exec", _netns(name), "ip", "neigh", "flush", "dev", inst_dev])
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
@@ -673,123 +693,3 @@ def set_link(name: str, up: bool) -> None:
                 return
             time.sleep(0.1)
         raise RelaunchError(f"sandbox {name}: sshd not reachable 20s after the link came back up")
-
-
-# ---------------------------------------------------------------------------------------------
-# the local package index
-
-
-def _normalize(project: str) -> str:
-    return re.sub(r"[-_.]+", "-", project).lower()
-
-
-def _project_of(filename: str) -> str | None:
-    """Project name from a wheel or sdist file name (PEP 427 / PEP 625), normalized."""
-    if filename.endswith(".whl"):
-        return _normalize(filename.split("-", 1)[0])
-    for ext in (".tar.gz", ".zip", ".tar.bz2", ".tgz"):
-        if filename.endswith(ext):
-            stem = filename[: -len(ext)]
-            return _normalize(stem.rsplit("-", 1)[0]) if "-" in stem else None
-    return None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _write_simple_index(dest: Path) -> None:
-    """PEP 503 pages under dest/simple/ for every file in dest/files/, with #sha256= fragments."""
-    hashes_file = dest / ".sha256.json"  # hashing torch every time would cost seconds
-    try:
-        known: dict[str, list[object]] = json.loads(hashes_file.read_text())
-    except (OSError, ValueError):
-        known = {}
-    projects: dict[str, list[tuple[str, str]]] = {}
-    hashes: dict[str, list[object]] = {}
-    for f in sorted((dest / "files").iterdir()):
-        project = _project_of(f.name)
-        if project is None or not f.is_file():
-            continue
-        st = f.stat()
-        entry = known.get(f.name)
-        if entry and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
-            digest = str(entry[2])
-        else:
-            digest = _sha256(f)
-        hashes[f.name] = [st.st_size, st.st_mtime_ns, digest]
-        projects.setdefault(project, []).append((f.name, digest))
-
-    new = dest / "simple.new"
-    shutil.rmtree(new, ignore_errors=True)
-    new.mkdir()
-    links = "".join(f'<a href="{p}/">{p}</a><br>\n' for p in sorted(projects))
-    (new / "index.html").write_text(_page("Simple index", links))
-    for project, files in projects.items():
-        (new / project).mkdir()
-        anchors = "".join(
-            f'<a href="../../files/{html.escape(fn)}#sha256={d}">{html.escape(fn)}</a><br>\n'
-            for fn, d in files
-        )
-        (new / project / "index.html").write_text(_page(f"Links for {project}", anchors))
-    old = dest / "simple.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if (dest / "simple").exists():
-        os.replace(dest / "simple", old)
-    os.replace(new, dest / "simple")
-    shutil.rmtree(old, ignore_errors=True)
-    hashes_file.write_text(json.dumps(hashes))
-
-
-def _page(title: str, body: str) -> str:
-    return (
-        '<!DOCTYPE html>\n<html><head><meta name="pypi:repository-version" content="1.0">'
-        f"<title>{title}</title></head>\n<body><h1>{title}</h1>\n{body}</body></html>\n"
-    )
-
-
-def build_index(
-    requirements: list[Path], dest: Path | None = None, extra: list[str] | tuple[str, ...] = ()
-) -> Path:
-    """Download the requirement files (+ extra requirement strings, + uv and pip) on this machine
-    into dest/files and write a PEP 503 simple index to dest/simple/. Returns dest.
-
-    Cached: a call with the same inputs as an earlier one downloads nothing.
-    Default dest: ~/.cache/relaunch/index.
-    """
-    dest = Path(dest).expanduser() if dest is not None else Path.home() / ".cache" / "relaunch" / "index"
-    reqs = [Path(r).expanduser().resolve() for r in requirements]
-    from relaunch.transports.tools import TOOL_PACKAGES
-
-    wanted = [*extra, "pip", *TOOL_PACKAGES.values()]  # the tools relaunch installs on an instance
-    key = hashlib.sha256()
-    for r in reqs:
-        try:
-            key.update(r.read_bytes() + b"\0")
-        except OSError as e:
-            raise UsageError(f"cannot read requirements file {r}: {e.strerror}") from None
-    key.update(json.dumps([sorted(wanted), list(sys.version_info[:2]), sys.platform]).encode())
-    marker = dest / ".built" / key.hexdigest()
-
-    dest.mkdir(parents=True, exist_ok=True)
-    with _locked(dest / ".lock"):  # two test sessions building at once must not interleave
-        if marker.exists() and (dest / "simple" / "index.html").exists():
-            return dest
-        (dest / "files").mkdir(exist_ok=True)
-        argv = [sys.executable, "-m", "pip", "download", "--progress-bar", "off"]
-        argv += ["--dest", str(dest / "files")]
-        for r in reqs:
-            argv += ["-r", str(r)]
-        argv += wanted
-        proc = subprocess.run(argv, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = "\n".join("  | " + ln for ln in proc.stderr.strip().splitlines()[-15:])
-            raise RelaunchError(f"build_index: pip download failed (exit {proc.returncode})\n{tail}")
-        _write_simple_index(dest)
-        marker.parent.mkdir(exist_ok=True)
-        marker.write_text(json.dumps({"requirements": [str(r) for r in reqs], "extra": wanted}) + "\n")
-    return dest

@@ -1,0 +1,57 @@
+"""Throwaway local "cloud GPU instances" (without the GPU) for trying recipes and for tests.
+
+An instance is a Linux network namespace `rl-<name>` joined to this machine by a veth pair, with a
+real OpenSSH sshd listening on its own address, an empty private home and a private /tmp.
+
+- `instance`: create, destroy, list_instances, get, run_in, set_link, commands (and sshd,
+  mounts, users)
+- `network`: slots, addresses, namespaces, veth pairs, routes, link state, rate shaping
+- `index`: build_index, a local PEP 503 package index an instance serves to itself
+
+`instance` uses `network`; `index` stands alone.
+
+What the sandbox changes on this machine, and for how long (it runs as root):
+- Each instance: its namespace, veth pair, processes and folder, all gone when it is destroyed.
+- Each sandbox dir (`RUN_DIR`) with instances: an address range, the first of
+  `network.CANDIDATES` (10.213.0.0/16 first) that overlaps no address or route already here, so
+  it never shadows a real network, and an `unreachable` route for it. Both go with the dir's last
+  instance.
+- From the first `ubuntu` instance on: a user `ubuntu` (made unless one exists; a locked one is
+  unlocked) and /etc/sudoers.d/relaunch-sandbox. When the last instance on this machine, of any
+  sandbox dir, is destroyed, the sudoers file goes and the user is deleted if the sandbox made it
+  (one that existed before is locked again as it was); nothing else on the machine is touched.
+- What stays: bookkeeping files under /run/relaunch-sandbox (locks, claims), which a reboot
+  clears, and /run/sshd, the directory sshd itself needs.
+Every decision on names, slots, ranges and "the last one" is taken under one machine-wide lock,
+so several processes may create and destroy instances at once.
+"""
+
+from .index import build_index
+from .instance import (
+    INDEX_PORT,
+    RUN_DIR,
+    Instance,
+    commands,
+    create,
+    default_key,
+    destroy,
+    get,
+    list_instances,
+    run_in,
+    set_link,
+)
+
+__all__ = [
+    "INDEX_PORT",
+    "RUN_DIR",
+    "Instance",
+    "build_index",
+    "commands",
+    "create",
+    "default_key",
+    "destroy",
+    "get",
+    "list_instances",
+    "run_in",
+    "set_link",
+]

@@ -1,0 +1,183 @@
+"""What the sandbox does to this machine: the address range it picks, and that it leaves nothing.
+
+Other sessions may have sandbox instances on this machine while these tests run. The end-to-end
+test therefore uses a sandbox dir of its own (RELAUNCH_SANDBOX_DIR), whose range and whose last
+instance it controls; what is shared by every dir (the `ubuntu` user, its sudoers file) is checked
+under the sandbox's machine-wide lock, when no instance of any dir is left.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import uuid
+from ipaddress import IPv4Network, ip_address
+from pathlib import Path
+
+import pytest
+from e2e import run_cli
+
+from relaunch import sandbox as sb
+from relaunch.errors import UsageError
+from relaunch.sandbox import instance, network
+
+NET = IPv4Network
+
+
+def _out(*argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, text=True).stdout
+
+
+def _addresses_in(net: IPv4Network) -> list[str]:
+    """This machine's addresses inside net."""
+    links = json.loads(_out("ip", "-j", "-4", "addr"))
+    return [a["local"] for link in links for a in link["addr_info"] if ip_address(a["local"]) in net]
+
+
+def test_choose_range_skips_ranges_in_use() -> None:
+    choose = network.choose_range
+    # what a plain machine has: a default route, its LAN and its own addresses
+    plain = [
+        {"dst": "default", "gateway": "192.0.2.1", "dev": "eth0"},
+        {"dst": "192.0.2.0/24", "dev": "eth0"},
+        {"type": "local", "dst": "192.0.2.2", "dev": "eth0", "table": "local"},
+        {"type": "local", "dst": "127.0.0.0/8", "dev": "lo", "table": "local"},
+    ]
+    assert choose(plain) == NET("10.213.0.0/16")
+    # the sandbox's own unreachable route (or one left by an older version) is no reason to move
+    assert choose([*plain, {"type": "unreachable", "dst": "10.213.0.0/16"}]) == NET("10.213.0.0/16")
+    # ... but a range another sandbox dir uses is
+    assert choose([{"type": "unreachable", "dst": "10.213.0.0/16"}], [NET("10.213.0.0/16")]) == NET("10.214.0.0/16")
+    # a real network inside a candidate, an address in one, a route around several
+    assert choose([*plain, {"dst": "10.213.7.0/24", "dev": "wg0"}]) == NET("10.214.0.0/16")
+    assert choose([{"type": "local", "dst": "10.213.255.254", "dev": "dummy0"}]) == NET("10.214.0.0/16")
+    assert choose([{"dst": "10.0.0.0/8", "dev": "tun0"}]) == NET("172.28.0.0/16")
+    assert choose([{"dst": "10.0.0.0/8"}, {"dst": "172.28.0.0/15"}]) == NET("172.30.0.0/16")
+    # other kinds of route for a candidate are not the sandbox's: someone else's
+    assert choose([{"type": "blackhole", "dst": "10.213.0.0/16"}]) == NET("10.214.0.0/16")
+    assert choose([{"type": "unreachable", "dst": "10.213.0.0/17"}]) == NET("10.214.0.0/16")
+    with pytest.raises(UsageError, match="no free address range"):
+        choose([{"dst": "10.0.0.0/8"}, {"dst": "172.16.0.0/12"}])
+
+
+def test_addresses_are_slot_dot_1_and_dot_2_in_any_range() -> None:
+    assert network.addresses(7, NET("10.213.0.0/16")) == ("10.213.7.1", "10.213.7.2")
+    assert network.addresses(254, NET("172.29.0.0/16")) == ("172.29.254.1", "172.29.254.2")
+
+
+def _shadow(user: str) -> str | None:
+    for line in Path("/etc/shadow").read_text().splitlines():
+        if line.split(":")[0] == user:
+            return line.split(":")[1]
+    return None
+
+
+def _has_group(group: str) -> bool:
+    return any(line.split(":")[0] == group for line in Path("/etc/group").read_text().splitlines())
+
+
+def test_a_user_the_sandbox_made_is_deleted_one_it_found_is_restored(tmp_path: Path) -> None:
+    """The bookkeeping behind the `ubuntu` user, on throwaway users (the real `ubuntu` is shared)."""
+    made, found = f"rlt{uuid.uuid4().hex[:8]}", f"rlt{uuid.uuid4().hex[:8]}"
+    homes = {made: tmp_path / "made", found: tmp_path / "found"}
+    try:
+        subprocess.run(["useradd", "-M", "-d", str(homes[found]), found], check=True)
+        homes[found].mkdir()
+        assert _shadow(found) == "!"  # locked, as useradd leaves it
+        with network.machine_lock():
+            for user in (made, found):
+                instance._ensure_user(user, str(homes[user]))
+                assert _shadow(user) == "*" and homes[user].is_dir()
+                instance._ensure_user(user, str(homes[user]))  # a second instance changes nothing more
+            for user in (made, found):
+                instance._restore_user(user, str(homes[user]))
+        assert _shadow(made) is None and not _has_group(made) and not homes[made].exists()
+        assert _shadow(found) == "!" and homes[found].is_dir()  # as it was
+        assert not list(network.MACHINE_DIR.glob(".user-rlt*"))
+    finally:
+        for user in (made, found):
+            subprocess.run(["userdel", user], capture_output=True)
+            (network.MACHINE_DIR / f".user-{user}.json").unlink(missing_ok=True)
+
+
+def _create(world: Path, name: str, user: str, key: Path, home: Path) -> sb.Instance:
+    """`relaunch sandbox create` in sandbox dir `world`, as a user would run it."""
+    proc = run_cli("sandbox", "create", name, "--user", user, "--key", f"{key}.pub", "--json", home=home,
+                   env={"RELAUNCH_SANDBOX_DIR": str(world)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    return sb.Instance(**{k: data[k] for k in ("name", "address", "user", "port", "home",
+                                                "host_key_fingerprint", "index_url")})
+
+
+def _destroy(world: Path, name: str, home: Path) -> None:
+    proc = run_cli("sandbox", "destroy", name, home=home, env={"RELAUNCH_SANDBOX_DIR": str(world)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _machine_state() -> dict[str, object]:
+    """The shared things the sandbox may change, with whether any instance exists (under the lock)."""
+    with network.machine_lock():
+        return {
+            "instances": sorted(network.names_everywhere()),
+            "sudoers": instance.SUDOERS.exists(),
+            "ubuntu": _shadow("ubuntu"),
+            "ubuntu_record": instance._user_record("ubuntu").exists(),
+        }
+
+
+def test_own_sandbox_dir_avoids_a_range_in_use_and_goes_without_a_trace(tmp_path: Path, ssh, ssh_key) -> None:
+    world = Path(f"/run/relaunch-sandbox-test-{uuid.uuid4().hex[:8]}")
+    dummy = f"rltd{uuid.uuid4().hex[:8]}"
+    taken = "10.213.255.254"  # in the first candidate, and never an instance's (slots end at 254)
+    home = tmp_path / "state"
+    names = [f"w{uuid.uuid4().hex[:8]}", f"w{uuid.uuid4().hex[:8]}"]
+    before = _machine_state()
+    try:
+        # a network of this machine that the sandbox must not shadow (no `dummy` module here: a
+        # veth pair, left down, holds the address as well)
+        subprocess.run(["ip", "link", "add", dummy, "type", "veth", "peer", "name", f"{dummy}p"], check=True)
+        subprocess.run(["ip", "addr", "add", f"{taken}/32", "dev", dummy], check=True)
+
+        first = _create(world, names[0], "ubuntu", ssh_key, home)
+        net = IPv4Network((world / ".range").read_text().strip())
+        assert ip_address(taken) not in net and ip_address(first.address) in net
+        # (gone at once: other sessions need not move off 10.213 for longer than this test needs)
+        subprocess.run(["ip", "link", "del", dummy], check=True)
+        # X.Y.N.2 inside, X.Y.N.1 on this machine's side of its link
+        assert first.address.endswith(".2") and first.address[:-1] + "1" in _addresses_in(net)
+        assert f"unreachable {net}" in _out("ip", "route")
+        with network.machine_lock():  # no other sandbox dir on this machine has this range
+            assert [w for w in network.sandbox_dirs() - {world} if network.range_of(w) == net] == []
+        assert ssh(first, "id -un; sudo -n id -un").stdout.split() == ["ubuntu", "root"]
+
+        # the range stays while the dir has an instance
+        second = _create(world, names[1], "root", ssh_key, home)
+        assert ip_address(second.address) in net
+        _destroy(world, names[0], home)
+        assert f"unreachable {net}" in _out("ip", "route") and (world / ".range").exists()
+        assert ssh(second, "echo up").stdout.strip() == "up"
+
+        _destroy(world, names[1], home)
+        # the last instance of the dir took its range with it
+        assert not (world / ".range").exists() and [p.name for p in world.iterdir()] == []
+        for name in names:
+            assert f"rl-{name}" not in _out("ip", "netns", "list")
+            assert not (network.CLAIMS / f"{name}.json").exists()
+        with network.machine_lock():
+            # (unless another session's dir chose the freed range since: then the route is its)
+            if not [w for w in network.sandbox_dirs() if network.range_of(w) == net]:
+                assert f"unreachable {net}" not in _out("ip", "route") and _addresses_in(net) == []
+
+        # what every dir shares goes with the last instance on this machine, whoever destroys it
+        after = _machine_state()
+        if not after["instances"]:
+            assert not after["sudoers"] and not after["ubuntu_record"]
+            if not before["ubuntu_record"]:  # the user was there before any sandbox, or not at all
+                assert after["ubuntu"] == before["ubuntu"]
+    finally:
+        for name in names:
+            run_cli("sandbox", "destroy", name, home=home, env={"RELAUNCH_SANDBOX_DIR": str(world)})
+        subprocess.run(["ip", "link", "del", dummy], capture_output=True)
+        shutil.rmtree(world, ignore_errors=True)
