@@ -33,7 +33,8 @@ def plan_env(job: Job) -> list[Action]:
 
     script = scripts.render("env.sh.j2", name=recipe.name, venv=paths.venv, python=facts.python,
                             lock=paths.lock if lock else "", installer=recipe.env.installer,
-                            index_args=index_args(job), system_site_packages=recipe.env.system_site_packages)
+                            index_args=index_args(job), system_site_packages=recipe.env.system_site_packages,
+                            templates=recipe.templates)
     installed = facts.venv_freeze
     if installed is not None and lock and not drift(lock, installed):
         actions.append(Action("env", "venv", skip=f"venv {paths.venv} already matches the lock "
@@ -74,7 +75,8 @@ def plan_env(job: Job) -> list[Action]:
         lines, env = render_setup(job)
         digest = hashlib.sha256("\n".join([*lock, *lines]).encode()).hexdigest()
         setup = scripts.render("setup.sh.j2", name=recipe.name, setup=lines, workdir=paths.workdir,
-                               venv=paths.venv, secrets_file=paths.secrets_file, exports=exports(job, env))
+                               venv=paths.venv, secrets_file=paths.secrets_file, exports=exports(job, env),
+                               templates=recipe.templates)
         guarded = (f"marker={shlex.quote(paths.setup_marker)}\n"
                    f"if [ \"$(cat \"$marker\" 2>/dev/null)\" = {digest} ]; then "
                    "echo 'setup already ran for this lock'; exit 0; fi\n"

@@ -16,7 +16,7 @@ GiB = 1024**3
 
 def gather_facts(remote: Remote, recipe: Recipe, paths: InstancePaths) -> HostFacts:
     script = facts_script(recipe.env.python, paths.venv, paths.ckpt_dir, recipe.run.session,
-                          list(recipe.env.apt))
+                          list(recipe.env.apt), templates=recipe.templates)
     result = remote.check("bash -s", "preflight (reading facts)", EnvError, stdin=script.encode(),
                           display="bash -s < facts.sh")
     return parse_facts(result.text)
