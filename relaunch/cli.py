@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.shell_completion import CompletionItem
 
-from . import __version__, processes
+from . import processes
 from .errors import EvacuationError, Interrupted, RelaunchError, UsageError
 from .host.spec import HostSpec
 from .paths import debug_log_file
@@ -26,8 +27,23 @@ from .ui import UI, redact, setup_logging
 log = logging.getLogger("relaunch")
 
 
+def complete_keys(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+    """`--set <TAB>`: the recipe's dotted keys, each ready for its value (`checkpoint.keep=`)."""
+    from .recipe.loader import recipe_keys
+
+    if "=" in incomplete:
+        return []
+    return [CompletionItem(f"{key}=") for key in recipe_keys() if key.startswith(incomplete)]
+
+
+def complete_providers(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+    from .recipe import load_providers
+
+    return [CompletionItem(name) for name in load_providers() if name.startswith(incomplete)]
+
+
 def common(func: Callable[..., Any]) -> Callable[..., Any]:
-    func = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+    func = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", shell_complete=complete_keys,
                         help="Override a recipe value (repeatable), e.g. --set checkpoint.keep=3.")(func)
     func = click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")(func)
     func = click.option("-v", "--verbose", is_flag=True, help="Show the instance's output live.")(func)
@@ -50,8 +66,21 @@ def emit(as_json: bool, data: Any) -> None:
         click.echo(json.dumps(data, indent=2))
 
 
+def show_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from .versions import versions
+
+    found = versions()
+    width = max(map(len, found))
+    for name, version in found.items():
+        click.echo(f"{name:<{width}}  {version}")
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="relaunch")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=show_version,
+              help="Show relaunch's version and those of the tools it drives (ssh, rsync, tmux, rclone, hf, uv).")
 def cli() -> None:
     """Make a rented cloud GPU disposable: evacuate before you destroy, `up` on the next one."""
 
@@ -218,49 +247,92 @@ def freeze(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: b
 
 @cli.command()
 @click.argument("recipe")
+@click.option("--explain", is_flag=True,
+              help="Print the merged recipe with, for every value, where it came from (file:line, preset, "
+                   "default, --set).")
 @common
-def check(recipe: str, overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
+def check(recipe: str, explain: bool, overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
     """Validate a recipe (extends resolved, templates rendered) without touching any host."""
     from .recipe import check_recipe
+    from .recipe.explain import explain as explained, explain_text
 
     r = load(recipe, overrides)
     notes = check_recipe(r)
     for note in notes:
         click.echo(f"note: {note}", err=True)
-    click.echo(f"{recipe}: ok (recipe {r.name})")
-    emit(as_json, {"ok": True, "name": r.name, "notes": notes})
+    if explain and not as_json:
+        click.echo(explain_text(r), nl=False)
+    click.echo(f"{recipe}: ok (recipe {r.name})", err=as_json or explain)
+    result: dict[str, Any] = {"ok": True, "name": r.name, "notes": notes}
+    if explain:
+        result |= {"files": r.files, "values": [e.as_dict() for e in explained(r)]}
+    emit(as_json, result)
 
 
 @cli.command()
-@click.option("--provider", default=None, help="Preset for the SSH user and port (see `relaunch providers`).")
-@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None, help="Write here instead of stdout.")
-def init(provider: str | None, output: str | None) -> None:
-    """Write a commented starter recipe."""
-    from .recipe import starter_recipe
+@click.argument("path", required=False, type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--provider", default=None, shell_complete=complete_providers,
+              help="Preset for the SSH user and port (see `relaunch providers`).")
+@click.option("--layout", type=click.Choice(["auto", "files", "hf-trainer", "dcp", "deepspeed", "lightning",
+                                             "accelerate"]), default=None, help="How the checkpoints look.")
+@click.option("--remote", default=None, metavar="REMOTE",
+              help="The store: a local path, rclone:REMOTE:PATH or hf:OWNER/REPO[/SUBFOLDER].")
+@click.option("--output", "-o", "output", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              hidden=True, help="Same as PATH (the older spelling).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def init(path: str | None, provider: str | None, layout: str | None, remote: str | None, output: str | None,
+         as_json: bool) -> None:
+    """Write a commented starter recipe to PATH (default recipe.yaml here; `-` prints it), never over an
+    existing file. What it writes passes `relaunch check`."""
+    from pydantic import ValidationError
 
-    text = starter_recipe(provider)
-    if output is None:
+    from .recipe import starter_recipe
+    from .recipe.model import Checkpoint
+
+    if path is not None and output is not None and path != output:
+        raise UsageError(f"two places to write: {path} and --output {output}", "give PATH only")
+    target = path or output or "recipe.yaml"
+    if remote is not None:
+        try:
+            Checkpoint.model_validate({"remote": remote})
+        except ValidationError as exc:
+            raise UsageError(f"--remote: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    shown = "recipe.yaml" if target == "-" else os.path.basename(target)
+    text = starter_recipe(provider, layout, remote, path=shown)
+    if target == "-":
         click.echo(text, nl=False)
         return
-    path = Path(output)
-    if path.exists():
-        raise UsageError(f"{path} exists; not overwriting it")
-    path.write_text(text)
-    click.echo(f"wrote {path}", err=True)
+    out = Path(target)
+    try:
+        with out.open("x", encoding="utf-8") as f:  # "x": refuses an existing file, atomically
+            f.write(text)
+    except FileExistsError:
+        raise UsageError(f"{out} exists; not overwriting it", "give another PATH, or remove the file") from None
+    except OSError as exc:
+        raise UsageError(f"cannot write {out}: {exc.strerror or exc}") from None
+    click.echo(f"wrote {out}; next: edit it, then `relaunch check {out}`", err=True)
+    emit(as_json, {"wrote": str(out)})
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def providers(as_json: bool) -> None:
-    """List the provider presets (SSH user, port, notes)."""
+    """List the provider presets: SSH user and port, whether the disk survives a stop, the reclaim
+    notice the instance gets, one note, and the documentation each fact comes from."""
     from .recipe import load_providers
 
     presets = load_providers()
     if as_json:
-        emit(True, {n: {"user": p.user, "port": p.port, "notes": p.notes} for n, p in presets.items()})
+        emit(True, {n: p.as_dict() for n, p in presets.items()})
         return
+    yes_no = {True: "yes", False: "no", None: "?"}
+    click.echo(f"{'provider':<14} {'user':<11} {'port':<5} {'disk kept':<10} {'notice':<8} notes")
     for name, p in presets.items():
-        click.echo(f"{name:<14} {p.user:<8} {p.port:<5} {p.notes}")
+        click.echo(f"{name:<14} {p.user or '?':<11} {p.port or '?'!s:<5} {yes_no[p.disk_survives_stop]:<10} "
+                   f"{p.reclaim_notice or '?':<8} {p.notes}")
+        for source in p.sources:
+            click.echo(f"{'':<14} source: {source}")
+    click.echo("? = not known from a source (recipes/providers.yaml says where each value comes from)")
 
 
 @cli.command()
@@ -311,12 +383,14 @@ def interval(recipe: str | None, host: str | None, step_time: str | None, save_t
 @click.option("--workdir", type=click.Path(file_okay=False), default="relaunch-demo", show_default=True,
               help="Where the recipe, train.py and the store go (an earlier demo's folder is cleared).")
 @click.option("--keep", is_flag=True, help="Leave the second instance (demo-b) running at the end.")
-def demo(workdir: str, keep: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print {\"ok\": true} on stdout at the end.")
+def demo(workdir: str, keep: bool, as_json: bool) -> None:
     """The whole story on two local sandbox instances (Linux, root): up, evacuate, destroy, up on a
     new instance, resumed. Prints and runs the real commands; about a minute."""
     from .demo import run_demo
 
     run_demo(Path(workdir), keep=keep)
+    emit(as_json, {"ok": True, "workdir": workdir})
 
 
 # -- sandbox -------------------------------------------------------------------------------
@@ -354,11 +428,16 @@ def sandbox_create(name: str, user: str, disk: str, rate: str | None, key: str |
 
 @sandbox.command("destroy")
 @click.argument("name")
-def sandbox_destroy(name: str) -> None:
+@click.option("--json", "as_json", is_flag=True)
+def sandbox_destroy(name: str, as_json: bool) -> None:
     """Destroy instance NAME: its processes, disk, address and namespace."""
     from . import sandbox as sb
 
-    click.echo(f"{name}: {'destroyed' if sb.destroy(name) else 'no such instance'}")
+    destroyed = sb.destroy(name)
+    if as_json:
+        emit(True, {"name": name, "destroyed": destroyed})
+        return
+    click.echo(f"{name}: {'destroyed' if destroyed else 'no such instance'}")
 
 
 @sandbox.command("list")
@@ -381,6 +460,33 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def wants_json(argv: list[str]) -> bool:
+    """Was `--json` given to the command? Read from argv before click parses it, so that a usage
+    error can answer in JSON too; a `--json` that is the value of another option does not count."""
+    command: click.Command = cli
+    takes_value: set[str] = set()
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            return False
+        if token == "--json":
+            return True
+        if token in takes_value:
+            next(tokens, None)
+        elif isinstance(command, click.Group) and token in command.commands:
+            command = command.commands[token]
+            takes_value = {opt for p in command.params if isinstance(p, click.Option) and not p.is_flag
+                           and not p.count for opt in p.opts}
+    return False
+
+
+def fail(as_json: bool, message: str, hint: str | None, code: int) -> int:
+    """The exit code of a failure, and with --json its JSON on stdout (the text already went to stderr)."""
+    if as_json:
+        click.echo(json.dumps({"error": redact(message), "hint": redact(hint) if hint else None, "exit": code}))
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         setup_logging(str(debug_log_file()))
@@ -388,34 +494,39 @@ def main(argv: list[str] | None = None) -> int:
         pass
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    command = (argv if argv is not None else sys.argv[1:])[:1]
+    args = list(argv if argv is not None else sys.argv[1:])
+    command = args[:1]
+    as_json = wants_json(args)
+    not_verified = "evacuation NOT verified: DO NOT destroy the instance"
     try:
-        cli.main(args=argv, prog_name="relaunch", standalone_mode=False)
+        cli.main(args=args, prog_name="relaunch", standalone_mode=False)
         return 0
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.ClickException as exc:
         exc.show()
-        return 2
+        where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx else "relaunch"
+        return fail(as_json, exc.format_message(), f"`{where} --help` shows the usage", 2)
     except (KeyboardInterrupt, Interrupted, click.exceptions.Abort):  # click turns Ctrl-C into Abort
-        click.echo("interrupted: nothing half-written is trusted; rerun to continue", err=True)
+        message = "interrupted: nothing half-written is trusted; rerun to continue"
+        click.echo(message, err=True)
         if command == ["evacuate"]:
-            click.echo("evacuation NOT verified: DO NOT destroy the instance", err=True)
-        return Interrupted.exit_code
+            click.echo(not_verified, err=True)
+        return fail(as_json, message, not_verified if command == ["evacuate"] else None, Interrupted.exit_code)
     except RelaunchError as exc:
         log.debug("error", exc_info=True)
         click.echo(redact(f"Error: {exc.message}"), err=True)
         if exc.hint:
             click.echo(redact(f"hint: {exc.hint}"), err=True)
-        return exc.exit_code
+        return fail(as_json, exc.message, exc.hint, exc.exit_code)
     except Exception as exc:  # a bug: one line here, the trace in the debug log
         log.exception("internal error")
-        click.echo(redact(f"Error: internal error: {type(exc).__name__}: {exc} (full trace in {debug_log_file()})"),
-                   err=True)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        click.echo(redact(f"Error: {message} (full trace in {debug_log_file()})"), err=True)
         if command == ["evacuate"]:
-            click.echo("evacuation NOT verified: DO NOT destroy the instance", err=True)
-            return EvacuationError.exit_code
-        return 1
+            click.echo(not_verified, err=True)
+            return fail(as_json, message, not_verified, EvacuationError.exit_code)
+        return fail(as_json, message, f"full trace in {debug_log_file()}", 1)
 
 
 def entry() -> None:

@@ -29,7 +29,8 @@ def listing_command(ckpt_dir: str) -> str:
 
 def read_host(remote: Remote, job: Job) -> HostFacts:
     recipe, paths = job.recipe, job.paths
-    script = facts_script(recipe.env.python, paths.venv, paths.ckpt_dir, recipe.run.session, list(recipe.env.apt))
+    script = facts_script(recipe.env.python, paths.venv, paths.ckpt_dir, recipe.run.session, list(recipe.env.apt),
+                          templates=recipe.templates)
     result = remote.exec("bash -s", stdin=script.encode(), deadline=FACTS_DEADLINE)
     _check(remote, result, "reading facts (facts.sh)", EnvError, FACTS_DEADLINE)
     facts = parse_facts(result.text)

@@ -3,23 +3,37 @@
 Every value that reaches a shell goes through the `q` filter (shlex.quote); the only
 unquoted text is the user's own `run.command` and `env.setup` lines, whose template
 variables arrive as environment variables (see Recipe.render_shell).
+
+A recipe's `templates:` folder replaces shipped scripts by file name: it is searched first,
+also by `{% include %}`. Its templates can reach the shipped version of any script as
+`shipped/NAME` (a team's run.sh.j2 that adds a line and includes `shipped/run.sh.j2`).
 """
 
 from __future__ import annotations
 
 import shlex
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 
 from .resources import templates_dir
 
 
-@lru_cache(maxsize=1)
-def _env() -> jinja2.Environment:
+SHIPPED = "shipped"  # the prefix under which an override reaches the shipped scripts
+
+
+@lru_cache(maxsize=8)
+def environment(templates: Path | None = None) -> jinja2.Environment:
+    """The Jinja environment for shipped scripts, with `templates` (a folder) in front when given."""
+    shipped = jinja2.FileSystemLoader(str(templates_dir()))
+    loaders: list[jinja2.BaseLoader] = [shipped, jinja2.PrefixLoader({SHIPPED: shipped})]
+    if templates is not None:
+        loaders.insert(0, jinja2.FileSystemLoader(str(templates)))
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        loader=jinja2.ChoiceLoader(loaders),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
@@ -30,8 +44,8 @@ def _env() -> jinja2.Environment:
     return env
 
 
-def render(template: str, **values: Any) -> str:
-    return _env().get_template(template).render(**values)
+def render(template: str, *, templates: Path | None = None, **values: Any) -> str:
+    return environment(templates).get_template(template).render(**values)
 
 
 def with_inputs(script: str, **inputs: str) -> str:
@@ -45,5 +59,36 @@ def export_lines(values: dict[str, str]) -> str:
     return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in values.items())
 
 
-def plain(name: str) -> str:
-    return (templates_dir() / name).read_text()
+def plain(name: str, templates: Path | None = None) -> str:
+    """A script that is not a template (facts.sh), from the override folder when it has one."""
+    override = templates / name if templates is not None else None
+    return (override if override is not None and override.is_file() else templates_dir() / name).read_text()
+
+
+def shipped_names() -> list[str]:
+    """The instance scripts a `templates:` folder may replace."""
+    return sorted(p.name for p in templates_dir().iterdir() if p.suffix in (".j2", ".sh"))
+
+
+def _variables(name: str) -> set[str]:
+    """The values a shipped template is rendered with: what it and the templates it includes use."""
+    env = environment(None)
+    tree = env.parse(env.loader.get_source(env, name)[0])  # type: ignore[union-attr]
+    found = set(meta.find_undeclared_variables(tree))
+    for included in meta.find_referenced_templates(tree):
+        if included:
+            found |= _variables(included)
+    return found
+
+
+def given_variables(name: str) -> set[str]:
+    """The variables an override of shipped template `name` may use. A template that others include
+    (prelude.sh.j2) is rendered with each includer's values: only those all of them have."""
+    env = environment(None)
+    includers = [
+        top for top in shipped_names() if top.endswith(".j2") and top != name
+        and name in meta.find_referenced_templates(env.parse(env.loader.get_source(env, top)[0]))  # type: ignore[union-attr]
+    ]
+    if not includers:
+        return _variables(name)
+    return set.intersection(*(_variables(top) for top in includers))

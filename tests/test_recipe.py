@@ -306,15 +306,17 @@ def test_extends_chain_of_three_and_missing_deep(tmp_path: Path) -> None:
 
 def test_every_preset_loads_and_sets_the_ssh_user(tmp_path: Path) -> None:
     presets = load_providers()
+    # The names and users of the first presets are contract: recipes in the wild name them.
     expected_users = {"lambda": "ubuntu", "runpod": "root", "vast": "root", "hyperstack": "ubuntu",
                       "massedcompute": "Ubuntu", "verda": "root", "generic": "root", "sandbox": "root"}
-    assert set(presets) == set(expected_users)
+    assert set(expected_users) <= set(presets)
     for name, preset in presets.items():
-        assert preset.user == expected_users[name] and preset.port == 22 and preset.notes
+        assert preset.user == expected_users.get(name, preset.user) and preset.notes
         r = load_recipe(write(tmp_path, f"{name}.yaml",
                               f"name: r\nprovider: {name}\nenv: {{python: '3.11'}}\n"
                               "checkpoint: {remote: s}\nrun: {command: x}\n"))
-        assert (r.ssh.user, r.ssh.port) == (preset.user, preset.port)
+        # A preset that knows no user or port leaves the defaults (root, 22) in place.
+        assert (r.ssh.user, r.ssh.port) == (preset.user or "root", preset.port or 22)
 
 
 def test_recipe_ssh_user_wins_over_the_preset(tmp_path: Path) -> None:
@@ -329,7 +331,7 @@ def test_starter_recipe_loads_for_every_provider(tmp_path: Path) -> None:
         text = starter_recipe(provider)
         r = load_recipe(write(tmp_path, "recipe.yaml", text))
         assert r.provider == provider
-        assert r.ssh.user == (load_providers()[provider].user if provider else "root")
+        assert r.ssh.user == ((load_providers()[provider].user if provider else "") or "root")
         check_recipe(r)
     with pytest.raises(UsageError, match="did you mean runpod"):
         starter_recipe("runpd")
@@ -471,9 +473,12 @@ def test_providers_yaml_is_shipped_with_the_package() -> None:
 
 
 def test_shipped_recipes_load_and_render() -> None:
-    """recipes/example/*.yaml and every other recipe under recipes/ (globbed: new ones count too)."""
+    """Every recipe under recipes/ (globbed: new ones count too); a base without a name (a team's
+    base.yaml) is checked through the recipes that extend it (tests/test_reference.py)."""
     shipped = sorted(p for p in REPO_RECIPES.rglob("*.yaml") if p.name != "providers.yaml")
     for path in shipped:
+        if "name" not in (yaml.safe_load(path.read_text()) or {}):
+            continue
         r = load_recipe(path)
         assert isinstance(r, Recipe)
         check_recipe(r)

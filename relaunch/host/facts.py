@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..scripts import plain, with_inputs
@@ -55,8 +56,9 @@ FREEZE_PY = (
 )
 
 
-def facts_script(python: str, venv: str, ckpt: str, session: str, apt: list[str]) -> str:
-    return with_inputs(plain("facts.sh"), py_want=python, venv=venv, ckpt=ckpt, session=session,
+def facts_script(python: str, venv: str, ckpt: str, session: str, apt: list[str],
+                 templates: Path | None = None) -> str:
+    return with_inputs(plain("facts.sh", templates), py_want=python, venv=venv, ckpt=ckpt, session=session,
                        apt=" ".join(apt), freeze_py=FREEZE_PY)
 
 

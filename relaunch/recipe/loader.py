@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from relaunch.errors import RecipeError
 from relaunch.recipe.model import REMOTE_PREFIXES, Origin, Recipe, _scalar_text
 from relaunch.recipe.providers import did_you_mean
+from relaunch.resources import recipes_dir
 
 KeyPath = tuple[str, ...]
 Origins = dict[KeyPath, Origin]
@@ -158,6 +159,8 @@ def _resolve_local_paths(data: dict[str, Any], lines: dict[KeyPath, int], base: 
         env["lock"] = local(env["lock"])
     if isinstance(ssh.get("key"), str):
         ssh["key"] = local(ssh["key"])
+    if isinstance(data.get("templates"), str):
+        data["templates"] = local(data["templates"])
     remote = ckpt.get("remote")
     if isinstance(remote, str) and remote and not remote.startswith(REMOTE_PREFIXES):
         ckpt["remote"] = local(remote)
@@ -197,9 +200,56 @@ def _merge(base: dict[str, Any], base_origins: Origins, over: dict[str, Any],
     return data, origins
 
 
-def _load_tree(path: Path, display: str,
-               chain: tuple[tuple[Path, str], ...]) -> tuple[dict[str, Any], Origins]:
-    """One file merged over everything it extends (depth first, in order), with origins."""
+RECIPES_ENV = "RELAUNCH_RECIPES"  # os.pathsep-separated folders of a team's recipe library
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
+
+
+def is_recipe_name(written: str) -> bool:
+    """`base/pytorch` is a name from a recipe library; `team/base.yaml`, `./x`, `/x`, `~/x` are paths."""
+    return not written.endswith((".yaml", ".yml")) and not written.startswith(("/", ".", "~"))
+
+
+def library_folders(start: Path) -> list[tuple[Path, str]]:
+    """Where a name is looked up, in order, each with how to call it in a message."""
+    places = [(folder, str(folder)) for folder in [start, *start.parents]]
+    for entry in os.environ.get(RECIPES_ENV, "").split(os.pathsep):
+        if entry:
+            places.append((Path(entry).expanduser().absolute(), f"{entry} (${RECIPES_ENV})"))
+    places.append((recipes_dir(), f"{recipes_dir()} (shipped with relaunch)"))
+    return places
+
+
+def _find_named(written: str, including: Path, display: str, line: int | None, names: str) -> tuple[Path, str]:
+    """The file `NAME.yaml` of the first library folder that has it, and how to display it."""
+    if not _NAME_RE.fullmatch(written) or ".." in written.split("/"):
+        raise RecipeError(f"{written!r} is neither a recipe name (letters, digits, _ . - and /) nor a "
+                          "path ending in .yaml", file=display, line=line, key="extends")
+    wanted = f"{written}.yaml"
+    folder = Path(os.path.abspath(including)).parent
+    places = library_folders(folder)
+    tree = len(folder.parents) + 1  # the first places: the folder and those above it
+    for n, (place, _) in enumerate(places):
+        candidate = place / wanted
+        if candidate.is_file():
+            # Found in the including file's tree: shown relative to it, as a path would be.
+            shown = os.path.normpath(os.path.join(os.path.dirname(display), os.path.relpath(candidate, folder))) \
+                if n < tree else str(candidate)
+            return candidate, shown
+    looked = [f"{folder} and each folder above it"] + [label for _, label in places[tree:]]
+    raise RecipeError(
+        f"no recipe named {written}: looked for {wanted} in " + ", ".join(looked) + f" (extended by {names})",
+        file=display, line=line, key="extends",
+        hint=f"a path ending in .yaml is read relative to this file; names come from its folder tree, "
+             f"${RECIPES_ENV} and the shipped recipes",
+    )
+
+
+def _load_tree(path: Path, display: str, chain: tuple[tuple[Path, str], ...],
+               files: list[str]) -> tuple[dict[str, Any], Origins]:
+    """One file merged over everything it extends (depth first, in order), with origins.
+
+    `files` collects every file read, in the order they are applied (this one last).
+    """
     try:
         text = _read(path)
     except (OSError, UnicodeDecodeError) as exc:
@@ -216,16 +266,19 @@ def _load_tree(path: Path, display: str,
     extends = data.get("extends", [])
     extends = [extends] if isinstance(extends, str) else extends
     if not isinstance(extends, list) or not all(isinstance(e, str) for e in extends):
-        raise RecipeError("must be a path or a list of paths", file=display,
+        raise RecipeError("must be a path, a recipe name, or a list of them", file=display,
                           line=lines.get(("extends",)), key="extends")
     merged: dict[str, Any] = {}
     origins: Origins = {}
     for n, written in enumerate(extends):
         line = lines.get(("extends", str(n)), lines.get(("extends",)))
-        target = Path(written).expanduser()
-        target = target if target.is_absolute() else path.parent / target
-        target_display = os.path.normpath(os.path.join(os.path.dirname(display), written))
         names = " -> ".join(d for _, d in chain)
+        if is_recipe_name(written):
+            target, target_display = _find_named(written, path, display, line, names)
+        else:
+            target = Path(written).expanduser()
+            target = target if target.is_absolute() else path.parent / target
+            target_display = os.path.normpath(os.path.join(os.path.dirname(display), written))
         real = Path(os.path.realpath(target))
         if any(real == seen for seen, _ in chain):
             raise RecipeError(f"cycle: {names} -> {target_display}", file=display, line=line, key="extends")
@@ -233,8 +286,9 @@ def _load_tree(path: Path, display: str,
             why = "no such file" if not target.exists() else "not a file"
             raise RecipeError(f"cannot read {target_display}: {why} (extended by {names})",
                               file=display, line=line, key="extends")
-        sub, sub_origins = _load_tree(target, target_display, chain)
+        sub, sub_origins = _load_tree(target, target_display, chain, files)
         merged, origins = _merge(merged, origins, sub, sub_origins)
+    files.append(display)
     own: Origins = {p: (display, ln) for p, ln in lines.items()}
     return _merge(merged, origins, data, own)
 
@@ -262,13 +316,14 @@ def _model_at(path: KeyPath) -> type[BaseModel] | None:
     return model
 
 
-def _all_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
+def recipe_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, sections included (`ssh`, `ssh.user`, ...)."""
     keys = []
     for name, field in model.model_fields.items():
         keys.append(prefix + name)
         sub = _unwrap(field.annotation)[0]
         if sub is not None:
-            keys += _all_keys(sub, f"{prefix}{name}.")
+            keys += recipe_keys(sub, f"{prefix}{name}.")
     return keys
 
 
@@ -279,7 +334,7 @@ def _override_path(key: str) -> KeyPath:
     while parts:
         part = parts.pop(0)
         if part not in model.model_fields:
-            raise RecipeError(f"unknown key{did_you_mean(key, _all_keys())}", file=SET, key=key)
+            raise RecipeError(f"unknown key{did_you_mean(key, recipe_keys())}", file=SET, key=key)
         out.append(part)
         sub, is_mapping = _unwrap(model.model_fields[part].annotation)
         if sub is not None and parts:
@@ -410,7 +465,8 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """
     display = str(path)
     top = Path(path).expanduser()
-    data, origins = _load_tree(top, display, chain=())
+    files: list[str] = []
+    data, origins = _load_tree(top, display, chain=(), files=files)
     if not data:
         raise RecipeError("the recipe is empty", file=display)
     origins[()] = (display, None)
@@ -422,5 +478,6 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
         raise _validation_error(exc, origins) from None
     recipe._source = Path(os.path.abspath(top))
     recipe._origins = origins
+    recipe._files = files
     _cross_checks(recipe)
     return recipe

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic.config import JsonDict
 
 from relaunch.recipe import render as _render
 from relaunch.recipe.providers import did_you_mean, load_providers
@@ -29,6 +30,8 @@ BUILTIN_VARS = (
     "nnodes", "node_rank", "master_addr", "world_size",
 )
 REMOTE_PREFIXES = ("rclone:", "hf:")
+# The instance scripts in templates/ a recipe's `templates:` folder may replace, by file name.
+SCRIPT_NAMES = ("env.sh.j2", "run.sh.j2", "setup.sh.j2", "prelude.sh.j2", "facts.sh")
 _HF_REMOTE_RE = re.compile(r"hf:[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(/[^/].*)?")
 
 Origin = tuple[str, int | None]  # (file as displayed, or "--set"; line)
@@ -48,12 +51,30 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _key(description: str, example: Any, default: Any = ..., shown_default: str | None = None,
+         **rules: Any) -> Any:
+    """A recipe key. Its description and example are the generated key reference (docs/recipe-keys.md),
+    so a key cannot be added without them; `shown_default` is how the reference writes a default that
+    is derived from other keys."""
+    extra: JsonDict | None = {"shown_default": shown_default} if shown_default is not None else None
+    if callable(default) and isinstance(default, type):
+        return Field(default_factory=default, description=description, examples=[example],
+                     json_schema_extra=extra, **rules)
+    return Field(default, description=description, examples=[example], json_schema_extra=extra, **rules)
+
+
 class SSH(_Section):
-    user: str = "root"
-    port: int = Field(default=22, ge=1, le=65535)
-    key: Path | None = None
-    host_key: str | None = None
-    wait: float = Field(default=300, ge=0)
+    """How to reach the instance."""
+
+    user: str = _key("User to log in as; wins over the provider preset.", "ubuntu", "root",
+                     shown_default="root, or the provider preset's user")
+    port: int = _key("SSH port; wins over the provider preset.", 22, 22, ge=1, le=65535)
+    key: Path | None = _key("Private key file (relative to the recipe file); else ssh-agent and ~/.ssh/config.",
+                            "~/.ssh/id_ed25519", None)
+    host_key: str | None = _key("Pin of the instance's host key, as the provider console shows it; "
+                                "else trust on first use.", "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s",
+                                None)
+    wait: float = _key("Seconds to keep trying to connect while the instance boots.", 300, 300, ge=0)
 
     @field_validator("host_key")
     @classmethod
@@ -77,18 +98,29 @@ class SSH(_Section):
 
 
 class Env(_Section):
-    python: str
-    venv: str = ""  # empty: ~/venvs/{name}
-    installer: Literal["pip", "uv"] = "pip"
-    lock: Path | None = None
-    index_url: str | None = None
-    extra_index_urls: list[str] = []
-    system_site_packages: bool = False
-    apt: list[str] = []
-    files: dict[Path, str] = {}
-    setup: list[str] = []
-    vars: dict[str, str] = {}
-    secrets: list[str] = []
+    """The environment on the instance: Python, venv, packages, files, setup, variables."""
+
+    python: str = _key('Required major.minor Python on the instance, quoted ("3.10" is not 3.1); '
+                       "checked before anything else.", "3.11")
+    venv: str = _key("Where the venv lives on the instance.", "~/venvs/llama-ft", "", shown_default="~/venvs/NAME")
+    installer: Literal["pip", "uv"] = _key("What installs the lock into the venv.", "uv", "pip")
+    lock: Path | None = _key("A pinned `pip freeze` (relative to the recipe file); `relaunch freeze` writes it.",
+                             "requirements.lock", None)
+    index_url: str | None = _key("Package index for the lock (a freeze does not record indexes).",
+                                 "https://download.pytorch.org/whl/cu124", None)
+    extra_index_urls: list[str] = _key("More package indexes.", ["https://pypi.org/simple"], list)
+    system_site_packages: bool = _key("Let the venv see the image's preinstalled packages (torch, CUDA).",
+                                      True, False)
+    apt: list[str] = _key("Debian packages installed (with sudo when not root) only if missing.",
+                          ["tmux", "rsync"], list)
+    files: dict[Path, str] = _key("Local file (relative to the recipe file) -> instance path, uploaded before setup.",
+                                  {"train.py": "~/work/train.py"}, dict)
+    setup: list[str] = _key("Shell lines run in the venv after install, in run.workdir; once per lock.",
+                            ["pip install -e ."], list)
+    vars: dict[str, str] = _key("Environment variables for setup and command; also template variables.",
+                                {"WANDB_MODE": "offline"}, dict)
+    secrets: list[str] = _key("Names of local environment variables handed to the instance in a 0600 file, "
+                              "never on a command line or in a log.", ["HF_TOKEN"], list)
 
     @field_validator("python", mode="before")
     @classmethod
@@ -125,13 +157,19 @@ class Env(_Section):
 
 
 class Checkpoint(_Section):
-    dir: str = "~/ckpt"
-    layout: Literal["auto", "files", "hf-trainer", "dcp", "deepspeed", "lightning", "accelerate"] = "auto"
-    pattern: str = "ckpt-*.pt"
-    keep: int = Field(default=2, ge=1)
-    remote: Path | str  # Path: on this machine; str: "rclone:..." or "hf:..."
-    via: Literal["local", "instance"] = "local"
-    every: float = Field(default=600, gt=0)
+    """Where training writes checkpoints, and the store they are copied to."""
+
+    dir: str = _key("Where training writes checkpoints on the instance.", "~/ckpt", "~/ckpt")
+    layout: Literal["auto", "files", "hf-trainer", "dcp", "deepspeed", "lightning", "accelerate"] = _key(
+        "How checkpoints look, and so which ones are complete.", "hf-trainer", "auto")
+    pattern: str = _key("Which files are checkpoints, for layout files.", "ckpt-*.pt", "ckpt-*.pt")
+    keep: int = _key("Newest complete checkpoints kept in the store.", 2, 2, ge=1)
+    remote: Path | str = _key("The store: a folder on this machine (relative to the recipe file), "
+                              "rclone:REMOTE:PATH or hf:OWNER/REPO[/SUBFOLDER].", "./store/llama-ft")
+    via: Literal["local", "instance"] = _key("local: bytes pass through this machine, no credentials on the "
+                                             "instance; instance: the instance talks to the remote itself.",
+                                             "local", "local", shown_default="local (instance for hf:)")
+    every: float = _key("Seconds between copies in `relaunch sync`.", 600, 600, gt=0)
 
     @field_validator("remote", mode="before")
     @classmethod
@@ -148,8 +186,10 @@ class Checkpoint(_Section):
 
 
 class Stop(_Section):
-    signal: str = "TERM"
-    timeout: float = Field(default=120, ge=0)
+    """How `evacuate --stop` asks training to save and exit."""
+
+    signal: str = _key("Signal sent to the command's process group.", "TERM", "TERM")
+    timeout: float = _key("Seconds to wait for training to exit after the signal.", 120, 120, ge=0)
 
     @field_validator("signal")
     @classmethod
@@ -161,13 +201,20 @@ class Stop(_Section):
 
 
 class Run(_Section):
-    command: str
-    workdir: str = "~"
-    session: str = ""  # empty: the recipe's name
-    log: str = ""  # empty: ~/{name}.log
-    stop: Stop = Field(default_factory=Stop)
-    ready: str | None = None  # a regex: a log line that proves training started
-    grace: float = Field(default=60, ge=0)  # seconds `up` watches the command when no ready line is given
+    """The training command and where it runs."""
+
+    command: str = _key("The training command, run in tmux in the venv; {{ checkpoint }} is the restored "
+                        "checkpoint (empty on a fresh start).", 'python train.py --resume "{{ checkpoint }}"')
+    workdir: str = _key("Folder on the instance the command (and env.setup) runs in.", "~/work", "~")
+    session: str = _key("tmux session name ([A-Za-z0-9_-]).", "llama-ft", "", shown_default="NAME")
+    log: str = _key("Log file on the instance the command's output is appended to.", "~/llama-ft.log", "",
+                    shown_default="~/NAME.log")
+    stop: Stop = _key("How `evacuate --stop` asks training to save and exit.", {"signal": "TERM", "timeout": 120},
+                      Stop)
+    ready: str | None = _key("A regex: a line of the command's log that proves training started; `up` returns "
+                             "when it appears (or exits 4 when the command dies first).", "^step \\d+ ", None)
+    grace: float = _key("Seconds `up` watches the command when no ready line is given: if it dies within them, "
+                        "`up` exits 4 with its last lines.", 60, 60, ge=0)
 
     @field_validator("ready")
     @classmethod
@@ -190,16 +237,24 @@ class Run(_Section):
 class Recipe(_Section):
     """A validated recipe. Build it with `load_recipe`, which also records where each key came from."""
 
-    name: str
-    extends: list[str] = []
-    provider: str | None = None
-    ssh: SSH = Field(default_factory=SSH)
-    env: Env
-    checkpoint: Checkpoint
-    run: Run
+    name: str = _key("Names the tmux session and the store ([A-Za-z0-9_-]).", "llama-ft")
+    extends: list[str] = _key("Recipes merged first, in order, this file last: paths ending in .yaml (relative "
+                              "to this file) or names from a recipe library (NAME.yaml in this file's folder "
+                              "and those above it, then $RELAUNCH_RECIPES, then the shipped recipes).",
+                              ["team/base.yaml", "base/pytorch"], list)
+    provider: str | None = _key("Preset from `relaunch providers`: the SSH user and port its instances take.",
+                                "lambda", None)
+    ssh: SSH = _key("How to reach the instance.", {"user": "ubuntu", "port": 22}, SSH)
+    env: Env = _key("The environment on the instance.", {"python": "3.11"})
+    checkpoint: Checkpoint = _key("Where checkpoints are written and stored.", {"remote": "./store/llama-ft"})
+    run: Run = _key("The training command.", {"command": "python train.py"})
+    templates: Path | None = _key("A folder (relative to the recipe file) whose files replace relaunch's instance "
+                                  "scripts of the same name: " + ", ".join(SCRIPT_NAMES) + ".",
+                                  "./team-templates", None)
 
     _source: Path = PrivateAttr(default=Path("recipe.yaml"))
     _origins: dict[tuple[str, ...], Origin] = PrivateAttr(default_factory=dict)
+    _files: list[str] = PrivateAttr(default_factory=list)
 
     @field_validator("name")
     @classmethod
@@ -232,10 +287,10 @@ class Recipe(_Section):
         if not isinstance(data, dict) or not isinstance(data.get("provider"), str):
             return data
         preset = load_providers().get(data["provider"])
-        ssh = data.get("ssh", {})
+        ssh = data.get("ssh") or {}
         if preset is None or not isinstance(ssh, dict):
             return data
-        return {**data, "ssh": {"user": preset.user, "port": preset.port, **ssh}}
+        return {**data, "ssh": {**preset.ssh_defaults(), **ssh}}
 
     @model_validator(mode="after")
     def _name_defaults(self) -> Recipe:
@@ -272,6 +327,40 @@ class Recipe(_Section):
         """`file:line` that defined dotted `key`, `--set` for an override, else the recipe file."""
         file, line = self.locate(key)
         return f"{file}:{line}" if line else file
+
+    @property
+    def files(self) -> list[str]:
+        """Every recipe file merged into this one, in the order applied (the top file last)."""
+        return list(self._files)
+
+    def origin(self, path: tuple[str, ...]) -> str:
+        """Where the value at key `path` came from: `file:line`, `--set`, `preset NAME` or `default`."""
+        found = self._origins.get(path)
+        if found is None:
+            # Inside a list or mapping a file wrote as a whole, the value is that file's; inside a
+            # section it did not write out, the key kept its default.
+            parents = [p for p in self._origins if p and path[: len(p)] == p]
+            best = max(parents, key=len, default=None)
+            if best is not None and not isinstance(self._node(best), BaseModel):
+                found = self._origins[best]
+        if found is not None:
+            file, line = found
+            return file if line is None else f"{file}:{line}"
+        if self.provider and len(path) == 2 and path[0] == "ssh" and \
+                path[1] in load_providers()[self.provider].ssh_defaults():
+            return f"preset {self.provider}"
+        return "default"
+
+    def _node(self, path: tuple[str, ...]) -> Any:
+        node: Any = self
+        for part in path:
+            if isinstance(node, BaseModel):
+                node = getattr(node, part)
+            elif isinstance(node, dict):
+                node = next(v for k, v in node.items() if str(k) == part)
+            else:
+                node = node[int(part)]
+        return node
 
     def value(self, key: str) -> Any:
         """The value at dotted `key` ("run.command", "env.setup.0", "env.vars.WANDB_MODE")."""

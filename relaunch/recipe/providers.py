@@ -7,9 +7,11 @@ model can validate `provider:` against the presets without an import cycle.
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import yaml
 
@@ -17,12 +19,31 @@ from relaunch.errors import UsageError
 from relaunch.resources import recipes_dir
 
 
+# The reclaim notices the on-instance guard knows how to watch; "none": documented to give none.
+RECLAIM_NOTICES = ("aws", "gcp", "azure", "sigterm", "none")
+
+
 @dataclass(frozen=True)
 class Provider:
+    """One entry of recipes/providers.yaml. Empty strings and None mean "not known from a source"."""
+
     name: str
     user: str
-    port: int
+    port: int | None
     notes: str
+    disk_survives_stop: bool | None = None
+    reclaim_notice: str = ""
+    sources: tuple[str, ...] = ()
+
+    def ssh_defaults(self) -> dict[str, Any]:
+        """The ssh values this preset supplies to a recipe (only the known ones)."""
+        values: dict[str, Any] = {"user": self.user, "port": self.port}
+        return {k: v for k, v in values.items() if v not in ("", None)}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"user": self.user or None, "port": self.port, "disk_survives_stop": self.disk_survives_stop,
+                "reclaim_notice": self.reclaim_notice or None, "sources": list(self.sources),
+                "notes": self.notes}
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -36,11 +57,17 @@ def _presets() -> tuple[Provider, ...]:
     path = recipes_dir() / "providers.yaml"
     # A broken preset file is our bug, not the user's: let it raise with its own trace.
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    return tuple(
-        Provider(name=str(name), user=str(p["user"]), port=int(p["port"]),
-                 notes=" ".join(str(p["notes"]).split()))
-        for name, p in raw.items()
-    )
+    presets = []
+    for name, p in raw.items():
+        notice = p.get("reclaim_notice") or ""
+        if notice not in ("", *RECLAIM_NOTICES):
+            raise ValueError(f"providers.yaml: {name}: reclaim_notice {notice!r} is not one of {RECLAIM_NOTICES}")
+        presets.append(Provider(
+            name=str(name), user=str(p.get("user") or ""), port=int(p["port"]) if p.get("port") else None,
+            notes=" ".join(str(p["notes"]).split()), disk_survives_stop=p.get("disk_survives_stop"),
+            reclaim_notice=notice, sources=tuple(p.get("sources") or ()),
+        ))
+    return tuple(presets)
 
 
 def load_providers() -> dict[str, Provider]:
@@ -49,12 +76,14 @@ def load_providers() -> dict[str, Provider]:
 
 
 _STARTER = """\
-# A relaunch recipe. `relaunch check recipe.yaml` validates it without touching any host;
-# `relaunch plan recipe.yaml HOST` shows what `up` would do. Every key is described in
-# relaunch's README; the commented ones show their defaults.
+# A relaunch recipe. `relaunch check {path}` validates it without touching any host;
+# `relaunch check {path} --explain` shows every value and where it came from;
+# `relaunch plan {path} HOST` shows what `up` would do. The commented keys show their defaults;
+# every key is described in relaunch's docs/recipe-keys.md.
 name: my-run                    # letters, digits, _ and -: names the tmux session and the store
 {provider_line}
-# extends: [team/base.yaml]     # merged first, this file wins (paths relative to this file)
+# extends: [team/base.yaml]     # merged first, this file wins: a path (relative to this file) or a
+#                               # name from a recipe library, e.g. base/pytorch ($RELAUNCH_RECIPES)
 
 ssh:
   # user: {user}{user_note}
@@ -66,7 +95,7 @@ ssh:
 env:
   python: "3.11"                # quoted: YAML reads 3.10 as the number 3.1
   # venv: ~/venvs/my-run
-  # installer: pip              # pip | uv (uv installs several times faster)
+  installer: uv                 # uv | pip (uv installs several times faster)
   # lock: requirements.lock     # a pinned `pip freeze`; `relaunch freeze recipe.yaml HOST` writes it
   # index_url: https://download.pytorch.org/whl/cu124
   # system_site_packages: false # true: reuse the image's preinstalled torch/CUDA
@@ -79,10 +108,10 @@ env:
 
 checkpoint:
   dir: ~/ckpt                   # where training writes checkpoints on the instance
-  # layout: auto                # auto | files | hf-trainer | dcp | deepspeed | lightning | accelerate
+  {layout_line}
   # pattern: "ckpt-*.pt"        # for layout files
   # keep: 2                     # newest complete checkpoints kept off the machine
-  remote: ./store/my-run        # a local path, rclone:REMOTE:PATH or hf:OWNER/REPO[/SUBFOLDER]
+  remote: {remote}{remote_note}
   # via: local                  # local: bytes pass through this machine | instance: it uploads itself
   # every: 600                  # seconds between copies in `relaunch sync`
 
@@ -93,23 +122,41 @@ run:
   # session: my-run             # tmux session; default: name
   # log: ~/my-run.log
   # stop: {{signal: TERM, timeout: 120}}   # how `evacuate --stop` asks training to save and exit
+
+# templates: ./team-templates   # a folder whose files replace relaunch's instance scripts by name
 """
 
+LAYOUTS = ("auto", "files", "hf-trainer", "dcp", "deepspeed", "lightning", "accelerate")
 
-def starter_recipe(provider: str | None) -> str:
-    """The commented YAML `relaunch init [--provider P]` writes; it loads as it is."""
+
+def _pad(text: str, width: int = 32) -> str:
+    return text.ljust(width) if len(text) < width else text + " "
+
+
+def starter_recipe(provider: str | None, layout: str | None = None, remote: str | None = None,
+                   path: str = "recipe.yaml") -> str:
+    """The commented YAML `relaunch init` writes; it loads and passes `check` as it is."""
     presets = load_providers()
+    if provider is not None and provider not in presets:
+        raise UsageError(f"unknown provider {provider!r}{did_you_mean(provider, presets)}",
+                         hint="`relaunch providers` lists them")
+    if layout is not None and layout not in LAYOUTS:
+        raise UsageError(f"unknown layout {layout!r}{did_you_mean(layout, LAYOUTS)}",
+                         hint="one of " + ", ".join(LAYOUTS))
     if provider is None:
-        user, port, note = "root", 22, "                  # the default without a provider"
-        provider_line = "# provider: lambda            # SSH user and port preset: see `relaunch providers`"
-    elif provider in presets:
-        preset = presets[provider]
-        user, port = preset.user, preset.port
-        provider_line = f"provider: {provider}"
-        note = f"                # from the {provider} preset; set it to override"
+        user, port, note = "root", 22, "the default without a provider"
+        provider_line = _pad("# provider: lambda") + "# SSH user and port preset: see `relaunch providers`"
     else:
-        raise UsageError(
-            f"unknown provider {provider!r}{did_you_mean(provider, presets)}",
-            hint="`relaunch providers` lists them",
-        )
-    return _STARTER.format(provider_line=provider_line, user=user, user_note=note, port=port)
+        preset = presets[provider]
+        user, port = preset.user or "root", preset.port or 22
+        note = (f"from the {provider} preset; set it to override" if preset.user else
+                f"the {provider} preset knows no user: set it (`relaunch providers`)")
+        provider_line = _pad(f"provider: {provider}") + "# SSH user and port preset: see `relaunch providers`"
+    layout_line = (_pad(f"layout: {layout}", 30) if layout else _pad("# layout: auto", 30)) + \
+        "# auto | files | hf-trainer | dcp | deepspeed | lightning | accelerate"
+    remote_text = json.dumps(remote) if remote else "./store/my-run"
+    return _STARTER.format(
+        path=path, provider_line=provider_line, user=_pad(str(user), 22), user_note=f"# {note}", port=port,
+        layout_line=layout_line, remote=_pad(remote_text, 22),
+        remote_note="# a local path (relative to this file), rclone:REMOTE:PATH or hf:OWNER/REPO[/SUBFOLDER]",
+    )

@@ -247,6 +247,8 @@ def check_recipe(recipe: Recipe) -> list[str]:
         else:
             render_text(recipe, text, ctx, key)
 
+    if recipe.templates is not None:
+        check_templates(recipe)
     for local in recipe.env.files:
         if not local.exists():
             raise _error(recipe, f"env.files.{local}", f"local file {local} does not exist")
@@ -267,3 +269,47 @@ def check_recipe(recipe: Recipe) -> list[str]:
     if isinstance(remote, Path) and not remote.exists():
         notes.append(f"checkpoint.remote {remote} does not exist yet: the first copy creates it")
     return notes
+
+
+def check_templates(recipe: Recipe) -> None:
+    """A `templates:` folder holds only replacements for shipped scripts, each one that compiles,
+    includes what exists and uses only the values its shipped script is given; anything else is an
+    error located at `templates`, so a typo in a file name never silently does nothing."""
+    from jinja2 import meta
+
+    from relaunch import scripts
+
+    folder = recipe.templates
+    assert folder is not None
+    if not folder.is_dir():
+        raise _error(recipe, "templates", f"{folder} is not a folder" if folder.exists() else
+                     f"folder {folder} does not exist")
+    shipped = scripts.shipped_names()
+    env = scripts.environment(folder)
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith("."):
+            continue  # .gitkeep and editor files
+        if path.name not in shipped or not path.is_file():
+            raise _error(recipe, "templates",
+                         f"{path} is not one of relaunch's instance scripts{did_you_mean(path.name, shipped)}",
+                         hint="a templates folder may hold only: " + ", ".join(shipped))
+        if not path.name.endswith(".j2"):
+            continue  # plain scripts (facts.sh) are sent as they are
+        try:
+            tree = env.parse(path.read_text(encoding="utf-8"), path.name, str(path))
+            env.get_template(path.name)
+        except jinja2.TemplateSyntaxError as exc:
+            raise _error(recipe, "templates", f"{path}:{exc.lineno}: template syntax error: {exc.message}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _error(recipe, "templates", f"cannot read {path}: {exc}") from None
+        for included in meta.find_referenced_templates(tree):
+            try:
+                if included:
+                    env.get_template(included)
+            except jinja2.TemplateNotFound:
+                raise _error(recipe, "templates", f"{path}: includes {included!r}, which is neither in the "
+                             f"folder nor a shipped script (shipped/NAME reaches the shipped ones)") from None
+        unknown = sorted(meta.find_undeclared_variables(tree) - scripts.given_variables(path.name))
+        if unknown:
+            raise _error(recipe, "templates", f"{path}: uses {', '.join(unknown)}, which {path.name} is not "
+                         "given", hint="it is given: " + ", ".join(sorted(scripts.given_variables(path.name))))

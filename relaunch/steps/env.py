@@ -51,7 +51,8 @@ def plan_env(job: Job) -> list[Action]:
     else:
         script = scripts.render("env.sh.j2", name=recipe.name, venv=paths.venv, python=facts.host.python,
                                 lock=paths.lock if lock else "", installer=recipe.env.installer,
-                                index_args=index_args(job), system_site_packages=recipe.env.system_site_packages)
+                                index_args=index_args(job), system_site_packages=recipe.env.system_site_packages,
+                                templates=recipe.templates)
         if lock:
             actions.append(act(f"upload {recipe.env.lock} -> {paths.lock}", command=upload_command(paths.lock, 0o600),
                                stdin=recipe.env.lock))
@@ -77,7 +78,8 @@ def plan_env(job: Job) -> list[Action]:
         lines, env = render_setup(job)
         digest = hashlib.sha256("\n".join([*lock, *lines]).encode()).hexdigest()
         setup = scripts.render("setup.sh.j2", name=recipe.name, setup=lines, workdir=paths.workdir,
-                               venv=paths.venv, secrets_file=paths.secrets_file, exports=exports(job, env))
+                               venv=paths.venv, secrets_file=paths.secrets_file, exports=exports(job, env),
+                               templates=recipe.templates)
         guarded = (f"marker={q(paths.setup_marker)}\n"
                    f"if [ \"$(cat \"$marker\" 2>/dev/null)\" = {digest} ]; then "
                    "echo 'setup already ran for this lock'; exit 0; fi\n"

@@ -19,7 +19,7 @@ def render_run_script(job: Job) -> str:
     return scripts.render("run.sh.j2", name=job.recipe.name, session=job.recipe.run.session, command=command,
                           workdir=paths.workdir, venv=paths.venv, secrets_file=paths.secrets_file,
                           exports=exports(job, values), log=paths.log, status_file=paths.status_file,
-                          pgid_file=paths.pgid_file)
+                          pgid_file=paths.pgid_file, templates=job.recipe.templates)
 
 
 def tail_command(path: str, lines: int = 20) -> str:

@@ -1,0 +1,92 @@
+"""`relaunch check --explain`: the merged recipe, every value beside where it came from.
+
+Where a value came from is one of `file:line` (the YAML that wrote it, after `extends`),
+`--set`, `preset NAME` (the provider preset filled it in) or `default`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from relaunch.recipe.model import Recipe
+
+KeyPath = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Explained:
+    key: KeyPath
+    value: Any
+    origin: str
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(self.key)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key": self.dotted, "value": plain(self.value), "from": self.origin}
+
+
+def plain(value: Any) -> Any:
+    """A recipe value as YAML/JSON data (paths as text)."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, BaseModel):
+        return {k: plain(getattr(value, k)) for k in type(value).model_fields}
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # `wait: 60` reads back as 60, not 60.0
+    return value
+
+
+def explain(recipe: Recipe) -> list[Explained]:
+    """Every value of the recipe (a list counts as one value; a mapping's entries each count)."""
+    found: list[Explained] = []
+
+    def walk(node: BaseModel, path: KeyPath) -> None:
+        for name in type(node).model_fields:
+            value, key = getattr(node, name), (*path, name)
+            if isinstance(value, BaseModel):
+                walk(value, key)
+            elif isinstance(value, dict) and value:
+                found.extend(Explained((*key, str(k)), v, recipe.origin((*key, str(k)))) for k, v in value.items())
+            else:
+                found.append(Explained(key, value, recipe.origin(key)))
+
+    walk(recipe, ())
+    return found
+
+
+def _scalar(value: Any) -> str:
+    text = yaml.safe_dump(plain(value), default_flow_style=True, width=10**9, allow_unicode=True)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
+
+
+def explain_text(recipe: Recipe) -> str:
+    """The merged recipe as YAML, each value followed by `# where it came from`."""
+    entries = explain(recipe)
+    rows: list[tuple[str, str]] = []  # (YAML text, origin or "" for a section line)
+    opened: KeyPath = ()
+    for entry in entries:
+        parents = entry.key[:-1]
+        common = 0
+        while common < min(len(parents), len(opened)) and parents[common] == opened[common]:
+            common += 1
+        for depth in range(common, len(parents)):
+            rows.append(("  " * depth + f"{_scalar(parents[depth])}:", ""))
+        opened = parents
+        rows.append(("  " * len(parents) + f"{_scalar(entry.key[-1])}: {_scalar(entry.value)}", entry.origin))
+    width = min(max(len(text) for text, origin in rows if origin) + 2, 64)
+    head = ["# merged from " + ", then ".join(recipe.files),
+            "# after each value, where it came from: file:line, --set, preset PROVIDER or default",
+            "# {{ ... }} is rendered per host: `relaunch plan RECIPE HOST` shows it rendered"]
+    body = [text if not origin else f"{(text + ' ').ljust(width)}# {origin}" for text, origin in rows]
+    return "\n".join(head + body) + "\n"
