@@ -12,7 +12,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "relaunch"
 # lower layers first: a module may import from its own layer or any layer before it
 LAYERS = [
-    {"errors", "paths", "resources", "processes", "retry", "ui", "scripts", "plan", "layouts", "store", "recipe"},
+    {"errors", "paths", "resources", "processes", "retry", "ui", "scripts", "plan", "layouts", "store", "recipe",
+     "versions"},
     {"host"},
     {"job"},
     {"transports"},
