@@ -1,0 +1,394 @@
+"""The fault matrix: every promise relaunch makes, tested with the fault that would break it.
+
+Real sandbox instances (network namespaces with a real sshd), the real CLI, real rsync and tmux.
+Each test asserts what a user relies on: the exit code, the decisive words, the store's contents
+by sha256, whether a trainer runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import zipfile
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+from e2e import plain_recipe, run_cli, wait_for
+
+from relaunch import sandbox as sb
+
+MANIFEST = Path(".relaunch") / "manifest.json"
+
+
+def records(store: Path) -> dict[str, dict]:
+    path = store / MANIFEST
+    return {c["name"]: c for c in json.loads(path.read_text())["checkpoints"]} if path.exists() else {}
+
+
+def plant(ssh, inst, step: int, size: int = 3000, data: bytes | None = None) -> str:
+    """A checkpoint file written as careful trainers do (temp name, then rename); returns its sha256."""
+    name = f"ckpt-{step:08d}.pt"
+    if data is None:
+        ssh(inst, f"mkdir -p ~/ckpt && head -c {size} /dev/urandom > ~/ckpt/{name}.tmp && "
+                  f"mv ~/ckpt/{name}.tmp ~/ckpt/{name}")
+    else:
+        ssh(inst, f"mkdir -p ~/ckpt && base64 -d > ~/ckpt/{name}.tmp && mv ~/ckpt/{name}.tmp ~/ckpt/{name}",
+            input=__import__("base64").b64encode(data).decode())
+    return ssh(inst, f"sha256sum ~/ckpt/{name}").stdout.split()[0]
+
+
+def torch_like_zip(size: int = 20000) -> bytes:
+    """What torch.save writes: a zip archive (its central directory at the very end)."""
+    out = BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        z.writestr("archive/data.pkl", os.urandom(size))
+    return out.getvalue()
+
+
+def in_instance(inst, pattern: str) -> list[str]:
+    """Command lines of processes inside the instance (its network namespace) matching pattern."""
+    pids = subprocess.run(["ip", "netns", "pids", f"rl-{inst.name}"], capture_output=True, text=True).stdout.split()
+    found = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if pattern in cmd:
+            found.append(cmd)
+    return found
+
+
+def local_processes(pattern: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in out if pattern in line and "ps -eo" not in line]
+
+
+def start_cli(*args: str, home: Path, env: dict[str, str] | None = None, err: Path) -> subprocess.Popen[str]:
+    with open(err, "w") as handle:
+        return subprocess.Popen([sys.executable, "-m", "relaunch.cli", *args], stdout=subprocess.DEVNULL,
+                                stderr=handle, text=True,
+                                env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200", **(env or {})})
+
+
+def received_bytes(inst) -> int:
+    """Bytes this machine has received from the instance over its link so far."""
+    meta = json.loads((sb.RUN_DIR / inst.name / "instance.json").read_text())
+    return int(Path(f"/sys/class/net/{meta['veth'][0]}/statistics/rx_bytes").read_text())
+
+
+# -- 1. a false `safe to destroy` ------------------------------------------------------------------
+def test_an_earlier_runs_higher_steps_never_make_a_new_run_look_safe(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    old, new = sandbox(), sandbox()
+    recipe = plain_recipe(tmp_path, name="reuse", key=ssh_key)
+    store = tmp_path / "store"
+    plant(ssh, old, 900)
+    plant(ssh, old, 1000)
+    assert run_cli("evacuate", str(recipe), old.host, home=home).returncode == 0
+    fresh = plant(ssh, new, 100)            # a new run of the same name, started by hand
+
+    evac = run_cli("evacuate", str(recipe), new.host, "--json", home=home)
+    assert evac.returncode == 0, evac.stderr
+    assert "safe to destroy" in evac.stderr
+    report = json.loads(evac.stdout)
+    assert report["safe"] and report["newest"] == "ckpt-00000100.pt" and report["copied"] == ["ckpt-00000100.pt"]
+    held = records(store)
+    # what this evacuation counts on stays, verified, whatever keep says about older runs' steps
+    assert held["ckpt-00000100.pt"]["files"]["ckpt-00000100.pt"]["sha256"] == fresh
+    assert hashlib.sha256((store / "ckpt-00000100.pt").read_bytes()).hexdigest() == fresh
+    assert {"ckpt-00000900.pt", "ckpt-00001000.pt"} <= set(held)
+
+
+# -- 2. lost before the first save -------------------------------------------------------------------
+def test_an_instance_lost_before_its_first_save_is_a_fresh_start(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    first, second = sandbox(), sandbox()
+    recipe = plain_recipe(tmp_path, name="early", key=ssh_key)
+    sync = run_cli("sync", str(recipe), first.host, "--once", home=home)
+    assert sync.returncode == 0, sync.stderr
+    assert (tmp_path / "store" / ".relaunch").is_dir()           # the round wrote metadata
+    sb.destroy(first.name)
+    up = run_cli("up", str(recipe), second.host, home=home)
+    assert up.returncode == 0, up.stderr
+    assert "holds no verified checkpoint yet: fresh start" in up.stderr
+    assert "training is running" in up.stderr
+
+
+# -- 3. a killed evacuation ---------------------------------------------------------------------
+def test_kill_9_mid_evacuate_then_a_rerun_continues_and_is_safe(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    inst = sandbox(rate="8mbit")
+    recipe = plain_recipe(tmp_path, name="killed", key=ssh_key)
+    store = tmp_path / "store"
+    size = 6_000_000
+    want = plant(ssh, inst, 10, size=size)
+    proc = start_cli("evacuate", str(recipe), inst.host, home=home, err=tmp_path / "first.err")
+    try:
+        staged = store / ".relaunch" / "partial"
+        wait_for("a third of the copy", lambda: sum(p.stat().st_size for p in staged.rglob("*") if p.is_file())
+                 > size // 3, timeout=120, every=0.1)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    # the copy it started dies with it: nothing keeps writing into the store
+    wait_for("the orphaned copy to end", lambda: not local_processes(str(staged)), timeout=30)
+    assert records(store) == {}
+
+    before = received_bytes(inst)
+    rerun = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "safe to destroy" in rerun.stderr and "unexpected" not in rerun.stderr
+    assert received_bytes(inst) - before < size * 0.8             # continued, did not start over
+    assert records(store)["ckpt-00000010.pt"]["files"]["ckpt-00000010.pt"]["sha256"] == want
+    assert hashlib.sha256((store / "ckpt-00000010.pt").read_bytes()).hexdigest() == want
+    assert not list((store / ".relaunch" / "partial").rglob("*.pt*"))
+
+
+# -- 4. Ctrl-C ---------------------------------------------------------------------------------------
+def test_ctrl_c_during_up_stops_local_and_remote_work_and_a_rerun_resumes(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    source, target = sandbox(), sandbox(rate="8mbit")
+    recipe = plain_recipe(tmp_path, name="ctrlc", key=ssh_key, command='echo "resume {{ checkpoint }}"; sleep 600',
+                          env={"setup": ["sleep 300 # a long install step"]})
+    want = plant(ssh, source, 40, size=20_000_000)
+    assert run_cli("evacuate", str(recipe), source.host, home=home).returncode == 0
+
+    proc = start_cli("up", str(recipe), target.host, home=home, err=tmp_path / "up.err")
+    try:
+        wait_for("the restore and the setup to run", lambda: in_instance(target, "rsync --server")
+                 and in_instance(target, "sleep 300"), timeout=120, every=0.2)
+        proc.send_signal(signal.SIGINT)                # to relaunch alone, as a supervisor would
+        status = proc.wait(timeout=30)                 # promptly: the bound is generous, the wait real
+    finally:
+        proc.kill()
+    err = (tmp_path / "up.err").read_text()
+    assert status == 130, err
+    assert "interrupted: nothing half-written is trusted" in err
+    wait_for("the instance's work to end", lambda: not in_instance(target, "sleep 300")
+             and not in_instance(target, "rsync --server"), timeout=15, every=0.2)
+    assert not local_processes(f"{target.address}:")
+    assert ssh(target, "ls ~/ckpt 2>/dev/null || true").stdout.split() in ([], [".relaunch-incoming"])
+
+    rerun = run_cli("up", str(recipe), target.host, "--set", "env.setup=[]", home=home)
+    assert rerun.returncode == 0, rerun.stderr
+    assert ssh(target, "sha256sum ~/ckpt/ckpt-00000040.pt").stdout.split()[0] == want
+    log = wait_for("the command", lambda: ssh(target, "cat ~/ctrlc.log 2>/dev/null", check=False).stdout)
+    assert f"resume {target.home}/ckpt/ckpt-00000040.pt" in log
+
+
+# -- 6. a command that dies after a while ------------------------------------------------------------
+def test_a_command_dying_8s_in_is_exit_4_with_its_last_lines(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    inst = sandbox()
+    recipe = plain_recipe(tmp_path, name="dies", key=ssh_key, run={"grace": 20},
+                          command="echo loading the model; sleep 8; echo 'CUDA out of memory' >&2; exit 3")
+    up = run_cli("up", str(recipe), inst.host, home=home)
+    assert up.returncode == 4, up.stderr
+    assert "watching the command for 20s (run.grace)" in up.stderr
+    assert "the command died" in up.stderr and "(exit 3)" in up.stderr
+    assert "CUDA out of memory" in up.stderr and "training is running" not in up.stderr
+
+    ready = plain_recipe(tmp_path / "ready", name="ready", key=ssh_key, run={"grace": 300, "ready": "^step 1 "},
+                         command="sleep 2; echo 'step 1 loss 0.9'; sleep 600")
+    fine = run_cli("up", str(ready), inst.host, home=home)
+    assert fine.returncode == 0, fine.stderr
+    assert "its log says 'step 1 loss 0.9'" in fine.stderr
+
+
+# -- 7. nothing hangs --------------------------------------------------------------------------------
+def test_a_hung_nvidia_smi_does_not_hang_up(tmp_path, sandbox, ssh, ssh_key):
+    inst = sandbox()
+    ssh(inst, "mkdir -p /tmp/stub && printf '#!/bin/sh\\nsleep 3600\\n' > /tmp/stub/nvidia-smi && "
+              "chmod +x /tmp/stub/nvidia-smi")
+    # only inside the instance: its own mount namespace
+    sb.run_in(inst.name, ["mount", "--bind", "/tmp/stub", "/usr/local/bin"], check=True)
+    recipe = plain_recipe(tmp_path, name="gpuhang", key=ssh_key)
+    proc = start_cli("plan", str(recipe), inst.host, home=tmp_path / "state", err=tmp_path / "plan.err")
+    try:
+        assert proc.wait(timeout=60) == 0, (tmp_path / "plan.err").read_text()
+    finally:
+        proc.kill()
+    assert "GPUs: unknown (nvidia-smi did not answer within 10s)" in (tmp_path / "plan.err").read_text()
+
+
+def test_a_remote_command_that_keeps_printing_ends_at_its_deadline(sandbox, ssh_key):
+    from relaunch.host.connection import connect
+    from relaunch.host.spec import Target
+
+    inst = sandbox()
+    target = Target(inst.address, inst.user, inst.port, key=str(ssh_key), host_key=inst.host_key_fingerprint, wait=20)
+    with connect(target) as remote:
+        result = remote.exec("yes relaunch-never-ends", deadline=3)
+        assert result.timed_out and result.status is None and len(result.stdout) > 1000
+        wait_for("its process group to be ended on the instance",
+                 lambda: not in_instance(inst, "yes relaunch-never-ends"), timeout=10, every=0.2)
+        assert remote.exec("echo still usable", deadline=10).text == "still usable\n"
+
+
+def test_the_store_lock_wait_is_bounded_and_names_the_holder(tmp_path, sandbox, ssh, ssh_key):
+    import fcntl
+
+    from relaunch.transports.local import LocalPathStore
+    from relaunch.ui import UI
+
+    home = tmp_path / "state"
+    inst = sandbox()
+    recipe = plain_recipe(tmp_path, name="locked", key=ssh_key)
+    plant(ssh, inst, 5)
+    os.environ["RELAUNCH_HOME"] = str(home)
+    try:
+        store = LocalPathStore(tmp_path / "store", "locked")
+        with store.lock(UI(quiet=True)):                  # this test process is the writer now
+            lock = next((home / "locks").glob("*.lock"))
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+            evac = run_cli("evacuate", str(recipe), inst.host, home=home, env={"RELAUNCH_LOCK_WAIT": "2"})
+            with open(lock) as handle:                    # still ours: the waiter gave up, it did not steal it
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        del os.environ["RELAUNCH_HOME"]
+    assert evac.returncode == 6, evac.stderr
+    assert f"(pid {os.getpid()}, since " in evac.stderr and "after 2s" in evac.stderr
+    assert "DO NOT destroy" in evac.stderr and records(tmp_path / "store") == {}
+
+
+# -- 8. damaged checkpoints --------------------------------------------------------------------------
+def test_a_flipped_byte_in_the_store_falls_back_to_the_newest_that_verifies(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    first, second = sandbox(), sandbox()
+    recipe = plain_recipe(tmp_path, name="flip", key=ssh_key, command='echo "resume {{ checkpoint }}"; sleep 600')
+    store = tmp_path / "store"
+    older = plant(ssh, first, 10)
+    plant(ssh, first, 20)
+    assert run_cli("evacuate", str(recipe), first.host, home=home).returncode == 0
+    damaged = store / "ckpt-00000020.pt"
+    data = bytearray(damaged.read_bytes())
+    data[100] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+
+    up = run_cli("up", str(recipe), second.host, home=home)
+    assert up.returncode == 0, up.stderr
+    assert "ckpt-00000020.pt in the store" in up.stderr and "is damaged and kept as it is" in up.stderr
+    assert "restored ckpt-00000010.pt" in up.stderr
+    assert ssh(second, "sha256sum ~/ckpt/ckpt-00000010.pt").stdout.split()[0] == older
+    assert ssh(second, "ls ~/ckpt").stdout.split() == ["ckpt-00000010.pt"]
+    assert damaged.read_bytes() == bytes(data) and "ckpt-00000020.pt" in records(store)   # kept, never deleted
+
+    third = sandbox()
+    nothing = run_cli("plan", str(recipe), third.host, "--checkpoint", "ckpt-00000099.pt", home=home)
+    assert nothing.returncode == 5, nothing.stderr
+    assert "no such verified checkpoint" in nothing.stderr
+    assert "the store holds: ckpt-00000010.pt, ckpt-00000020.pt" in nothing.stderr
+    asked = run_cli("up", str(recipe), third.host, "--checkpoint", "ckpt-00000010.pt", home=home)
+    assert asked.returncode == 0, asked.stderr
+    assert "ckpt-00000010.pt (step 10) from the store, as asked (--checkpoint)" in asked.stderr
+
+
+def test_a_truncated_torch_save_on_the_instance_is_never_trusted(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    inst, other = sandbox(), sandbox()
+    recipe = plain_recipe(tmp_path, name="trunc", key=ssh_key, command='echo "resume {{ checkpoint }}"; sleep 600')
+    whole = torch_like_zip()
+    good = plant(ssh, inst, 10, data=whole)
+    plant(ssh, inst, 20, data=whole[: len(whole) // 2])            # a crash half-way through torch.save
+    evac = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert evac.returncode == 0, evac.stderr
+    assert "ckpt-00000020.pt is damaged on the instance" in evac.stderr and "truncated zip" in evac.stderr
+    held = records(tmp_path / "store")
+    assert list(held) == ["ckpt-00000010.pt"]
+    assert held["ckpt-00000010.pt"]["files"]["ckpt-00000010.pt"]["sha256"] == good
+
+    # an `up` on an instance that holds a newer but truncated save resumes from the verified one
+    plant(ssh, other, 30, data=whole[:-100])
+    up = run_cli("up", str(recipe), other.host, home=home)
+    assert up.returncode == 0, up.stderr
+    assert "ckpt-00000030.pt on the instance is a save that did not finish" in up.stderr
+    log = wait_for("the command", lambda: ssh(other, "cat ~/trunc.log 2>/dev/null", check=False).stdout)
+    assert f"resume {other.home}/ckpt/ckpt-00000010.pt" in log
+
+
+# -- 9. say what was verified ------------------------------------------------------------------------
+def test_evacuate_says_which_hashes_were_compared_where(tmp_path, sandbox, ssh, ssh_key):
+    inst = sandbox()
+    recipe = plain_recipe(tmp_path, name="said", key=ssh_key)
+    plant(ssh, inst, 5)
+    evac = run_cli("evacuate", str(recipe), inst.host, home=tmp_path / "state")
+    assert evac.returncode == 0, evac.stderr
+    assert "sha256 computed on the instance = sha256 of the copy, computed here" in evac.stderr
+    again = run_cli("sync", str(recipe), inst.host, "--once", home=tmp_path / "state")
+    assert "same sizes as their verified copies" in again.stderr
+
+
+# -- 10. store credentials stay out of training ------------------------------------------------------
+def test_store_credentials_reach_the_instance_only_for_a_copy(tmp_path, sandbox, ssh, ssh_key, s3_remote,
+                                                              package_index):
+    from conftest import host_side_address
+
+    home = tmp_path / "state"
+    first, second = sandbox(index_dir=package_index), sandbox(index_dir=package_index)
+    s3 = s3_remote(bind=host_side_address(second))
+    secret = s3.env[f"RCLONE_CONFIG_{s3.name.upper()}_SECRET_ACCESS_KEY"]
+    # the old advice: the store's variables listed as training secrets, beside a real one
+    recipe = plain_recipe(tmp_path, name="creds", key=ssh_key,
+                          env={"index_url": first.index_url, "secrets": [*sorted(s3.env), "TRAIN_TOKEN"]},
+                          checkpoint={"remote": f"rclone:{s3.name}:{s3.bucket}/c", "via": "instance"})
+    env = {**s3.env, "TRAIN_TOKEN": "train-token-value-7"}
+    plant(ssh, first, 5)
+    assert run_cli("evacuate", str(recipe), first.host, home=home, env=env).returncode == 0
+    up = run_cli("up", str(recipe), second.host, home=home, env=env)
+    assert up.returncode == 0, up.stderr
+    assert "the credentials of the store" in up.stderr and "remove them from env.secrets" in up.stderr
+    for inst in (first, second):
+        leftovers = ssh(inst, "cat ~/.relaunch/creds/*.env 2>/dev/null || true").stdout
+        assert secret not in leftovers
+    assert "train-token-value-7" in ssh(second, "cat ~/.relaunch/creds/secrets.env").stdout
+    assert ssh(second, "ls ~/.relaunch/creds/store.env 2>/dev/null || true").stdout == ""
+
+
+# -- 13. messages ------------------------------------------------------------------------------------
+def test_an_unreachable_address_is_said_so_in_one_line(tmp_path, ssh_key):
+    address = "192.0.2.77"                              # TEST-NET-1: never a real host
+    subprocess.run(["ip", "route", "add", "blackhole", f"{address}/32"], check=True)
+    try:
+        recipe = plain_recipe(tmp_path, name="nowhere", key=ssh_key, ssh={"wait": 2})
+        result = run_cli("plan", str(recipe), f"root@{address}", home=tmp_path / "state", timeout=60)
+    finally:
+        subprocess.run(["ip", "route", "del", "blackhole", f"{address}/32"], check=True)
+    assert result.returncode == 3, result.stderr
+    assert "no route to the host" in result.stderr and "invalid argument" not in result.stderr
+    assert len([ln for ln in result.stderr.splitlines() if ln.startswith("Error:")]) == 1
+
+
+def test_a_refused_key_is_named_quickly_and_not_blamed_on_ssh_wait(tmp_path, sandbox):
+    inst = sandbox()
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    recipe = plain_recipe(tmp_path, name="refused", key=other, ssh={"wait": 300})
+    proc = start_cli("plan", str(recipe), inst.host, home=tmp_path / "state", err=tmp_path / "err")
+    try:
+        assert proc.wait(timeout=90) == 3            # long before ssh.wait's 300 s
+    finally:
+        proc.kill()
+    err = (tmp_path / "err").read_text()
+    assert f"authentication refused for user root with key {other}" in err
+    assert "ssh.wait" not in err.split("Error:")[1]
+
+
+def test_a_bad_lock_names_the_package(tmp_path, sandbox, ssh_key, package_index):
+    inst = sandbox(index_dir=package_index)
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("mpmath==1.3.0\nnosuchpackage-relaunch==1.0\n")
+    recipe = plain_recipe(tmp_path, name="badlock", key=ssh_key,
+                          env={"lock": str(lock), "index_url": inst.index_url, "installer": "uv"})
+    up = run_cli("up", str(recipe), inst.host, home=tmp_path / "state")
+    assert up.returncode == 4, up.stderr
+    error = next(ln for ln in up.stderr.splitlines() if ln.startswith("Error:"))
+    assert "installing the lock failed" in error and "nosuchpackage-relaunch" in error
+    assert "Traceback" not in up.stderr
