@@ -12,8 +12,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "relaunch"
 # lower layers first: a module may import from its own layer or any layer before it
 LAYERS = [
-    {"errors", "paths", "resources", "processes", "retry", "ui", "scripts", "plan", "layouts", "store", "recipe",
-     "versions"},
+    {"__init__", "errors", "paths", "resources", "processes", "retry", "ui", "scripts", "plan", "layouts", "store",
+     "recipe", "versions"},
     {"host"},
     {"job"},
     {"transports"},
@@ -22,7 +22,7 @@ LAYERS = [
     {"cycle"},
     {"sync", "status", "freeze", "interval"},
     {"sandbox", "demo"},
-    {"cli", "__main__", "__init__"},
+    {"cli", "__main__"},
 ]
 
 
@@ -63,6 +63,9 @@ def imports(path: Path) -> set[str]:
                     continue
             else:
                 target = node.module or ""
+                if target == "relaunch":            # `from relaunch import scripts`: the submodules
+                    found |= {f"relaunch.{a.name}" for a in node.names}
+                    continue
             if target.startswith("relaunch"):
                 found.add(target)
     return found
