@@ -142,3 +142,11 @@ def test_every_layouts_newest_complete_checkpoint_is_chosen(path: Path, state: P
     assert (resumed.checkpoint, resumed.step) == (f"/root/ckpt/{newest['name']}", newest["step"])
     assert [a.skip for a in restore] == [f"the instance already has {newest['name']} (step {newest['step']}), "
                                          "newer than the store's"]
+
+
+def test_env_vars_reach_the_run_script_rendered(state: Path) -> None:
+    case = {"facts": "facts-root.json", "store": "local", "set": ["env.vars={OUT: '~/out/{{ name }}-{{ step }}'}"]}
+    job, store = job_for(case, state)
+    launch = next(a for a in plan_up(job, store)[0].actions if a.title.startswith("upload run.sh"))
+    assert isinstance(launch.stdin, bytes)
+    assert "export OUT='~/out/planned-0'\n" in launch.stdin.decode()

@@ -17,7 +17,9 @@ INSTALL_DEADLINE = 3600.0
 
 
 def exports(job: Job, extra: dict[str, str] | None = None) -> dict[str, str]:
-    values = {k: str(v) for k, v in job.recipe.env.vars.items()}
+    """env.vars as rendered for this job (`OUT: ~/out/{{ name }}` -> `~/out/llama-ft`), plus extra."""
+    context = job.context()
+    values = {k: str(context[k]) for k in job.recipe.env.vars}
     values.update(extra or {})
     return values
 
