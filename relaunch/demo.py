@@ -8,6 +8,8 @@ sees is the real output and every line can be copied into a shell.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -16,7 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,6 +213,29 @@ def run_demo(workdir: Path, keep: bool = False, say: Say = click.echo) -> DemoRe
     workdir = workdir.expanduser().absolute()
     check_workdir(workdir)
     check_machine()
+    with _one_demo_at_a_time():
+        return _run(workdir, keep, say, started)
+
+
+@contextlib.contextmanager
+def _one_demo_at_a_time() -> Iterator[None]:
+    """demo-a and demo-b are fixed names: a second demo must not destroy a running one's instances."""
+    sb.RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with open(sb.RUN_DIR / ".demo.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise UsageError(f"another `relaunch demo` is running on this machine ({handle.read().strip()}); "
+                             "it uses the sandbox names demo-a and demo-b", "wait for it to finish") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}")
+        handle.flush()
+        yield
+
+
+def _run(workdir: Path, keep: bool, say: Say, started: float) -> DemoResult:
 
     say("# 1. a local package index for the example's lock (torch CPU), served inside each instance")
     index = sb.build_index([recipes_dir() / "example" / "requirements.lock"])
@@ -226,7 +251,7 @@ def run_demo(workdir: Path, keep: bool = False, say: Say = click.echo) -> DemoRe
     made: list[str] = []
     try:
         for name in sorted(leftovers):
-            say(f"# {name} is left over from an earlier demo")
+            say(f"# {name} is left over from an earlier demo that did not finish")
             sh.relaunch("sandbox", "destroy", name)
 
         say("\n# 3. two throwaway instances: own address, real sshd, empty disk, new host key")
