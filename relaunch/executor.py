@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import threading
+from pathlib import Path
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
@@ -50,22 +51,43 @@ class _Transient(Exception):
 
 
 class Executor:
+    """Runs actions on one instance (`remote`), or on several: an action's `host` picks it from
+    `remotes` (a node group)."""
+
     def __init__(self, ui: UI, host: str, remote: Remote | None = None,
-                 handlers: dict[str, Any] | None = None) -> None:
+                 handlers: dict[str, Any] | None = None, remotes: dict[str, Remote] | None = None) -> None:
         self.ui, self.host, self.remote = ui, host, remote
+        self.remotes = remotes or {}
         self.handlers = handlers or {}
         self.results: dict[str, Any] = {}
         self._stop = threading.Event()           # a sibling lane failed
 
     # -- plans ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> dict[str, Any]:
-        """Run actions in order; neighbours in different lanes at the same time. Returns the results."""
-        for group in _groups(actions):
-            if len(group) == 1:
-                self._run_lane(next(iter(group.values())))
-            else:
-                self._run_parallel(list(group.values()))
+        """Run actions in order; neighbours in different lanes at the same time. Returns the results.
+
+        After a failure, the `always` actions still ahead (cleanups) run before it is raised."""
+        groups = _groups(actions)
+        for n, group in enumerate(groups):
+            try:
+                if len(group) == 1:
+                    self._run_lane(next(iter(group.values())))
+                else:
+                    self._run_parallel(list(group.values()))
+            except BaseException:
+                for later in groups[n + 1:]:
+                    for lane in later.values():
+                        for action in lane:
+                            if action.always:
+                                self._cleanup(action)
+                raise
         return self.results
+
+    def _label(self, action: Action) -> str:
+        return action.host or self.host
+
+    def _remote_for(self, action: Action) -> Remote | None:
+        return self.remotes.get(action.host, self.remote) if action.host else self.remote
 
     def _run_parallel(self, lanes: list[list[Action]]) -> None:
         self._stop.clear()
@@ -112,19 +134,20 @@ class Executor:
         try:
             if action.call:
                 self._call(action, check=False)
-            elif self.remote is not None and action.command:
-                self.remote.exec(action.command, deadline=min(action.deadline, CLEANUP_DEADLINE),
-                                 stdin=action.stdin, cancelled=lambda: False)
+            elif (remote := self._remote_for(action)) is not None and action.command:
+                remote.exec(action.command, deadline=min(action.deadline, CLEANUP_DEADLINE),
+                            stdin=self._stdin(action), cancelled=lambda: False)
         except Exception:  # the failure that got us here is what the user needs to see
             log.debug("cleanup %s failed after an earlier failure", action.title, exc_info=True)
 
     # -- one action ---------------------------------------------------------------------------
     def run_one(self, action: Action) -> Any:
+        label = self._label(action)
         if action.skip:
-            self.ui.step(self.host, action.step, action.skip)
+            self.ui.step(label, action.step, action.skip)
             return None
         if action.say:
-            self.ui.step(self.host, action.step, action.say)
+            self.ui.step(label, action.step, action.say)
         if not action.runs:
             return None
         log.debug("action %s: %s", action.step, action.title)
@@ -133,13 +156,13 @@ class Executor:
         elif action.retry:
             result = retrying(lambda: self._attempt(action), transient=lambda e: isinstance(e, _Transient),
                               attempts=3, first=2.0, on_retry=lambda e, s: self.ui.warn(
-                                  f"{self.host}: {action.step}: {str(e).splitlines()[0]}; retrying in {s:.0f}s"))
+                                  f"{label}: {action.step}: {str(e).splitlines()[0]}; retrying in {s:.0f}s"))
         else:
             result = self._attempt(action)
         if action.produces:
             self.results[action.produces] = result
         if action.done:
-            self.ui.step(self.host, action.step, action.done)
+            self.ui.step(label, action.step, action.done)
         return result
 
     def _attempt(self, action: Action) -> Any:
@@ -155,7 +178,7 @@ class Executor:
         handler = self.handlers.get(owner)
         if handler is None or not hasattr(handler, method):
             raise RelaunchError(f"internal: no handler for {action.call}")
-        args = {k: self.results.get(v.name) if isinstance(v, Ref) else v for k, v in action.args.items()}
+        args = {k: self._resolve(v) for k, v in action.args.items()}
         if check:
             processes.check_cancel()
         return getattr(handler, method)(**args)
@@ -164,21 +187,22 @@ class Executor:
         status: int | None
         if action.where == LOCAL:
             with self.ui.transfer(action.title, action.size, action.progress) as bar:
-                done = processes.run(action.argv, deadline=action.deadline, stdin=action.stdin,
+                done = processes.run(action.argv, deadline=action.deadline, stdin=self._stdin(action),
                                      on_stdout=bar.feed if bar else None, on_stderr=bar.feed_err if bar else None,
                                      cancelled=self._cancelled)
             status, stdout, stderr, timed_out = done.status, done.stdout, done.stderr, done.timed_out
             program = action.argv[0].rsplit("/", 1)[-1]
         else:
-            if self.remote is None:
+            remote = self._remote_for(action)
+            if remote is None:
                 raise RelaunchError(f"internal: {action.title} needs an instance")
-            result = self.remote.exec(action.command, deadline=action.deadline, stdin=action.stdin,
-                                      on_output=self._detail, cancelled=self._cancelled)
+            result = remote.exec(action.command, deadline=action.deadline, stdin=self._stdin(action),
+                                 on_output=self._detail, cancelled=self._cancelled)
             status, stdout, stderr, timed_out = result.status, result.stdout, result.stderr, result.timed_out
             program = ""
-            if status is None and not timed_out and not self.remote.alive:
+            if status is None and not timed_out and not remote.alive:
                 raise _Transient(ConnectError(
-                    f"{self.host}: {action.step}: the SSH connection was lost during: {action.title}",
+                    f"{self._label(action)}: {action.step}: the SSH connection was lost during: {action.title}",
                     "the instance went away or its network dropped; nothing half-done is trusted: rerun"))
         output = (stdout + b"\n" + stderr).decode(errors="replace")
         if status != 0:
@@ -186,7 +210,7 @@ class Executor:
         return self._result(action, stdout)
 
     def _fail(self, action: Action, status: int | None, output: str, timed_out: bool, program: str) -> None:
-        error = ERRORS[action.fails_as]
+        error, label = ERRORS[action.fails_as], self._label(action)
         outcome = action.outcomes.get(status) if status is not None else None
         for key, value in action.outcomes.items():
             if isinstance(key, str) and key.startswith("re:") and re.search(key[3:], output):
@@ -196,7 +220,7 @@ class Executor:
         if outcome == "vanished":
             raise Vanished(action.title)
         if outcome == "full":
-            raise error(f"{self.host}: {action.step}: no room {action.room or 'on the disk'} for {action.title}: "
+            raise error(f"{label}: {action.step}: no room {action.room or 'on the disk'} for {action.title}: "
                         f"{_last_line(output)}",
                         "free space (nothing was deleted to make room), then rerun")
         if action.explain and outcome is None:
@@ -205,11 +229,11 @@ class Executor:
             if explained is not None:
                 raise explained
         if timed_out:
-            raise error(f"{self.host}: {action.step}: {action.title} did not finish within its deadline of "
+            raise error(f"{label}: {action.step}: {action.title} did not finish within its deadline of "
                         f"{action.deadline:g}s; it was ended", "the instance may be overloaded or hung; rerun")
         meaning = MEANINGS.get(program, {}).get(status or -1)
         described = f"{action.title}" + (f" ({program}: {meaning})" if meaning else "")
-        failure = remote_failure(error, self.host, action.step, described, status, redact(output), action.hint)
+        failure = remote_failure(error, label, action.step, described, status, redact(output), action.hint)
         if outcome == "transient":
             raise _Transient(failure)
         raise failure
@@ -242,8 +266,21 @@ class Executor:
                 bad.append(f"{path}: {algo} {got.hashes.get(algo)}, expected {want}")
         if bad:
             raise HashMismatch(
-                f"{self.host}: {action.step}: {len(bad)} file(s) differ from the store's verified copy: "
+                f"{self._label(action)}: {action.step}: {len(bad)} file(s) differ from the store's verified copy: "
                 f"{action.title}: e.g. {bad[0]}", action.hint or "nothing was put in place")
+
+    def _resolve(self, value: Any) -> Any:
+        """A Ref (or a list of them) as the results earlier actions produced."""
+        if isinstance(value, Ref):
+            found = self.results.get(value.name)
+            return found[value.part] if value.part and found is not None else found
+        if isinstance(value, list) and any(isinstance(v, Ref) for v in value):
+            return [self._resolve(v) for v in value]
+        return value
+
+    def _stdin(self, action: Action) -> bytes | Path | None:
+        value = self._resolve(action.stdin)
+        return value.encode() if isinstance(value, str) else value
 
     def _detail(self, data: bytes) -> None:
         self.ui.detail(data.decode(errors="replace").rstrip())

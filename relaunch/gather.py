@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import os
 import shlex
+from concurrent.futures import ThreadPoolExecutor
 
 from .errors import CheckpointError, ConnectError, EnvError, RelaunchError, remote_failure
 from .host.connection import HOME_COMMAND, Remote, environ_secrets
 from .host.facts import FACTS_DEADLINE, HostFacts, facts_script, parse_facts
 from .host.hashing import hash_command, parse_hashes, paths_stdin
 from .job import Facts, Job, Node, read_lock
-from .layouts import LISTING_COMMAND, Entry, parse_listing
+from .layouts import LISTING_COMMAND, Entry, complete_checkpoints, parse_listing
+from .layouts.dcp import MARKER as DCP_MARKER
+from .layouts.dcp import required_files
 from .recipe import Recipe
 from .steps.checkpoint import instance_checkpoints
 from .transports import Store
@@ -30,7 +33,7 @@ def listing_command(ckpt_dir: str) -> str:
 def read_host(remote: Remote, job: Job) -> HostFacts:
     recipe, paths = job.recipe, job.paths
     script = facts_script(recipe.env.python, paths.venv, paths.ckpt_dir, recipe.run.session, list(recipe.env.apt),
-                          templates=recipe.templates)
+                          templates=recipe.templates, run_info=paths.run_info)
     result = remote.exec("bash -s", stdin=script.encode(), deadline=FACTS_DEADLINE)
     _check(remote, result, "reading facts (facts.sh)", EnvError, FACTS_DEADLINE)
     facts = parse_facts(result.text)
@@ -109,3 +112,56 @@ def gather(remote: Remote, recipe: Recipe, node: Node, store: Store | None = Non
     facts.secrets = environ_secrets([n for n in recipe.env.secrets if n not in facts.withheld])
     facts.modes = {str(p): os.stat(p).st_mode & 0o777 for p in recipe.env.files if p.exists()}
     return job
+
+
+def read_required(remotes: dict[str, Remote], job: Job, holders: dict[str, list[str]]) -> dict[str, list[str]]:
+    """For the group's newest DCP checkpoints: the files each one's `.metadata` says it needs,
+    read from the node that holds the metadata (a few KB each; torch is not needed here)."""
+    c = job.recipe.checkpoint
+    found = complete_checkpoints(job.facts.listing or [], c.layout, c.pattern)
+    required: dict[str, list[str]] = {}
+    for cp in found[-max(CHECKED, c.keep):]:
+        meta = f"{cp.name}/{DCP_MARKER}"
+        if meta not in holders:
+            continue                              # not a DCP checkpoint
+        remote = remotes[holders[meta][0]]
+        command = f"cat -- {shlex.quote(f'{job.paths.ckpt_dir}/{meta}')}"
+        result = remote.exec(command, deadline=LISTING_DEADLINE)
+        _check(remote, result, f"reading {meta}", CheckpointError, LISTING_DEADLINE, command)
+        try:
+            required[cp.name] = sorted(required_files(result.stdout))
+        except ValueError:
+            continue                              # a newer format: its presence is the rule, as on one node
+    return required
+
+
+def gather_group(pairs: list[tuple[Node, Remote]], recipe: Recipe, store: Store | None = None, *,
+                 writing: bool = False) -> list[Job]:
+    """Every node's facts (read at the same time), then one view of the group: the checkpoint
+    folders of all nodes merged (which node holds what), shared by every node's job."""
+    if len(pairs) == 1:
+        node, remote = pairs[0]
+        return [gather(remote, recipe, node, store, writing=writing)]
+    with ThreadPoolExecutor(max_workers=len(pairs), thread_name_prefix="gather") as pool:
+        jobs = list(pool.map(lambda pair: gather(pair[1], recipe, pair[0]), pairs))
+    remotes = {job.host: remote for job, (_, remote) in zip(jobs, pairs, strict=True)}
+    state = store.read(writing) if store is not None else None
+    damaged: dict[str, str] = {}
+    if state is not None:
+        for job in jobs:
+            job.facts.store = state
+            damaged.update(read_damaged(remotes[job.host], job))
+    merged: dict[str, Entry] = {}
+    holders: dict[str, list[str]] = {}
+    for job in jobs:
+        for entry in job.facts.listing or []:
+            merged.setdefault(entry.path, entry)
+            holders.setdefault(entry.path, []).append(job.host)
+    listing = list(merged.values())
+    first = jobs[0]
+    first.facts.listing = listing
+    required = read_required(remotes, first, holders)
+    for job in jobs:
+        job.facts.listing, job.facts.holders, job.facts.required = listing, holders, required
+        job.facts.store, job.facts.damaged = state, damaged
+    return jobs

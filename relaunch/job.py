@@ -31,6 +31,9 @@ class Node:
     rank: int = 0
     nnodes: int = 1
     master_addr: str = ""
+    nproc: int = 0                 # processes on this node (0: run.nproc_per_node, else its GPUs)
+    world_size: int = 0            # processes in the whole group (0: nproc x nnodes)
+    grad_accum: int = 1            # run.batch.global / (micro x world size)
 
     @property
     def label(self) -> str:
@@ -56,6 +59,9 @@ class Facts:
     modes: dict[str, int] = field(default_factory=dict)    # env.files here: local path -> mode
     withheld: list[str] = field(default_factory=list)      # env.secrets that are the store's credentials
     damaged: dict[str, str] = field(default_factory=dict)  # instance checkpoint -> why its save did not finish
+    # a node group: which nodes hold each path of the merged listing (None: one node holds all)
+    holders: dict[str, list[str]] | None = None
+    required: dict[str, list[str]] = field(default_factory=dict)  # DCP checkpoint -> files its metadata needs
     reads: list[str] = field(default_factory=list)         # the commands that read the instance
 
     def as_dict(self) -> dict[str, Any]:
@@ -66,7 +72,8 @@ class Facts:
                 "label": self.store.label, "empty": self.store.empty,
                 "manifest": None if self.store.manifest is None else self.store.manifest.to_dict()},
             "lock": self.lock, "secrets": self.secrets, "modes": self.modes, "reads": self.reads,
-            "withheld": self.withheld, "damaged": self.damaged,
+            "withheld": self.withheld, "damaged": self.damaged, "holders": self.holders,
+            "required": self.required,
         }
 
     @classmethod
@@ -81,7 +88,8 @@ class Facts:
                 None if store.get("manifest") is None else StoreManifest.from_dict(store["manifest"], "fixture")),
             lock=list(data.get("lock", [])), secrets=dict(data.get("secrets", {})), modes=dict(data.get("modes", {})),
             reads=list(data.get("reads", [])), withheld=list(data.get("withheld", [])),
-            damaged=dict(data.get("damaged", {})),
+            damaged=dict(data.get("damaged", {})), holders=data.get("holders"),
+            required={k: list(v) for k, v in data.get("required", {}).items()},
         )
 
 
@@ -114,6 +122,11 @@ class InstancePaths:
     @property
     def pgid_file(self) -> str:
         return f"{self.state}/pgid"
+
+    @property
+    def run_info(self) -> str:
+        """How the running training was started (world size, grad_accum): evacuate records it."""
+        return f"{self.state}/run.json"
 
     @property
     def run_script(self) -> str:
@@ -161,6 +174,8 @@ class Job:
             checkpoint=self.checkpoint, step=self.step, gpus=len(self.facts.host.gpus),
             nnodes=self.node.nnodes, node_rank=self.node.rank,
             master_addr=self.node.master_addr or self.target.address,
+            nproc_per_node=self.node.nproc or None, world_size=self.node.world_size or None,
+            grad_accum=self.node.grad_accum,
         )
 
     @property

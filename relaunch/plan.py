@@ -23,9 +23,10 @@ FAILS_AS = ("connect", "env", "checkpoint", "evacuate")
 
 @dataclass(frozen=True)
 class Ref:
-    """In `args`: the result an earlier action produced under this name."""
+    """In `args` or `stdin`: the result an earlier action produced under this name (or one part of it)."""
 
     name: str
+    part: str = ""
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ class Action:
     argv: tuple[str, ...] = ()      # on this machine: the exact program and arguments
     call: str = ""                  # on this machine, in-process: "store.<method>"
     args: dict[str, Any] = field(default_factory=dict, hash=False)
-    stdin: bytes | Path | None = None   # bytes, or a local file streamed in
+    stdin: bytes | Path | Ref | None = None   # bytes, a local file streamed in, or an earlier result
+    host: str = ""                  # in a node group: the node it runs on (its label); "" = the only one
     secret: tuple[str, ...] = ()    # names of secrets in stdin: shown as *** only
     deadline: float = 60.0          # seconds before it is ended and counts as failed
     retry: bool = False             # safe to run again after a transient failure
@@ -65,7 +67,8 @@ class Action:
     def describe(self) -> str:
         """How `relaunch plan` shows it: the exact command, argv or call, and its stdin."""
         lane = f" [{self.lane} lane]" if self.lane else ""
-        head = f"[{self.step}] {self.title}{lane}"
+        node = f"[{self.host}] " if self.host else ""
+        head = f"{node}[{self.step}] {self.title}{lane}"
         if self.skip:
             return f"{head}: nothing to do ({self.skip})"
         if not self.runs:
@@ -82,6 +85,8 @@ class Action:
             lines.append(f"    {self.where}: {self.call}({shown})")
         if isinstance(self.stdin, Path):
             lines.append(f"    stdin: the local file {self.stdin}")
+        elif isinstance(self.stdin, Ref):
+            lines.append(f"    stdin: <{self.stdin.name}>" + (" (not shown)" if self.secret else ""))
         elif self.stdin is not None and self.secret:
             lines.append(f"    stdin: {len(self.stdin)} bytes holding {', '.join(self.secret)} (not shown)")
         elif self.stdin is not None:
@@ -140,6 +145,8 @@ def action_dict(a: Action) -> dict[str, Any]:
     stdin: str | None
     if isinstance(a.stdin, Path):
         stdin = f"<file {a.stdin}>"
+    elif isinstance(a.stdin, Ref):
+        stdin = f"<{a.stdin.name}>"
     elif a.stdin is None:
         stdin = None
     else:
@@ -147,4 +154,4 @@ def action_dict(a: Action) -> dict[str, Any]:
     return {"step": a.step, "title": a.title, "where": a.where, "command": a.command or None,
             "argv": list(a.argv) or None, "call": a.call or None, "stdin": stdin,
             "deadline": None if a.call or not a.runs else a.deadline,
-            "retry": a.retry, "lane": a.lane or None, "skip": a.skip or None}
+            "retry": a.retry, "lane": a.lane or None, "skip": a.skip or None, **({"host": a.host} if a.host else {})}

@@ -73,6 +73,10 @@ def check_relpath(path: str, what: str = "path") -> str:
 class FileRecord:
     size: int
     sha256: str
+    node: str | None = None  # in a node group: the node that held it
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "sha256": self.sha256, **({"node": self.node} if self.node else {})}
 
 
 @dataclass
@@ -83,6 +87,9 @@ class CheckpointRecord:
     verified_at: str  # ISO 8601 UTC
     host: str
     written_at: float | None = None  # newest file mtime on the instance (epoch s): what lag is measured from
+    # how training ran when it saved this (run.json of the `up` that started it): world size,
+    # processes per node, grad_accum, global and micro batch; None when relaunch did not start it
+    saved_with: dict[str, Any] | None = None
 
     @property
     def is_dir(self) -> bool:
@@ -152,7 +159,8 @@ class StoreManifest:
                     "verified_at": r.verified_at,
                     "host": r.host,
                     **({"written_at": r.written_at} if r.written_at is not None else {}),
-                    "files": {p: {"size": f.size, "sha256": f.sha256} for p, f in sorted(r.files.items())},
+                    **({"saved_with": r.saved_with} if r.saved_with else {}),
+                    "files": {p: f.as_dict() for p, f in sorted(r.files.items())},
                 }
                 for r in self.ordered()
             ],
@@ -193,7 +201,10 @@ class StoreManifest:
                 size = f["size"]
                 if not isinstance(size, int) or isinstance(size, bool):
                     raise ValueError(f"{path}: size is not an integer")
-                files[path] = FileRecord(size=size, sha256=f["sha256"])
+                node = f.get("node")
+                if node is not None and not isinstance(node, str):
+                    raise ValueError(f"{path}: node is not a string")
+                files[path] = FileRecord(size=size, sha256=f["sha256"], node=node)
             record = CheckpointRecord(
                 name=raw["name"],
                 step=step,
@@ -201,12 +212,21 @@ class StoreManifest:
                 verified_at=str(raw["verified_at"]),
                 host=str(raw["host"]),
                 written_at=float(raw["written_at"]) if raw.get("written_at") is not None else None,
+                saved_with=_saved_with(raw.get("saved_with")),
             )
             record.check()
             if record.name in manifest.checkpoints:
                 raise ValueError(f"checkpoint {record.name!r} listed twice")
             manifest.add(record)
         return manifest
+
+
+def _saved_with(raw: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError("saved_with is not a mapping")
+    return raw
 
 
 def _corrupt(where: str, detail: str) -> CheckpointError:

@@ -1,5 +1,5 @@
 # relaunch: read-only facts about this instance. Changes nothing.
-# Inputs (set above this line by relaunch, shell-quoted): py_want venv ckpt session apt freeze_py
+# Inputs (set above this line by relaunch, shell-quoted): py_want venv ckpt session apt run_info freeze_py
 set -u
 echo "home=$HOME"
 echo "user=$(id -un)"
@@ -42,6 +42,12 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   else
     echo "gpu_error=nvidia-smi failed (exit $rc): $(printf '%s' "$gpus" | head -n 1)"
   fi
+fi
+if [ -n "${run_info:-}" ] && [ -f "$run_info" ]; then
+  echo "--- run"
+  cat -- "$run_info"
+  echo
+  echo "--- end"
 fi
 if [ -x "$venv/bin/python" ]; then
   echo "--- freeze"

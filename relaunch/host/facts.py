@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ class HostFacts:
     gpu_error: str = ""                             # nvidia-smi present but failed or hung
     venv_freeze: list[str] | None = None            # None: no venv yet
     missing_apt: list[str] = field(default_factory=list)
+    run: dict[str, Any] = field(default_factory=dict)  # run.json: how the last `up` started training
 
     @property
     def is_root(self) -> bool:
@@ -57,8 +59,9 @@ FREEZE_PY = (
 
 
 def facts_script(python: str, venv: str, ckpt: str, session: str, apt: list[str],
-                 templates: Path | None = None) -> str:
+                 templates: Path | None = None, run_info: str = "") -> str:
     return with_inputs(plain("facts.sh", templates), py_want=python, venv=venv, ckpt=ckpt, session=session,
+                       run_info=run_info,
                        apt=" ".join(apt), freeze_py=FREEZE_PY)
 
 
@@ -97,6 +100,11 @@ def parse_facts(text: str) -> HostFacts:
     facts.gpus = sections.get("gpus", [])
     facts.gpu_error = values.get("gpu_error", "")
     facts.venv_freeze = sections.get("freeze")
+    try:
+        run = json.loads("\n".join(sections.get("run", [])) or "{}")
+    except ValueError:
+        run = {}
+    facts.run = run if isinstance(run, dict) else {}
     return facts
 
 

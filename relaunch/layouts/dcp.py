@@ -1,12 +1,17 @@
 """`dcp`: PyTorch Distributed Checkpoint folders (`step-500/` holding `__0_0.distcp` ... `.metadata`).
 
 DCP renames `.metadata` into place only after every rank has written its shards, so a folder
-holding `.metadata` directly is complete. Step = the last integer in the folder's name.
+holding `.metadata` directly is complete on one machine. Step = the last integer in the folder's
+name. Across a node group (each node writes its own ranks' shards to its own disk) the metadata
+also says which files the checkpoint needs: `required_files`.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Sequence
+from typing import Any
 
 from relaunch.layouts.base import (
     Checkpoint,
@@ -41,3 +46,49 @@ class DcpLayout:
                 continue
             found.append(Checkpoint(name=name, step=step, files=files))
         return ordered(found)
+
+
+class _Stub:
+    """Any class the metadata names: keeps whatever state it is given, nothing else."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.args = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: object) -> None:
+        if isinstance(state, tuple) and len(state) == 2:      # (dict, slots) of a slotted class
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+    def __call__(self, *args: object, **kwargs: object) -> _Stub:
+        return _Stub(*args, **kwargs)
+
+
+class _MetadataReader(pickle.Unpickler):
+    """Reads DCP's pickled Metadata without torch: every class outside the standard library is a
+    stub, so nothing in the file can run code here."""
+
+    _SAFE = {("collections", "OrderedDict"), ("copyreg", "_reconstructor"), ("builtins", "object"),
+             ("builtins", "tuple"), ("builtins", "list"), ("builtins", "dict"), ("builtins", "set")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._SAFE:
+            return super().find_class(module, name)
+        return type(name, (_Stub,), {})
+
+
+def required_files(metadata: bytes) -> set[str]:
+    """The data files a DCP checkpoint's `.metadata` says it needs (relative to its folder).
+
+    ValueError when the bytes are not such a metadata file.
+    """
+    try:
+        found = _MetadataReader(io.BytesIO(metadata)).load()
+        storage = found.storage_data
+        paths = {info.relative_path for info in storage.values()}
+    except Exception as exc:  # any malformed pickle: the caller decides what that means
+        raise ValueError(f"not a DCP .metadata file: {type(exc).__name__}: {exc}") from None
+    if not all(isinstance(p, str) and p and "/" not in p and p not in (".", "..") for p in paths):
+        raise ValueError("the .metadata names files outside its folder")
+    return paths

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from relaunch.recipe.model import Recipe
+from relaunch.recipe.model import Recipe, recipe_keys_of
 
 KeyPath = tuple[str, ...]
 
@@ -37,7 +37,7 @@ def plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, BaseModel):
-        return {k: plain(getattr(value, k)) for k in type(value).model_fields}
+        return {k: plain(getattr(value, n)) for k, n in recipe_keys_of(type(value)).items()}
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -52,8 +52,8 @@ def explain(recipe: Recipe) -> list[Explained]:
     found: list[Explained] = []
 
     def walk(node: BaseModel, path: KeyPath) -> None:
-        for name in type(node).model_fields:
-            value, key = getattr(node, name), (*path, name)
+        for written, name in recipe_keys_of(type(node)).items():
+            value, key = getattr(node, name), (*path, written)
             if isinstance(value, BaseModel):
                 walk(value, key)
             elif isinstance(value, dict) and value:

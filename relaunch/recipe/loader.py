@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from relaunch.errors import RecipeError
-from relaunch.recipe.model import REMOTE_PREFIXES, Origin, Recipe, _scalar_text
+from relaunch.recipe.model import recipe_keys_of, REMOTE_PREFIXES, Origin, Recipe, _scalar_text
 from relaunch.recipe.providers import did_you_mean
 from relaunch.resources import recipes_dir
 
@@ -310,20 +310,20 @@ def _unwrap(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
 def _model_at(path: KeyPath) -> type[BaseModel] | None:
     model: type[BaseModel] | None = Recipe
     for part in path:
-        if model is None or part not in model.model_fields:
+        if model is None or part not in recipe_keys_of(model):
             return None
-        model = _unwrap(model.model_fields[part].annotation)[0]
+        model = _unwrap(model.model_fields[recipe_keys_of(model)[part]].annotation)[0]
     return model
 
 
 def recipe_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
     """Every dotted key of the schema, sections included (`ssh`, `ssh.user`, ...)."""
     keys = []
-    for name, field in model.model_fields.items():
-        keys.append(prefix + name)
-        sub = _unwrap(field.annotation)[0]
+    for key, name in recipe_keys_of(model).items():
+        keys.append(prefix + key)
+        sub = _unwrap(model.model_fields[name].annotation)[0]
         if sub is not None:
-            keys += recipe_keys(sub, f"{prefix}{name}.")
+            keys += recipe_keys(sub, f"{prefix}{key}.")
     return keys
 
 
@@ -333,10 +333,10 @@ def _override_path(key: str) -> KeyPath:
     model: type[BaseModel] = Recipe
     while parts:
         part = parts.pop(0)
-        if part not in model.model_fields:
+        if part not in recipe_keys_of(model):
             raise RecipeError(f"unknown key{did_you_mean(key, recipe_keys())}", file=SET, key=key)
         out.append(part)
-        sub, is_mapping = _unwrap(model.model_fields[part].annotation)
+        sub, is_mapping = _unwrap(model.model_fields[recipe_keys_of(model)[part]].annotation)
         if sub is not None and parts:
             model = sub
         elif is_mapping and parts:
@@ -413,7 +413,7 @@ def _problem(err: Any, loc: KeyPath) -> str:
         return "required key missing"
     if kind == "extra_forbidden":
         model = _model_at(loc[:-1])
-        return "unknown key" + (did_you_mean(loc[-1], model.model_fields) if model else "")
+        return "unknown key" + (did_you_mean(loc[-1], recipe_keys_of(model)) if model else "")
     if kind == "value_error":
         return str(ctx.get("error", err["msg"]))
     if kind == "literal_error":

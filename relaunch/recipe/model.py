@@ -27,7 +27,7 @@ ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The template variables relaunch provides; `env.vars` may not shadow them.
 BUILTIN_VARS = (
     "name", "host", "user", "home", "checkpoint", "step", "gpus",
-    "nnodes", "node_rank", "master_addr", "world_size",
+    "nnodes", "node_rank", "master_addr", "world_size", "nproc_per_node", "grad_accum",
 )
 REMOTE_PREFIXES = ("rclone:", "hf:")
 # The instance scripts in templates/ a recipe's `templates:` folder may replace, by file name.
@@ -49,6 +49,12 @@ def _scalar_text(value: Any) -> str:
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def recipe_keys_of(model: type[BaseModel]) -> dict[str, str]:
+    """The keys a recipe writes for a model's fields -> the field names (they differ only where
+    Python needs another name: `batch.global` is the field `global_`)."""
+    return {(field.alias or name): name for name, field in model.model_fields.items()}
 
 
 def _key(description: str, example: Any, default: Any = ..., shown_default: str | None = None,
@@ -200,6 +206,34 @@ class Stop(_Section):
         return name
 
 
+class Batch(_Section):
+    """The global batch to keep when the number of processes changes."""
+
+    global_: int = _key("Samples per optimizer step, kept whatever the world size.", 512, alias="global", gt=0)
+    micro: int = _key("Samples per process per forward/backward pass.", 8, gt=0)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Metrics(_Section):
+    """Regexes that read a training step's numbers from the log (for `relaunch drill`)."""
+
+    step: str = _key("Regex whose first group is the step number.", r"step (\d+)", r"step (\d+)")
+    loss: str = _key("Regex whose first group is the loss.", r"loss ([\d.]+)", r"loss ([-+\d.eE]+)")
+    grad_norm: str | None = _key("Regex whose first group is the gradient norm.", r"grad_norm ([\d.]+)", None)
+
+    @field_validator("step", "loss", "grad_norm")
+    @classmethod
+    def _regex(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                if re.compile(v).groups < 1:
+                    raise ValueError("needs a group ( ) around the number")
+            except re.error as exc:
+                raise ValueError(f"is not a valid regular expression: {exc}") from None
+        return v
+
+
 class Run(_Section):
     """The training command and where it runs."""
 
@@ -215,6 +249,14 @@ class Run(_Section):
                              "when it appears (or exits 4 when the command dies first).", "^step \\d+ ", None)
     grace: float = _key("Seconds `up` watches the command when no ready line is given: if it dies within them, "
                         "`up` exits 4 with its last lines.", 60, 60, ge=0)
+    nproc_per_node: int | None = _key("Processes per node ({{ nproc_per_node }}, for torchrun); else the GPUs "
+                                      "found on the node, at least 1.", 8, None, gt=0,
+                                      shown_default="the GPUs found on the node")
+    batch: Batch | None = _key("Global and micro batch: gives {{ grad_accum }} = global / (micro x world size), "
+                               "so a resume on fewer GPUs keeps the global batch.", {"global": 512, "micro": 8},
+                               None)
+    metrics: Metrics = _key("How `relaunch drill` reads step, loss and grad norm from the log.",
+                            {"step": r"step (\d+)", "loss": r"loss ([\d.]+)"}, Metrics)
 
     @field_validator("ready")
     @classmethod
@@ -367,8 +409,8 @@ class Recipe(_Section):
         node: Any = self
         parts = key.split(".")
         while parts:
-            if isinstance(node, BaseModel) and parts[0] in type(node).model_fields:
-                node = getattr(node, parts.pop(0))
+            if isinstance(node, BaseModel) and parts[0] in recipe_keys_of(type(node)):
+                node = getattr(node, recipe_keys_of(type(node))[parts.pop(0)])
             elif isinstance(node, dict):
                 # Mapping keys may contain dots (file names): prefer the whole rest as one key.
                 rest = ".".join(parts)

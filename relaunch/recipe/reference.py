@@ -88,7 +88,7 @@ def _cell(text: str) -> str:
 def fields(model: type[BaseModel] = Recipe, prefix: str = "") -> list[tuple[str, FieldInfo]]:
     """(dotted key, field) of every key, depth first in the model's order."""
     found: list[tuple[str, FieldInfo]] = []
-    for name, field in model.model_fields.items():
+    for name, field in ((field.alias or n, field) for n, field in model.model_fields.items()):
         found.append((prefix + name, field))
         sub = _sub_model(field.annotation)
         if sub is not None:
@@ -98,7 +98,7 @@ def fields(model: type[BaseModel] = Recipe, prefix: str = "") -> list[tuple[str,
 
 def _example_yaml(model: type[BaseModel], depth: int = 0) -> list[str]:
     lines = []
-    for name, field in model.model_fields.items():
+    for name, field in ((field.alias or n, field) for n, field in model.model_fields.items()):
         sub = _sub_model(field.annotation)
         required = "  # required" if field.is_required() and sub is None else ""
         if sub is not None:
@@ -112,7 +112,7 @@ def _example_yaml(model: type[BaseModel], depth: int = 0) -> list[str]:
 
 def _table(model: type[BaseModel], prefix: str) -> list[str]:
     rows = ["| key | type | default | description | example |", "|---|---|---|---|---|"]
-    for name, field in model.model_fields.items():
+    for name, field in ((field.alias or n, field) for n, field in model.model_fields.items()):
         example = (field.examples or [None])[0]
         rows.append(f"| `{prefix}{name}` | {_cell(type_name(field.annotation))} | {_cell(default_text(field))} "
                     f"| {_cell(field.description or '')} | `{_cell(_flow(example))}` |")

@@ -42,13 +42,16 @@ def render_context(
     node_rank: int = 0,
     master_addr: str = "",
     world_size: int | None = None,
+    nproc_per_node: int | None = None,
+    grad_accum: int = 1,
 ) -> dict[str, Any]:
     """The contract's template variables plus `env.vars`.
 
-    `user` defaults to `ssh.user`; `world_size` to max(gpus, 1) * nnodes. The values of
-    `env.vars` are themselves rendered with the built-in variables (not with each other), so
-    `OUT: ~/out/{{ name }}` works.
+    `user` defaults to `ssh.user`; `nproc_per_node` to run.nproc_per_node, else max(gpus, 1);
+    `world_size` to nproc_per_node * nnodes. The values of `env.vars` are themselves rendered
+    with the built-in variables (not with each other), so `OUT: ~/out/{{ name }}` works.
     """
+    nproc = nproc_per_node or recipe.run.nproc_per_node or max(gpus, 1)
     ctx: dict[str, Any] = {
         "name": recipe.name,
         "host": host,
@@ -60,7 +63,9 @@ def render_context(
         "nnodes": nnodes,
         "node_rank": node_rank,
         "master_addr": master_addr,
-        "world_size": max(gpus, 1) * nnodes if world_size is None else world_size,
+        "world_size": nproc * nnodes if world_size is None else world_size,
+        "nproc_per_node": nproc,
+        "grad_accum": grad_accum,
     }
     builtins = dict(ctx)
     for var, text in recipe.env.vars.items():
@@ -210,8 +215,8 @@ def _strings(node: Any, key: str) -> Iterator[tuple[str, str]]:
     if isinstance(node, str):
         yield key, node
     elif isinstance(node, BaseModel):
-        for field in type(node).model_fields:
-            yield from _strings(getattr(node, field), f"{key}.{field}" if key else field)
+        for written, field in ((f.alias or n, n) for n, f in type(node).model_fields.items()):
+            yield from _strings(getattr(node, field), f"{key}.{written}" if key else written)
     elif isinstance(node, dict):
         for k, v in node.items():
             yield from _strings(v, f"{key}.{k}")

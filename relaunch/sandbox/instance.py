@@ -268,7 +268,8 @@ def _sshd_config(folder: Path, address: str, command_log: bool) -> str:
             f"ListenAddress {address}",
             f"Port {SSH_PORT}",
             f"HostKey {folder}/ssh_host_ed25519_key",
-            f"AuthorizedKeysFile {folder}/authorized_keys",
+            # the key this machine was given, and the user's own file, as on a cloud image
+            f"AuthorizedKeysFile {folder}/authorized_keys .ssh/authorized_keys",
             f"PidFile {folder}/sshd.pid",
             "PasswordAuthentication no",
             "KbdInteractiveAuthentication no",

@@ -237,6 +237,10 @@ def connect(name: str, slot: int, net: IPv4Network) -> str:
     run(["ip", "link", "add", host_dev, "type", "veth", "peer", "name", inst_dev, "netns", ns])
     run(["ip", "addr", "add", f"{gateway}/30", "dev", host_dev])
     run(["ip", "link", "set", host_dev, "up"])
+    # instances of one sandbox dir reach each other, as the nodes of one cloud network do
+    # (torchrun's rendezvous, a checkpoint fanned out between nodes): forwarding on this link
+    # only, never machine-wide
+    Path(f"/proc/sys/net/ipv4/conf/{host_dev}/forwarding").write_text("1\n")
     run(["ip", "netns", "exec", ns, "ip", "addr", "add", f"{address}/30", "dev", inst_dev])
     run(["ip", "netns", "exec", ns, "ip", "link", "set", inst_dev, "up"])
     run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"])

@@ -44,9 +44,24 @@ class Choice:
 
 
 def instance_checkpoints(job: Job) -> list[Checkpoint]:
-    """Complete checkpoints in checkpoint.dir on the instance, oldest first."""
+    """Complete checkpoints in checkpoint.dir on the instance (across the node group: every file
+    on some node), oldest first. A DCP checkpoint whose metadata names a file no node holds is
+    not complete (a shard lost with a node)."""
     c = job.recipe.checkpoint
-    return complete_checkpoints(job.facts.listing or [], c.layout, c.pattern)
+    found = complete_checkpoints(job.facts.listing or [], c.layout, c.pattern)
+    required = job.facts.required
+    if not required:
+        return found
+    present = {e.path for e in job.facts.listing or []}
+    return [cp for cp in found if all(f"{cp.name}/{p}" in present for p in required.get(cp.name, ()))]
+
+
+def on_every_node(job: Job, cp: Checkpoint) -> bool:
+    """Does every node of the group hold all of cp's files (so each can resume from it as it is)?"""
+    holders = job.facts.holders
+    if holders is None:
+        return True
+    return all(len(holders.get(e.path, ())) == job.node.nnodes for e in cp.files)
 
 
 def choose(job: Job, exclude: frozenset[str] = frozenset(), wanted: str | None = None) -> Choice:
@@ -55,7 +70,7 @@ def choose(job: Job, exclude: frozenset[str] = frozenset(), wanted: str | None =
     found damaged."""
     store = job.facts.store
     assert store is not None
-    local = [cp for cp in instance_checkpoints(job) if cp.name not in job.facts.damaged]
+    local = [cp for cp in instance_checkpoints(job) if cp.name not in job.facts.damaged and on_every_node(job, cp)]
     newest_here = local[-1] if local else None
     records = [r for r in store.manifest.ordered() if r.name not in exclude] if store.manifest else []
     if wanted is not None:

@@ -8,6 +8,7 @@ checkpoint counts only once its record is in the manifest, which is written afte
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -51,19 +52,37 @@ class Mismatch(EvacuationError):
         self.problems = problems
 
 
-def expected_record(cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> CheckpointRecord:
+# what hash actions produce: by path; a node group's checkpoint has one per node that held a part
+Hashes = dict[str, FileHash] | list[dict[str, FileHash]]
+
+
+def merged(hashes: Hashes) -> dict[str, FileHash]:
+    if isinstance(hashes, dict):
+        return hashes
+    out: dict[str, FileHash] = {}
+    for part in hashes:
+        out.update(part)
+    return out
+
+
+def expected_record(cp: Checkpoint, hashes: Hashes, host: str, about: dict[str, Any] | None = None) -> CheckpointRecord:
     """The manifest record the instance's hashes promise for cp: Vanished when a file went away
-    after the copy, Damaged when one is a save that did not finish."""
+    after the copy, Damaged when one is a save that did not finish. `about`: `saved_with` (how
+    training ran) and `held` (path -> the node that held it)."""
+    about = about or {}
+    held: dict[str, str] = about.get("held") or {}
+    found = merged(hashes)
     files: dict[str, FileRecord] = {}
     for entry in cp.files:
-        got = hashes.get(entry.path)
+        got = found.get(entry.path)
         if got is None or got.missing:
             raise Vanished(cp.name)
         if got.problem:
             raise Damaged(f"{entry.path}: {got.problem}")
-        files[entry.path] = FileRecord(size=got.size, sha256=got.hashes["sha256"])
+        files[entry.path] = FileRecord(size=got.size, sha256=got.hashes["sha256"], node=held.get(entry.path))
     return CheckpointRecord(name=cp.name, step=cp.step, files=files, verified_at=utc_now(), host=host,
-                            written_at=max((e.mtime for e in cp.files), default=None))
+                            written_at=max((e.mtime for e in cp.files), default=None),
+                            saved_with=about.get("saved_with") or None)
 
 
 class Store(ABC):
@@ -119,14 +138,23 @@ class Store(ABC):
         """Actions that copy cp's files off the instance towards the store (not trusted yet);
         `again`: compare every byte instead of trusting size and time."""
 
-    def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref) -> list[Action]:
+    def plan_receive_parts(self, parts: list[tuple[Job, Checkpoint]], cp: Checkpoint,
+                           again: bool = False) -> list[Action]:
+        """A node group's checkpoint: each part from the node that holds it (by default each node
+        sends its part on its own)."""
+        return [dataclasses.replace(a, host=job.host) if a.where != LOCAL else a
+                for job, part in parts for a in self.plan_receive(job, part, again)]
+
+    def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref | list[Ref],
+                    about: dict[str, Any] | None = None) -> list[Action]:
         """Actions that verify what was received against the instance's hashes, commit it and
         record it in the manifest (by default: one call of `accept`)."""
         return [Action("evacuate", f"verify {cp.name} against the instance's hashes and record it in the store",
-                       where=LOCAL, call="store.accept", args={"cp": cp, "hashes": hashes, "host": job.host},
+                       where=LOCAL, call="store.accept", args={"cp": cp, "hashes": hashes, "host": job.host,
+                                                               **({"about": about} if about else {})},
                        produces=f"verified:{cp.name}", fails_as="evacuate")]
 
-    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> str:
+    def accept(self, cp: Checkpoint, hashes: Hashes, host: str, about: dict[str, Any] | None = None) -> str:
         """Verify, commit and record cp; return what was compared with what, in words."""
         raise NotImplementedError(f"{type(self).__name__} plans its own acceptance")
 

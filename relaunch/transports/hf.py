@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError, shorten
-from ..host.hashing import FileHash
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
@@ -48,7 +47,7 @@ from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore
     utc_now
 from ..ui import human, redact
 from . import rsync
-from .base import Store, expected_record
+from .base import Hashes, Store, expected_record, merged
 from .tools import credential_actions, tool_action, tool_path
 
 # Not secret: handed to the instance's `hf` on its command line when set on this machine.
@@ -387,13 +386,18 @@ class HfStore(Store):
                        call="store.ensure_repo", fails_as="evacuate"),
                 tool_action(job, "hf", "evacuate", "evacuate"), *write, upload, *remove]
 
-    def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref) -> list[Action]:
+    def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref | list[Ref],
+                    about: dict[str, Any] | None = None) -> list[Action]:
+        # a node group's parts upload one after another: the last upload's commit holds them all
         return [Action("evacuate", f"verify {cp.name} in the repo at the commit its upload made, record it",
                        where=LOCAL, call="store.accept_upload", fails_as="evacuate", produces=f"verified:{cp.name}",
-                       args={"cp": cp, "hashes": hashes, "upload": Ref(f"upload:{cp.name}"), "host": job.host})]
+                       args={"cp": cp, "hashes": hashes, "upload": Ref(f"upload:{cp.name}"), "host": job.host,
+                             **({"about": about} if about else {})})]
 
-    def accept_upload(self, cp: Checkpoint, hashes: dict[str, FileHash], upload: str, host: str) -> str:
-        record = expected_record(cp, hashes, host)
+    def accept_upload(self, cp: Checkpoint, hashes: Hashes, upload: str, host: str,
+                      about: dict[str, Any] | None = None) -> str:
+        record = expected_record(cp, hashes, host, about)
+        hashes = merged(hashes)
         found = _COMMIT.search(upload or "")
         sha = found.group(1) if found else self._head()
         if sha is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..host.hashing import FileHash, paths_stdin
+from ..host.hashing import paths_stdin
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
 from ..paths import known_hosts_file
@@ -18,25 +18,30 @@ from ..plan import LOCAL, Action
 from ..store import CheckpointRecord, LocalStore, StoreManifest
 from ..ui import human
 from . import rsync
-from .base import Mismatch, Store, expected_record
+from .base import Hashes, Mismatch, Store, expected_record
 
 
-def pull_actions(job: Job, fs: LocalStore, cp: Checkpoint, again: bool, room: str) -> list[Action]:
-    """rsync exactly cp's listed files into the staging folder of `fs` (never trusted there)."""
+def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkpoint, again: bool,
+                 room: str) -> list[Action]:
+    """rsync exactly cp's listed files into the staging folder of `fs` (never trusted there),
+    each part from the node that holds it."""
     files = [e.path for e in cp.files]
-    total = sum(e.size for e in cp.files)
     staging = fs.staging_path(cp.name)
-    argv = rsync.pull_argv(job.target, known_hosts_file(), job.paths.ckpt_dir, staging,
-                           ("--checksum",) if again else ())
-    return [
-        Action("evacuate", f"prepare the staging folder of {cp.name}", where=LOCAL, call="staging.prepare",
-               args={"name": cp.name, "files": files}, fails_as="evacuate"),
-        Action("evacuate", f"{cp.name} (step {cp.step}, {len(files)} file(s), {human(total)}) from the instance",
-               where=LOCAL, argv=argv, stdin=paths_stdin(files), deadline=rsync.deadline_for(total), retry=True,
-               outcomes=rsync.OUTCOMES, fails_as="evacuate", progress="rsync", size=total, room=f"in {room}",
-               say=f"copying {cp.name} (step {cp.step}, {len(files)} file(s), {human(total)}) to {room}"
-                   + (", comparing every byte" if again else "")),
-    ]
+    actions = [Action("evacuate", f"prepare the staging folder of {cp.name}", where=LOCAL, call="staging.prepare",
+                      args={"name": cp.name, "files": files}, fails_as="evacuate")]
+    for job, part in parts:
+        names = [e.path for e in part.files]
+        total = sum(e.size for e in part.files)
+        source = "the instance" if len(parts) == 1 else job.host
+        argv = rsync.pull_argv(job.target, known_hosts_file(), job.paths.ckpt_dir, staging,
+                               ("--checksum",) if again else ())
+        actions.append(Action(
+            "evacuate", f"{cp.name} (step {cp.step}, {len(names)} file(s), {human(total)}) from {source}",
+            where=LOCAL, argv=argv, stdin=paths_stdin(names), deadline=rsync.deadline_for(total), retry=True,
+            outcomes=rsync.OUTCOMES, fails_as="evacuate", progress="rsync", size=total, room=f"in {room}",
+            say=f"copying {cp.name} (step {cp.step}, {len(names)} file(s), {human(total)}) to {room}"
+                + (f" from {job.host}" if len(parts) > 1 else "") + (", comparing every byte" if again else "")))
+    return actions
 
 
 def push_actions(job: Job, source: Path, name: str, incoming: str, total: int, is_dir: bool) -> list[Action]:
@@ -57,9 +62,10 @@ class StagingCalls:
     def prepare(self, name: str, files: list[str]) -> None:
         self.fs.prepare_staging(name, files)
 
-    def verify(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> CheckpointRecord:
+    def verify(self, cp: Checkpoint, hashes: Hashes, host: str,
+               about: dict[str, Any] | None = None) -> CheckpointRecord:
         """The staged copy against the instance's hashes: the record it earns, or Mismatch."""
-        record = expected_record(cp, hashes, host)
+        record = expected_record(cp, hashes, host, about)
         problems = self.fs.verify_staged(cp.name, record.files)
         if problems:
             raise Mismatch(f"{cp.name} did not verify: {problems[0]}"
@@ -103,10 +109,14 @@ class LocalPathStore(Store):
         return push_actions(job, source, record.name, incoming, total, is_dir=record.is_dir)
 
     def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
-        return pull_actions(job, self.fs, cp, again, f"the store {self.label}")
+        return pull_actions([(job, cp)], self.fs, cp, again, f"the store {self.label}")
 
-    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> str:
-        record = self.staging.verify(cp, hashes, host)
+    def plan_receive_parts(self, parts: list[tuple[Job, Checkpoint]], cp: Checkpoint,
+                           again: bool = False) -> list[Action]:
+        return pull_actions(parts, self.fs, cp, again, f"the store {self.label}")
+
+    def accept(self, cp: Checkpoint, hashes: Hashes, host: str, about: dict[str, Any] | None = None) -> str:
+        record = self.staging.verify(cp, hashes, host, about)
         self.fs.commit(record)
         self.record(record)
         return self.hash_name

@@ -21,10 +21,11 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from .. import processes
 from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError, shorten
-from ..host.hashing import FileHash, paths_stdin
+from ..host.hashing import paths_stdin
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action
@@ -32,7 +33,7 @@ from ..recipe import Recipe
 from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest
 from ..ui import human, redact
 from . import rsync
-from .base import Store, expected_record
+from .base import Hashes, Store, expected_record, merged
 from .tools import credential_actions, tool_action, tool_path
 
 AUTH = re.compile(r"AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId|403 Forbidden|401 Unauthorized|"
@@ -256,9 +257,9 @@ class RcloneStore(Store):
         return [f"{p}: sha256 differs" for p in files if got.get(p) != expected[p].sha256], \
             "sha256 of the instance's bytes = sha256 of the remote's bytes, downloaded again"
 
-    def accept(self, cp: Checkpoint, hashes: dict[str, FileHash], host: str) -> str:
-        record = expected_record(cp, hashes, host)
-        md5 = {p: h.hashes["md5"] for p, h in hashes.items() if "md5" in h.hashes}
+    def accept(self, cp: Checkpoint, hashes: Hashes, host: str, about: dict[str, Any] | None = None) -> str:
+        record = expected_record(cp, hashes, host, about)
+        md5 = {p: h.hashes["md5"] for p, h in merged(hashes).items() if "md5" in h.hashes}
         problems, compared = self.check_remote(record.files, md5)
         if problems:
             raise EvacuationError(f"{self.label}: {cp.name} did not verify on the remote: {problems[0]}")

@@ -60,14 +60,20 @@ class Relay(Store):
 
     # -- evacuation ---------------------------------------------------------------------------
     def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
-        return pull_actions(job, self.cache, cp, again, f"the cache {self.cache.root} on this machine")
+        return self.plan_receive_parts([(job, cp)], cp, again)
 
-    def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref) -> list[Action]:
+    def plan_receive_parts(self, parts: list[tuple[Job, Checkpoint]], cp: Checkpoint,
+                           again: bool = False) -> list[Action]:
+        return pull_actions(parts, self.cache, cp, again, f"the cache {self.cache.root} on this machine")
+
+    def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref | list[Ref],
+                    about: dict[str, Any] | None = None) -> list[Action]:
         staged = self.cache.staging_path(cp.name)
         record = Ref(f"record:{cp.name}")
         return [
             Action("evacuate", f"verify {cp.name} here against the instance's sha256", where=LOCAL,
-                   call="staging.verify", args={"cp": cp, "hashes": hashes, "host": job.host},
+                   call="staging.verify", args={"cp": cp, "hashes": hashes, "host": job.host,
+                                                **({"about": about} if about else {})},
                    produces=record.name, fails_as="evacuate"),
             *self.remote.upload_actions(staged, cp, job.host),
             Action("evacuate", f"verify {cp.name} on {self.label}, record it, clear the cache", where=LOCAL,
