@@ -125,26 +125,27 @@ def show_plans(results: list[Any], as_json: bool) -> None:
 
 @cli.command()
 @click.argument("recipe")
-@click.argument("host")
+@click.argument("hosts", nargs=-1, required=True)
 @click.option("--checkpoint", "checkpoint", metavar="NAME", default=None,
               help="Plan the resume from this checkpoint instead of the newest.")
 @common
-def plan(recipe: str, host: str, checkpoint: str | None, overrides: tuple[str, ...], as_json: bool, verbose: bool,
-         yes: bool) -> None:
-    """What `up` would do on HOST: the exact commands and rendered scripts, changing nothing."""
+def plan(recipe: str, hosts: tuple[str, ...], checkpoint: str | None, overrides: tuple[str, ...], as_json: bool,
+         verbose: bool, yes: bool) -> None:
+    """What `up` would do on HOST (or a node group, node 0 first): the exact commands and rendered scripts,
+    changing nothing."""
     from . import cycle
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
-    show_plans(cycle.up(r, [HostSpec.parse(host)], ui, dry_run=True, checkpoint=checkpoint), as_json)
+    show_plans(cycle.up(r, [HostSpec.parse(h) for h in hosts], ui, dry_run=True, checkpoint=checkpoint), as_json)
 
 
 @cli.command()
 @click.argument("recipe")
-@click.argument("host", required=False)
+@click.argument("hosts", nargs=-1)
 @click.option("--stop", is_flag=True, help="First ask training to save and exit (run.stop), then evacuate.")
 @common
-def evacuate(recipe: str, host: str | None, stop: bool, overrides: tuple[str, ...], as_json: bool, verbose: bool,
+def evacuate(recipe: str, hosts: tuple[str, ...], stop: bool, overrides: tuple[str, ...], as_json: bool, verbose: bool,
              yes: bool) -> None:
     """Before destroying an instance: copy its checkpoints, env lock and log off it, verify every
     byte, then say `safe to destroy` (exit 0). Any failure: exit 6, DO NOT destroy."""
@@ -152,8 +153,9 @@ def evacuate(recipe: str, host: str | None, stop: bool, overrides: tuple[str, ..
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
-    spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
-    report = cycle.evacuate(r, spec, ui, stop=stop)
+    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    spec = " ".join(map(str, specs))
+    report = cycle.evacuate(r, specs, ui, stop=stop)
     newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint yet"
     ui.say(f"store {report.store}: copied {len(report.copied)}, already there {len(report.already)}, "
            f"newest on the instance: {newest}")
@@ -166,12 +168,12 @@ def evacuate(recipe: str, host: str | None, stop: bool, overrides: tuple[str, ..
 
 @cli.command()
 @click.argument("recipe")
-@click.argument("host", required=False)
+@click.argument("hosts", nargs=-1)
 @click.option("--every", type=float, default=None, help="Seconds between rounds (default checkpoint.every).")
 @click.option("--once", is_flag=True, help="One round, then exit (0 verified, 6 not).")
 @common
-def sync(recipe: str, host: str | None, every: float | None, once: bool, overrides: tuple[str, ...], as_json: bool,
-         verbose: bool, yes: bool) -> None:
+def sync(recipe: str, hosts: tuple[str, ...], every: float | None, once: bool, overrides: tuple[str, ...],
+         as_json: bool, verbose: bool, yes: bool) -> None:
     """Copy new complete checkpoints off the instance while training runs, verified, round after
     round (the same copy + verify as evacuate). One line per round; Ctrl-C stops cleanly."""
     from . import cycle
@@ -179,28 +181,39 @@ def sync(recipe: str, host: str | None, every: float | None, once: bool, overrid
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
-    spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
-    sync_loop(r, spec, ui, every if every is not None else r.checkpoint.every, once,
+    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    sync_loop(r, specs, ui, every if every is not None else r.checkpoint.every, once,
               emit=click.echo if as_json else None)
 
 
 @cli.command()
 @click.argument("recipe")
-@click.argument("host", required=False)
+@click.argument("hosts", nargs=-1)
 @click.option("--lines", default=10, show_default=True, help="Log lines to show.")
 @common
-def status(recipe: str, host: str | None, lines: int, overrides: tuple[str, ...], as_json: bool, verbose: bool,
-           yes: bool) -> None:
+def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str, ...], as_json: bool,
+           verbose: bool, yes: bool) -> None:
     """Is training alive, its last log lines, GPUs, newest checkpoint on the instance vs newest
     verified in the store (the lag), free disk, env drift. Exit 0 alive, 4 not, 3 unreachable."""
     from . import cycle
     from .errors import EnvError
-    from .status import render, status as get_status
+    from .status import group_status, render, render_group, status as get_status
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
-    spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
-    result = get_status(r, spec, ui, lines)
+    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    if len(specs) > 1:
+        statuses = group_status(r, specs, ui, lines)
+        if as_json:
+            emit(True, [s.as_dict() for s in statuses])
+        else:
+            click.echo(render_group(statuses, r))
+        down = [s.host for s in statuses if not s.alive]
+        if down:
+            raise EnvError(f"training is not running on {', '.join(down)} (tmux session {r.run.session})",
+                           "`relaunch up RECIPE HOST...` starts the group again from the newest checkpoint")
+        return
+    result = get_status(r, specs[0], ui, lines)
     if as_json:
         emit(True, result.as_dict())
     else:

@@ -7,12 +7,15 @@ The CLI calls these; they return results and raise relaunch errors, never print 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
 import re
 import shlex
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,17 +24,18 @@ from typing import Any
 from . import processes
 from .errors import EnvError, EvacuationError, RelaunchError, UsageError, shorten
 from .executor import Executor, HashMismatch
-from .gather import gather, read_listing
+from .gather import gather, gather_group, read_listing, share_listings
 from .host.connection import Remote, connect
 from .host.spec import HostSpec, Target
 from .job import Job, Node, drift
-from .layouts import Checkpoint
+from .layouts import Checkpoint, Entry
 from .paths import state_dir
 from .plan import Action, Plan
 from .recipe import Recipe
-from .steps.checkpoint import choose, instance_checkpoints, plan_restore
+from .steps.checkpoint import choose, instance_checkpoints, on_every_node, plan_restore
+from .steps.group import MARK, barrier, check_reshard, plan_fanout, shape, shaped, tag, what_changed
 from .steps.env import plan_env
-from .steps.evacuate import Report, plan_copy, plan_meta
+from .steps.evacuate import Report, hash_action, plan_copy, plan_meta
 from .steps.launch import attach_command, plan_launch
 from .steps.preflight import plan_preflight, summary
 from .steps.stop import STILL_RUNNING, plan_stop
@@ -55,20 +59,28 @@ def _hosts_file(recipe: Recipe) -> Path:
     return folder / f"{recipe.name}.json"
 
 
-def remember_host(recipe: Recipe, target: Target) -> None:
-    _hosts_file(recipe).write_text(json.dumps({"host": target.label, "port": target.port}) + "\n")
+def remember_host(recipe: Recipe, *targets: Target) -> None:
+    """The host (or node group, node 0 first) of the last successful `up`, for commands without HOST."""
+    hosts = [t.label for t in targets]
+    _hosts_file(recipe).write_text(json.dumps({"host": hosts[0], "port": targets[0].port, "hosts": hosts}) + "\n")
 
 
-def last_host(recipe: Recipe, ui: UI) -> HostSpec:
+def last_hosts(recipe: Recipe, ui: UI) -> list[HostSpec]:
     path = _hosts_file(recipe)
     if not path.exists():
         raise UsageError(f"no HOST given and no successful `relaunch up` of recipe {recipe.name} on record",
                          "give the instance as HOST")
     data = json.loads(path.read_text())
-    spec = HostSpec.parse(data["host"])
-    spec = HostSpec(spec.address, spec.user, spec.port or data.get("port"))
-    ui.say(f"using {spec}, the host of the last `relaunch up` of {recipe.name}")
-    return spec
+    specs = [HostSpec.parse(h) for h in data.get("hosts") or [data["host"]]]
+    if len(specs) == 1:
+        specs = [HostSpec(specs[0].address, specs[0].user, specs[0].port or data.get("port"))]
+    what = "host" if len(specs) == 1 else "node group"
+    ui.say(f"using {' '.join(map(str, specs))}, the {what} of the last `relaunch up` of {recipe.name}")
+    return specs
+
+
+def last_host(recipe: Recipe, ui: UI) -> HostSpec:
+    return last_hosts(recipe, ui)[0]
 
 
 # -- one host ------------------------------------------------------------------------------------
@@ -81,6 +93,43 @@ def open_host(recipe: Recipe, spec: HostSpec, ui: UI, accept_new_host_key: bool 
     if missing:
         ui.warn(f"env.secrets {', '.join(missing)} not set on this machine; not handed to the instance")
     return node, remote
+
+
+def open_group(recipe: Recipe, specs: list[HostSpec], ui: UI,
+               accept_new_host_key: bool = False) -> list[tuple[Node, Remote]]:
+    """Connect to every node at the same time (node 0 first in the result); all or nothing."""
+    if len(specs) == 1:
+        return [open_host(recipe, specs[0], ui, accept_new_host_key)]
+    master = specs[0].address
+    with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="connect") as pool:
+        futures = [pool.submit(open_host, recipe, spec, ui, accept_new_host_key, rank, len(specs), master)
+                   for rank, spec in enumerate(specs)]
+        try:
+            outcomes = [(f.result() if f.exception() is None else f.exception()) for f in futures]
+        except KeyboardInterrupt:
+            processes.CANCEL.set()
+            raise
+    pairs = [o for o in outcomes if isinstance(o, tuple)]
+    failed = [(spec, o) for spec, o in zip(specs, outcomes, strict=True) if not isinstance(o, tuple)]
+    if failed:
+        for _, remote in pairs:
+            remote.close()
+        spec, exc = failed[0]
+        if isinstance(exc, RelaunchError):
+            raise type(exc)(f"{len(failed)} of {len(specs)} nodes could not be reached; first, {spec}: {exc.message}",
+                            exc.hint)
+        raise exc  # type: ignore[misc]
+    return pairs  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def connected(pairs: list[tuple[Node, Remote]]) -> Iterator[dict[str, Remote]]:
+    """The group's connections by node label, closed at the end."""
+    try:
+        yield {node.label: remote for node, remote in pairs}
+    finally:
+        for _, remote in pairs:
+            remote.close()
 
 
 # the lines of pip's or uv's output that name what could not be installed, best first
@@ -116,11 +165,28 @@ class Checks:
             self.ui.step(self.host, "env", "pip freeze matches the lock")
 
 
-def executor_for(job: Job, remote: Remote, store: Store | None, ui: UI) -> Executor:
-    handlers: dict[str, Any] = {"checks": Checks(ui, job.host)}
+class Fanout:
+    """The key a node group uses to copy a checkpoint between its nodes (`fanout.keypair`): made
+    here for one copy, never written to this machine's disk."""
+
+    def keypair(self) -> dict[str, bytes]:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        key = Ed25519PrivateKey.generate()
+        private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                    serialization.NoEncryption())
+        public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        # `restrict`: no forwarding, no pty; the copy needs nothing else
+        return {"private": private, "authorized": b"restrict " + public + f" {MARK}\n".encode()}
+
+
+def executor_for(job: Job, remote: Remote, store: Store | None, ui: UI,
+                 remotes: dict[str, Remote] | None = None) -> Executor:
+    handlers: dict[str, Any] = {"checks": Checks(ui, job.host), "fanout": Fanout()}
     if store is not None:
         handlers.update(store.handlers())
-    return Executor(ui, job.host, remote, handlers)
+    return Executor(ui, job.host, remote, handlers, remotes)
 
 
 @dataclass
@@ -142,12 +208,69 @@ def plan_up(job: Job, store: Store, exclude: frozenset[str] = frozenset(),
         return Plan(job.host, reads=list(job.facts.reads), actions=[Action(
             "launch", f"start tmux session {job.recipe.run.session}",
             skip=f"training is already running in tmux session {job.recipe.run.session}")]), job
+    form = shape([job])
+    job = shaped([job], form)[0]
     choice = choose(job, exclude, wanted)
+    check_reshard(choice.record, form, job)
+    changed = what_changed(choice.record, form, job)
     preflight = plan_preflight(job, choice.copy_bytes)
     job, restore = plan_restore(job, store, choice)
     plan = Plan(job.host, reads=list(job.facts.reads))
+    if changed:
+        plan.extend([Action("launch", "the group's shape", say=changed)])
     plan.extend([*preflight, *plan_env(job), *restore, *plan_launch(job)])
     return plan, job
+
+
+def plan_group_up(jobs: list[Job], store: Store, known_hosts: str, exclude: frozenset[str] = frozenset(),
+                  wanted: str | None = None) -> tuple[Plan, list[Job]]:
+    """`up` on a node group, from the facts of every node (no I/O): every node prepares at the
+    same time, the checkpoint crosses to node 0 and fans out to the others, then all start."""
+    first = jobs[0]
+    plan = Plan(" ".join(job.host for job in jobs), reads=[f"{job.host}: {r}" for job in jobs
+                                                            for r in job.facts.reads])
+    alive = [job.host for job in jobs if job.facts.host.session_alive]
+    if alive and len(alive) == len(jobs):
+        plan.extend([Action("launch", f"start tmux session {first.recipe.run.session} on every node",
+                            skip=f"training is already running on every node (tmux session "
+                                 f"{first.recipe.run.session})")])
+        return plan, jobs
+    if alive:
+        raise EnvError(f"training runs on {', '.join(alive)} but not on "
+                       f"{', '.join(j.host for j in jobs if j.host not in alive)}",
+                       "stop the group (`relaunch evacuate RECIPE HOST... --stop`), then run `up` again")
+    form = shape(jobs)
+    jobs = shaped(jobs, form)
+    choice = choose(jobs[0], exclude, wanted)
+    check_reshard(choice.record, form, jobs[0])
+    changed = what_changed(choice.record, form, jobs[0])
+    plan.extend([Action("launch", "the group's shape", say=changed or
+                        f"{form.nnodes} node(s) x {form.nproc} process(es): world size {form.world_size}"
+                        + (f", grad_accum {form.grad_accum}" if first.recipe.run.batch else ""))])
+    for job in jobs:
+        plan.extend(tag(plan_preflight(job, choice.copy_bytes), job, lane=f"preflight@{job.host}"))
+    plan.extend([barrier("preflight", "every node is ready for the env and the checkpoint")])
+    resumed = []
+    for job in jobs:
+        again, restore = plan_restore(job, store, choice)
+        resumed.append(again)
+        plan.extend(tag(plan_env(again), again))
+        if choice.record is None or choice.on_instance is not None:
+            plan.extend(tag(restore, again, lane=f"checkpoint@{job.host}"))      # nothing to copy
+        elif job is jobs[0]:
+            # the slow link once, to node 0: the copy and its check, not the move into place
+            plan.extend(tag(restore[:-1], again, lane="checkpoint"))
+    if choice.record is not None and choice.on_instance is None:
+        plan.extend(plan_fanout(resumed, choice.record, known_hosts))
+        for job, again in zip(jobs, resumed, strict=True):
+            move = plan_restore(job, store, choice)[1][-1]
+            plan.extend(tag([move], again, lane=f"checkpoint@{job.host}"))
+    plan.extend([barrier("launch", f"starting training on {len(jobs)} nodes")])
+    for again in resumed:
+        launch = [dataclasses.replace(a, produces=f"{a.produces}@{again.host}" if a.produces else "")
+                  for a in plan_launch(again)]
+        plan.extend(tag(launch, again, lane=f"launch@{again.host}"))
+    return plan, resumed
 
 
 def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept_new_host_key: bool = False,
@@ -225,83 +348,144 @@ def up(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
        accept_new_host_key: bool = False, checkpoint: str | None = None) -> list[UpResult]:
     if len(specs) == 1:
         return [up_one(recipe, specs[0], ui, dry_run, accept_new_host_key, wanted=checkpoint)]
-    master = specs[0].address
-    with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="host") as pool:
-        futures = [pool.submit(up_one, recipe, spec, ui, dry_run, accept_new_host_key, rank, len(specs), master,
-                               checkpoint)
-                   for rank, spec in enumerate(specs)]
-        try:
-            for future in futures:
-                future.exception()
-        except KeyboardInterrupt:
-            processes.CANCEL.set()
-            raise
-    results, errors = [], []
-    for spec, future in zip(specs, futures, strict=True):
-        exc = future.exception()
-        if exc is None:
-            results.append(future.result())
-        else:
-            errors.append((spec, exc))
-    for spec, exc in errors:
-        ui.warn(f"{spec}: {redact(str(exc))}")
-    if errors:
-        first = errors[0][1]
-        if isinstance(first, RelaunchError):
-            raise type(first)(f"{len(errors)} of {len(specs)} hosts failed; first: {first.message}", first.hint)
-        raise first
-    return results
+    return up_group(recipe, specs, ui, dry_run, accept_new_host_key, checkpoint)
+
+
+def up_group(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
+             accept_new_host_key: bool = False, wanted: str | None = None) -> list[UpResult]:
+    """`up` on several nodes (node 0 first: torchrun's master): one plan, one executor."""
+    pairs = open_group(recipe, specs, ui, accept_new_host_key)
+    with connected(pairs) as remotes:
+        store = open_store(recipe)
+        damaged: set[str] = set()
+        known = group_known_hosts([node for node, _ in pairs])
+        while True:
+            jobs = gather_group(pairs, recipe, store)
+            for job in jobs:
+                _say_facts(job, store, ui)
+            newer = unsaved_group_checkpoint(jobs[0])
+            if newer is not None and not dry_run and wanted is None:
+                # the group holds a newer checkpoint than the store, spread over its nodes: into the
+                # store first, so that every node can get all of it
+                ui.step(jobs[0].host, "checkpoint", f"{newer.name} (step {newer.step}) is newer than the store's "
+                        "and spread over the nodes; copying it into the store first")
+                with store.lock(ui):
+                    evacuate_jobs(jobs, remotes, store, executor_for(jobs[0], remotes[jobs[0].host], store, ui,
+                                                                     remotes), ui, rounds=1, require_newest=False)
+                continue
+            plan, jobs = plan_group_up(jobs, store, known, frozenset(damaged), wanted)
+            if dry_run:
+                return [UpResult(plan.host, "planned", jobs[0].checkpoint, jobs[0].step, plan)]
+            if all(job.facts.host.session_alive for job in jobs):
+                ui.ok(f"training is already running on every node (tmux session {recipe.run.session}); nothing to do")
+                remember_host(recipe, *(job.target for job in jobs))
+                return [UpResult(job.host, "already running") for job in jobs]
+            executor = executor_for(jobs[0], remotes[jobs[0].host], store, ui, remotes)
+            try:
+                results = executor.run(plan.actions)
+                break
+            except HashMismatch as exc:
+                name = jobs[0].checkpoint.rsplit("/", 1)[-1]
+                for job in jobs:
+                    executor.run_one(Action("checkpoint", f"remove the copy of {name} that did not verify",
+                                            command=f"rm -rf -- {shlex.quote(job.paths.incoming)}", host=job.host))
+                if wanted is not None:
+                    raise
+                damaged.add(name)
+                ui.warn(f"{exc.message}; {name} is not used (kept in the store as it is); falling back")
+        statuses = [_launched(job, results.get(f"launch@{job.host}") or {}, ui) for job in jobs]
+        remember_host(recipe, *(job.target for job in jobs))
+        return [UpResult(job.host, status, job.checkpoint, job.step) for job, status in zip(jobs, statuses,
+                                                                                              strict=True)]
+
+
+def group_known_hosts(nodes: list[Node]) -> str:
+    """relaunch's recorded host keys of the group's nodes, as a known_hosts file for the nodes."""
+    from .host.known_hosts import KnownHosts
+    from .paths import known_hosts_file
+
+    known = KnownHosts(known_hosts_file())
+    return "".join(f"{node.target.known_hosts_name} {key.get_name()} {key.get_base64()}\n"
+                   for node in nodes for key in known.recorded(node.target.known_hosts_name))
+
+
+def unsaved_group_checkpoint(job: Job) -> Checkpoint | None:
+    """The group's newest complete checkpoint when it is newer than the store's and not on every node."""
+    found = [cp for cp in instance_checkpoints(job) if cp.name not in job.facts.damaged]
+    if not found or job.facts.holders is None:
+        return None
+    newest = found[-1]
+    stored = job.facts.store.manifest.newest() if job.facts.store and job.facts.store.manifest else None
+    if (stored is not None and stored.step >= newest.step) or on_every_node(job, newest):
+        return None
+    return newest
 
 
 # -- evacuate ----------------------------------------------------------------------------------
-def evacuate(recipe: Recipe, spec: HostSpec, ui: UI, stop: bool = False) -> Report:
-    """Any failure becomes exit 6: the instance must not be destroyed."""
+def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: bool = False) -> Report:
+    """Any failure becomes exit 6: the instance (or any node of the group) must not be destroyed."""
+    specs = specs if isinstance(specs, list) else [specs]
     try:
         store = open_store(recipe)
-        node, remote = open_host(recipe, spec, ui)
-        with remote:
-            job = gather(remote, recipe, node)
-            executor = executor_for(job, remote, store, ui)
+        pairs = open_group(recipe, specs, ui)
+        with connected(pairs) as remotes:
+            jobs = gather_group(pairs, recipe)
+            executor = executor_for(jobs[0], remotes[jobs[0].host], store, ui, remotes)
             if stop:
-                _stop(job, executor, ui)
+                _stop(jobs, executor, ui)
             with store.lock(ui):
-                return evacuate_job(job, remote, store, executor, ui)
+                return evacuate_jobs(jobs, remotes, store, executor, ui)
     except UsageError:
         raise
     except RelaunchError as exc:
-        raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy the instance",
-                              exc.hint) from exc
+        what = "the instance" if len(specs) == 1 else "any node of the group"
+        raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy {what}", exc.hint) from exc
 
 
-def _stop(job: Job, executor: Executor, ui: UI) -> None:
-    results = executor.run(plan_stop(job))
-    outcome = str(results.get("stop") or "").strip()
-    if outcome.startswith(STILL_RUNNING):
-        ui.warn(f"{job.host}: training still running after {job.recipe.run.stop.timeout:g}s (run.stop.timeout); "
-                "evacuating what is there")
-    elif outcome:
-        ui.step(job.host, "stop", f"training stopped (exit {outcome.split(' ', 1)[-1].strip() or '?'})")
+def _stop(jobs: list[Job], executor: Executor, ui: UI) -> None:
+    group = len(jobs) > 1
+    actions = [a for job in jobs for a in (tag(plan_stop(job), job, lane=f"stop@{job.host}") if group
+                                           else plan_stop(job))]
+    results = executor.run([dataclasses.replace(a, produces=f"stop@{a.host}" if group and a.produces else a.produces)
+                            for a in actions])
+    for job in jobs:
+        outcome = str(results.get(f"stop@{job.host}" if group else "stop") or "").strip()
+        if outcome.startswith(STILL_RUNNING):
+            ui.warn(f"{job.host}: training still running after {job.recipe.run.stop.timeout:g}s (run.stop.timeout); "
+                    "evacuating what is there")
+        elif outcome:
+            ui.step(job.host, "stop", f"training stopped (exit {outcome.split(' ', 1)[-1].strip() or '?'})")
 
 
 def evacuate_job(job: Job, remote: Remote, store: Store, executor: Executor, ui: UI, rounds: int = 3,
                  reverify: bool = True, require_newest: bool = True) -> Report:
-    """Copy the newest `keep` complete checkpoints (newest first) until the newest is verified.
+    """One instance: see evacuate_jobs."""
+    return evacuate_jobs([job], {job.host: remote}, store, executor, ui, rounds, reverify, require_newest)
+
+
+def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, executor: Executor, ui: UI,
+                  rounds: int = 3, reverify: bool = True, require_newest: bool = True) -> Report:
+    """Copy the newest `keep` complete checkpoints (newest first) until the newest is verified;
+    in a node group, each file from the node that holds it.
 
     Call with the store lock held. `evacuate` re-hashes what the store already holds and insists
     that the newest checkpoint on the instance ends up verified; a `sync` round (reverify=False,
     require_newest=False) only moves what is new and reports the lag instead.
     """
     started = time.monotonic()
+    job = jobs[0]
     keep = job.recipe.checkpoint.keep
-    job.facts.store = store.read(writing=True)
+    state = store.read(writing=True)
+    for each in jobs:
+        each.facts.store = state
     report = Report(store=store.label, verified_by=store.hash_name)
     listing = instance_checkpoints(job)
     try:
         for _ in range(rounds):
             for cp in reversed(listing[-keep:]):
                 if cp.name not in report.copied + report.already + report.skipped + _names(report.damaged):
-                    _evacuate_one(job, store, executor, cp, report, reverify)
-            job.facts.listing = read_listing(remote, job.paths.ckpt_dir, EvacuationError)
+                    _evacuate_one(jobs, store, executor, cp, report, reverify)
+            relist(jobs, remotes)
             listing = [cp for cp in instance_checkpoints(job) if cp.name not in _names(report.damaged)]
             newest = listing[-1] if listing else None
             report.newest = report.newest_step = report.newest_mtime = None
@@ -338,22 +522,47 @@ def evacuate_job(job: Job, remote: Remote, store: Store, executor: Executor, ui:
     return report
 
 
+def relist(jobs: list[Job], remotes: dict[str, Remote]) -> None:
+    """Read checkpoint.dir again on every node (training may have saved meanwhile)."""
+    if len(jobs) == 1:
+        jobs[0].facts.listing = read_listing(remotes[jobs[0].host], jobs[0].paths.ckpt_dir, EvacuationError)
+        return
+    share_listings(jobs, remotes, {job.host: read_listing(remotes[job.host], job.paths.ckpt_dir, EvacuationError)
+                                   for job in jobs})
+
+
 def _names(damaged: list[str]) -> list[str]:
     return [d.split(":", 1)[0] for d in damaged]
 
 
-def _evacuate_one(job: Job, store: Store, executor: Executor, cp: Checkpoint, report: Report,
+def parts_of(jobs: list[Job], cp: Checkpoint) -> list[tuple[Job, Checkpoint]]:
+    """Which node sends which files of cp (the first node that holds each)."""
+    if len(jobs) == 1:
+        return [(jobs[0], cp)]
+    holders = jobs[0].facts.holders or {}
+    by_host = {job.host: job for job in jobs}
+    parts: dict[str, list[Entry]] = {}
+    for entry in cp.files:
+        parts.setdefault(holders[entry.path][0], []).append(entry)
+    return [(by_host[host], dataclasses.replace(cp, files=tuple(files))) for host, files in parts.items()]
+
+
+def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpoint, report: Report,
                   reverify: bool) -> None:
+    job = jobs[0]
     known = store.manifest.checkpoints.get(cp.name) if store.manifest else None
     sizes = {e.path: e.size for e in cp.files}
+    parts = parts_of(jobs, cp)
     if known is not None:
         if not reverify and {p: f.size for p, f in known.files.items()} == sizes:
             report.already.append(cp.name)        # a sync round: same files, same sizes, verified before
             report.unchanged.append(cp.name)
             return
-        from .steps.evacuate import hash_action
-
-        hashes = executor.run_one(hash_action(job, store, cp))
+        hashes: dict[str, Any] = {}
+        for part_job, part in parts:
+            found = executor.run_one(tag([hash_action(part_job, store, part)], part_job)[0]
+                                     if len(jobs) > 1 else hash_action(part_job, store, part))
+            hashes.update(found)
         if any(h.missing for h in hashes.values()):
             report.skipped.append(cp.name)
             return
@@ -364,14 +573,16 @@ def _evacuate_one(job: Job, store: Store, executor: Executor, cp: Checkpoint, re
         raise EvacuationError(
             f"{job.host}: {cp.name} on the instance differs from the verified copy in the store {store.label}",
             "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right")
+    about: dict[str, Any] = {"saved_with": job.facts.host.run or None}
+    if len(jobs) > 1:
+        about["held"] = {e.path: part_job.host for part_job, part in parts for e in part.files}
     try:
         try:
-            results = executor.run(plan_copy(job, store, cp))
+            results = executor.run(plan_copy(job, store, cp, parts=parts, about=about))
         except Mismatch as exc:
             # a quick check (size + mtime) can trust a damaged partial file: compare every byte
-            ui = executor.ui
-            ui.warn(f"{cp.name}: {exc.problems[0]}; copying again, comparing every byte")
-            results = executor.run(plan_copy(job, store, cp, again=True))
+            executor.ui.warn(f"{cp.name}: {exc.problems[0]}; copying again, comparing every byte")
+            results = executor.run(plan_copy(job, store, cp, again=True, parts=parts, about=about))
     except Vanished:
         executor.ui.step(job.host, "evacuate", f"{cp.name} was rotated away by the trainer during the copy; skipped")
         report.skipped.append(cp.name)
@@ -382,6 +593,6 @@ def _evacuate_one(job: Job, store: Store, executor: Executor, cp: Checkpoint, re
         return
     report.copied.append(cp.name)
     report.bytes_copied += sum(sizes.values())
-    executor.ui.step(job.host, "evacuate", f"{cp.name} verified: {len(sizes)} file(s), "
+    where = "" if len(parts) == 1 else f" from {len(parts)} nodes"
+    executor.ui.step(job.host, "evacuate", f"{cp.name} verified: {len(sizes)} file(s){where}, "
                                            f"{results.get(f'verified:{cp.name}') or store.hash_name}")
-

@@ -151,17 +151,23 @@ def gather_group(pairs: list[tuple[Node, Remote]], recipe: Recipe, store: Store 
         for job in jobs:
             job.facts.store = state
             damaged.update(read_damaged(remotes[job.host], job))
+    for job in jobs:
+        job.facts.store, job.facts.damaged = state, damaged
+    share_listings(jobs, remotes, {job.host: job.facts.listing or [] for job in jobs})
+    return jobs
+
+
+def share_listings(jobs: list[Job], remotes: dict[str, Remote], listings: dict[str, list[Entry]]) -> None:
+    """One view of a group's checkpoint folders, shared by every node's job: the merged listing,
+    which nodes hold each path, and what the DCP checkpoints among them need."""
     merged: dict[str, Entry] = {}
     holders: dict[str, list[str]] = {}
     for job in jobs:
-        for entry in job.facts.listing or []:
+        for entry in listings[job.host]:
             merged.setdefault(entry.path, entry)
             holders.setdefault(entry.path, []).append(job.host)
     listing = list(merged.values())
-    first = jobs[0]
-    first.facts.listing = listing
-    required = read_required(remotes, first, holders)
+    jobs[0].facts.listing = listing
+    required = read_required(remotes, jobs[0], holders)
     for job in jobs:
         job.facts.listing, job.facts.holders, job.facts.required = listing, holders, required
-        job.facts.store, job.facts.damaged = state, damaged
-    return jobs

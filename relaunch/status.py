@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .cycle import open_host
-from .gather import gather
+from .cycle import connected, open_group, open_host
+from .gather import gather, gather_group
 from .host.spec import HostSpec
 from .job import Lag, drift
 from .recipe import Recipe
@@ -85,4 +85,55 @@ def render(s: Status, recipe: Recipe) -> str:
     return "\n".join(out)
 
 
-__all__ = ["status", "render", "Status"]
+def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10) -> list[Status]:
+    """Every node of a group at once; the checkpoint lag is the group's (complete across nodes)."""
+    store = open_store(recipe)
+    pairs = open_group(recipe, specs, ui)
+    with connected(pairs) as remotes:
+        jobs = gather_group(pairs, recipe, store)
+        group = instance_checkpoints(jobs[0])
+        manifest = jobs[0].facts.store.manifest if jobs[0].facts.store else None
+        stored = manifest.newest() if manifest else None
+        found = []
+        for job in jobs:
+            facts = job.facts.host
+            one = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt, gpus=facts.gpus)
+            if facts.session_since.isdigit():
+                one.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
+            tail = remotes[job.host].exec(tail_command(job.paths.log, lines), deadline=LOOK_DEADLINE)
+            one.log_tail = tail.text.splitlines() if tail.ok else []
+            if group:
+                one.newest, one.newest_step = group[-1].name, group[-1].step
+                one.newest_mtime = max((e.mtime for e in group[-1].files), default=None)
+            if stored is not None:
+                one.stored, one.stored_step, one.stored_written_at = stored.name, stored.step, stored.written_at
+            if job.facts.lock and facts.venv_freeze is not None:
+                one.drift = drift(job.facts.lock, facts.venv_freeze)
+            found.append(one)
+        return found
+
+
+def render_group(statuses: list[Status], recipe: Recipe) -> str:
+    """One table of the nodes, then the group's checkpoints and node 0's last log lines."""
+    rows = [("node", "tmux " + recipe.run.session, "GPUs", "free disk", "env")]
+    for s in statuses:
+        state = f"ALIVE since {s.since}" if s.alive and s.since else ("ALIVE" if s.alive else "NOT RUNNING")
+        env = "matches the lock" if not s.drift else f"{len(s.drift)} difference(s)"
+        rows.append((s.host, state, str(len(s.gpus)), human(s.free_bytes), env))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    first = statuses[0]
+    out.append(f"newest checkpoint complete across the group: "
+               f"{f'{first.newest} (step {first.newest_step})' if first.newest else 'none yet'}")
+    out.append(f"newest verified in the store:                "
+               f"{f'{first.stored} (step {first.stored_step})' if first.stored else 'none'}")
+    if first.lag_steps is not None:
+        minutes = f", {first.lag_seconds / 60:.1f} min" if first.lag_seconds is not None else ""
+        out.append(f"a loss right now would cost: {first.lag_steps} steps{minutes}")
+    if first.log_tail:
+        out.append(f"last lines of {recipe.run.log} on {first.host}:")
+        out += ["  " + line for line in first.log_tail]
+    return "\n".join(out)
+
+
+__all__ = ["group_status", "render", "render_group", "status", "Status"]

@@ -11,9 +11,9 @@ import json
 from collections.abc import Callable
 
 from . import processes
-from .cycle import evacuate_job, executor_for, open_host
+from .cycle import connected, evacuate_jobs, executor_for, open_group
 from .errors import ConnectError, EvacuationError, Interrupted, RelaunchError, UsageError
-from .gather import gather
+from .gather import gather_group
 from .host.spec import HostSpec
 from .recipe import Recipe
 from .retry import retrying
@@ -25,15 +25,16 @@ RETRY_WAIT = 20          # seconds each reconnect may take once the loop runs
 MAX_BACKOFF = 300
 
 
-def sync_round(recipe: Recipe, spec: HostSpec, ui: UI) -> Report:
-    """One round: connect, gather, copy what is new (verified), report the lag."""
+def sync_round(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI) -> Report:
+    """One round: connect (to every node of a group), gather, copy what is new (verified), report the lag."""
     store = open_store(recipe)
-    node, remote = open_host(recipe, spec, ui)
-    with remote:
-        job = gather(remote, recipe, node)
+    pairs = open_group(recipe, specs if isinstance(specs, list) else [specs], ui)
+    with connected(pairs) as remotes:
+        jobs = gather_group(pairs, recipe)
+        executor = executor_for(jobs[0], remotes[jobs[0].host], store, ui, remotes)
         with store.lock(ui):
-            return evacuate_job(job, remote, store, executor_for(job, remote, store, ui), ui, rounds=1,
-                                reverify=False, require_newest=False)
+            return evacuate_jobs(jobs, remotes, store, executor, ui, rounds=1, reverify=False,
+                                 require_newest=False)
 
 
 def _worth_retrying(exc: BaseException) -> bool:
@@ -41,7 +42,7 @@ def _worth_retrying(exc: BaseException) -> bool:
     return isinstance(exc, RelaunchError) and not isinstance(exc, (UsageError, EvacuationError, Interrupted))
 
 
-def sync(recipe: Recipe, spec: HostSpec, ui: UI, every: float, once: bool,
+def sync(recipe: Recipe, spec: HostSpec | list[HostSpec], ui: UI, every: float, once: bool,
          emit: Callable[[str], None] | None = None) -> None:
     # one line per round: the steps' own messages only with -v (they are in the debug log anyway)
     inner = UI(verbose=ui.verbose, quiet=not ui.verbose)

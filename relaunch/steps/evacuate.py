@@ -8,9 +8,11 @@ and only then names the checkpoint in the manifest. Nothing on the instance is c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..host.hashing import hash_command, hash_deadline, paths_stdin
 from ..job import Job, Lag
@@ -52,11 +54,19 @@ def hash_action(job: Job, store: Store, cp: Checkpoint) -> Action:
                   parse="hashes", fails_as="evacuate")
 
 
-def plan_copy(job: Job, store: Store, cp: Checkpoint, again: bool = False) -> list[Action]:
+def plan_copy(job: Job, store: Store, cp: Checkpoint, again: bool = False,
+              parts: list[tuple[Job, Checkpoint]] | None = None, about: dict[str, Any] | None = None) -> list[Action]:
     """Receive cp, hash it on the instance (after the copy: what was copied is what is hashed,
-    unless the trainer rotated it away meanwhile), verify, commit, record."""
-    hashes = Ref(f"hashes:{cp.name}")
-    return [*store.plan_receive(job, cp, again), hash_action(job, store, cp), *store.plan_accept(job, cp, hashes)]
+    unless the trainer rotated it away meanwhile), verify, commit, record. In a node group,
+    `parts` says which node sends which files; each hashes its own."""
+    if not parts or len(parts) == 1:
+        hashes = Ref(f"hashes:{cp.name}")
+        return [*store.plan_receive(job, cp, again), hash_action(job, store, cp),
+                *store.plan_accept(job, cp, hashes, about)]
+    refs = [Ref(f"hashes:{cp.name}@{part_job.host}") for part_job, _ in parts]
+    hashing = [dataclasses.replace(hash_action(part_job, store, part), host=part_job.host, produces=ref.name)
+               for (part_job, part), ref in zip(parts, refs, strict=True)]
+    return [*store.plan_receive_parts(parts, cp, again), *hashing, *store.plan_accept(job, cp, refs, about)]
 
 
 def plan_meta(job: Job) -> list[Action]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 
 from .. import scripts
@@ -45,6 +46,14 @@ def watch_command(job: Job) -> str:
     return f"{shlex.quote(python)} -c {shlex.quote(scripts.plain('watch.py'))} {shlex.join(args)}"
 
 
+def run_info(job: Job) -> dict[str, object]:
+    """How this start runs training: what evacuate records with each checkpoint it saves."""
+    ctx, batch = job.context(), job.recipe.run.batch
+    return {"nnodes": ctx["nnodes"], "node_rank": ctx["node_rank"], "nproc_per_node": ctx["nproc_per_node"],
+            "world_size": ctx["world_size"], "grad_accum": ctx["grad_accum"],
+            **({"global": batch.global_, "micro": batch.micro} if batch else {})}
+
+
 def plan_launch(job: Job) -> list[Action]:
     paths, run = job.paths, job.recipe.run
     session = shlex.quote(run.session)
@@ -59,6 +68,9 @@ def plan_launch(job: Job) -> list[Action]:
     return [
         Action("launch", f"upload run.sh -> {paths.run_script} (mode 0700)",
                command=upload_command(paths.run_script, 0o700), stdin=script.encode()),
+        Action("launch", f"upload run.json -> {paths.run_info} (how training runs: world size, grad_accum)",
+               command=upload_command(paths.run_info, 0o600),
+               stdin=(json.dumps(run_info(job), sort_keys=True) + "\n").encode()),
         Action("launch", f"start tmux session {run.session}", command=start),
         Action("launch", "watch the command start", command=watch_command(job), deadline=run.grace + WATCH_SLACK,
                produces="launch", parse="json", say=waiting),
