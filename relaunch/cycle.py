@@ -80,7 +80,8 @@ def last_host(recipe: Recipe, ui: UI) -> HostSpec:
 def open_host(recipe: Recipe, spec: HostSpec, ui: UI, accept_new_host_key: bool = False, rank: int = 0,
               nnodes: int = 1, master_addr: str = "") -> tuple[Node, Remote]:
     node = Node(make_target(recipe, spec), rank, nnodes, master_addr)
-    ui.say(f"connecting to {node.label} (waiting up to {node.target.wait:g}s while it boots)")
+    through = f" through jump host {node.target.jump.label}" if node.target.jump else ""
+    ui.say(f"connecting to {node.label}{through} (waiting up to {node.target.wait:g}s while it boots)")
     remote = connect(node.target, accept_new_host_key=accept_new_host_key, say=ui.say)
     missing = [name for name in recipe.env.secrets if name not in os.environ]
     if missing:
