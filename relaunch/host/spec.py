@@ -23,7 +23,7 @@ class HostSpec:
     def parse(cls, text: str) -> HostSpec:
         raw = text.strip()
         if not raw:
-            raise UsageError("HOST is empty", "give ADDRESS, USER@ADDRESS or USER@ADDRESS:PORT")
+            raise UsageError("HOST is empty", "give ADDRESS, USER@ADDRESS, USER@ADDRESS:PORT or an ~/.ssh/config alias")
         user = None
         if "@" in raw:
             user, raw = raw.rsplit("@", 1)

@@ -73,15 +73,13 @@ class HostConfig:
 class SSHConfigFile:
     """One parsed ssh config file (with its `Include`s); a missing file says nothing."""
 
-    def __init__(self, path: Path, text: str | None = None) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
         self.config = paramiko.SSHConfig()
+        if not path.exists():
+            return
         try:
-            if text is None:
-                if not path.exists():
-                    return
-                text = "\n".join(_expanded(path, depth=0))
-            self.config.parse(io.StringIO(text))
+            self.config.parse(io.StringIO("\n".join(_expanded(path, depth=0))))
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"cannot read the ssh config {path}: {getattr(exc, 'strerror', None) or exc}",
                              f"fix it, or point {ENV_VAR} at another file") from None
