@@ -24,6 +24,7 @@ from .executor import Executor, HashMismatch
 from .gather import gather, read_listing
 from .host.connection import Remote, connect
 from .host.spec import HostSpec, Target
+from .host.sshconfig import Layer, resolve
 from .job import Job, Node, drift
 from .layouts import Checkpoint
 from .paths import state_dir
@@ -42,10 +43,13 @@ log = logging.getLogger("relaunch")
 
 
 def make_target(recipe: Recipe, spec: HostSpec) -> Target:
-    """HOST wins over the recipe's ssh section, which wins over the provider preset."""
+    """HOST wins over what the recipe wrote in its ssh section, which wins over ~/.ssh/config for
+    that host, which wins over the provider preset and the defaults (see host/sshconfig.py)."""
     ssh = recipe.ssh
-    return Target(address=spec.address, user=spec.user or ssh.user, port=spec.port or ssh.port,
-                  key=str(ssh.key) if ssh.key else None, host_key=ssh.host_key, wait=ssh.wait)
+    written = Layer(user=ssh.user if recipe.wrote("ssh.user") else None,
+                    port=ssh.port if recipe.wrote("ssh.port") else None,
+                    key=str(ssh.key) if ssh.key else None)
+    return resolve(spec, written, Layer(user=ssh.user, port=ssh.port), host_key=ssh.host_key, wait=ssh.wait)
 
 
 # -- remembered hosts --------------------------------------------------------------------------
@@ -55,8 +59,11 @@ def _hosts_file(recipe: Recipe) -> Path:
     return folder / f"{recipe.name}.json"
 
 
-def remember_host(recipe: Recipe, target: Target) -> None:
-    _hosts_file(recipe).write_text(json.dumps({"host": target.label, "port": target.port}) + "\n")
+def remember_host(recipe: Recipe, target: Target, spec: HostSpec) -> None:
+    # an ssh config alias is remembered as typed, so that a later run resolves it (and its jump
+    # host) again; an address as the endpoint it was resolved to
+    entry = {"host": str(spec)} if target.alias else {"host": target.endpoint, "port": target.port}
+    _hosts_file(recipe).write_text(json.dumps(entry) + "\n")
 
 
 def last_host(recipe: Recipe, ui: UI) -> HostSpec:
@@ -75,7 +82,8 @@ def last_host(recipe: Recipe, ui: UI) -> HostSpec:
 def open_host(recipe: Recipe, spec: HostSpec, ui: UI, accept_new_host_key: bool = False, rank: int = 0,
               nnodes: int = 1, master_addr: str = "") -> tuple[Node, Remote]:
     node = Node(make_target(recipe, spec), rank, nnodes, master_addr)
-    ui.say(f"connecting to {node.label} (waiting up to {node.target.wait:g}s while it boots)")
+    through = f" through jump host {node.target.jump.label}" if node.target.jump else ""
+    ui.say(f"connecting to {node.label}{through} (waiting up to {node.target.wait:g}s while it boots)")
     remote = connect(node.target, accept_new_host_key=accept_new_host_key, say=ui.say)
     missing = [name for name in recipe.env.secrets if name not in os.environ]
     if missing:
@@ -166,7 +174,7 @@ def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept
             if job.facts.host.session_alive:
                 ui.ok(f"[{job.host}] training is already running in tmux session {recipe.run.session}; "
                       "nothing to do")
-                remember_host(recipe, node.target)
+                remember_host(recipe, node.target, spec)
                 return UpResult(job.host, "already running")
             executor = executor_for(job, remote, store, ui)
             try:
@@ -186,7 +194,7 @@ def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept
                     suspect.add(name)
                     ui.warn(f"{exc.message}; copying {name} again before calling it damaged")
         status = _launched(job, results.get("launch") or {}, ui)
-        remember_host(recipe, node.target)
+        remember_host(recipe, node.target, spec)
         return UpResult(job.host, status, job.checkpoint, job.step)
 
 
@@ -225,7 +233,7 @@ def up(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
        accept_new_host_key: bool = False, checkpoint: str | None = None) -> list[UpResult]:
     if len(specs) == 1:
         return [up_one(recipe, specs[0], ui, dry_run, accept_new_host_key, wanted=checkpoint)]
-    master = specs[0].address
+    master = make_target(recipe, specs[0]).address     # as resolved: an ssh config alias means nothing there
     with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="host") as pool:
         futures = [pool.submit(up_one, recipe, spec, ui, dry_run, accept_new_host_key, rank, len(specs), master,
                                checkpoint)
