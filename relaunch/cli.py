@@ -97,7 +97,8 @@ def cli() -> None:
 def up(recipe: str, hosts: tuple[str, ...], dry_run: bool, accept_new_host_key: bool, checkpoint: str | None,
        overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
     """Bring fresh instance(s) back to training: connect, rebuild the env, restore the newest
-    complete checkpoint, start the command in tmux. HOST is ADDRESS, USER@ADDRESS or USER@ADDRESS:PORT."""
+    complete checkpoint, start the command in tmux. HOST is ADDRESS, USER@ADDRESS or USER@ADDRESS:PORT,
+    or a Host alias from ~/.ssh/config."""
     from . import cycle
 
     r = load(recipe, overrides)

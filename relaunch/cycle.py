@@ -27,6 +27,7 @@ from .executor import Executor, HashMismatch
 from .gather import gather, gather_group, read_listing, share_listings
 from .host.connection import Remote, connect
 from .host.spec import HostSpec, Target
+from .host.sshconfig import Layer, resolve
 from .job import Job, Node, drift
 from .layouts import Checkpoint, Entry
 from .paths import state_dir
@@ -46,10 +47,13 @@ log = logging.getLogger("relaunch")
 
 
 def make_target(recipe: Recipe, spec: HostSpec) -> Target:
-    """HOST wins over the recipe's ssh section, which wins over the provider preset."""
+    """HOST wins over what the recipe wrote in its ssh section, which wins over ~/.ssh/config for
+    that host, which wins over the provider preset and the defaults (see host/sshconfig.py)."""
     ssh = recipe.ssh
-    return Target(address=spec.address, user=spec.user or ssh.user, port=spec.port or ssh.port,
-                  key=str(ssh.key) if ssh.key else None, host_key=ssh.host_key, wait=ssh.wait)
+    written = Layer(user=ssh.user if recipe.wrote("ssh.user") else None,
+                    port=ssh.port if recipe.wrote("ssh.port") else None,
+                    key=str(ssh.key) if ssh.key else None)
+    return resolve(spec, written, Layer(user=ssh.user, port=ssh.port), host_key=ssh.host_key, wait=ssh.wait)
 
 
 # -- remembered hosts --------------------------------------------------------------------------
@@ -59,10 +63,13 @@ def _hosts_file(recipe: Recipe) -> Path:
     return folder / f"{recipe.name}.json"
 
 
-def remember_host(recipe: Recipe, *targets: Target) -> None:
-    """The host (or node group, node 0 first) of the last successful `up`, for commands without HOST."""
-    hosts = [t.label for t in targets]
-    _hosts_file(recipe).write_text(json.dumps({"host": hosts[0], "port": targets[0].port, "hosts": hosts}) + "\n")
+def remember_host(recipe: Recipe, *nodes: tuple[Target, HostSpec]) -> None:
+    """The host (or node group, node 0 first) of the last successful `up`, for commands without HOST.
+
+    An ssh config alias is remembered as typed, so that a later run resolves it (and its jump
+    host) again; an address as the endpoint it was resolved to."""
+    hosts = [str(spec) if target.alias else target.endpoint for target, spec in nodes]
+    _hosts_file(recipe).write_text(json.dumps({"host": hosts[0], "port": nodes[0][0].port, "hosts": hosts}) + "\n")
 
 
 def last_hosts(recipe: Recipe, ui: UI) -> list[HostSpec]:
@@ -87,7 +94,8 @@ def last_host(recipe: Recipe, ui: UI) -> HostSpec:
 def open_host(recipe: Recipe, spec: HostSpec, ui: UI, accept_new_host_key: bool = False, rank: int = 0,
               nnodes: int = 1, master_addr: str = "") -> tuple[Node, Remote]:
     node = Node(make_target(recipe, spec), rank, nnodes, master_addr)
-    ui.say(f"connecting to {node.label} (waiting up to {node.target.wait:g}s while it boots)")
+    through = f" through jump host {node.target.jump.label}" if node.target.jump else ""
+    ui.say(f"connecting to {node.label}{through} (waiting up to {node.target.wait:g}s while it boots)")
     remote = connect(node.target, accept_new_host_key=accept_new_host_key, say=ui.say)
     missing = [name for name in recipe.env.secrets if name not in os.environ]
     if missing:
@@ -100,7 +108,7 @@ def open_group(recipe: Recipe, specs: list[HostSpec], ui: UI,
     """Connect to every node at the same time (node 0 first in the result); all or nothing."""
     if len(specs) == 1:
         return [open_host(recipe, specs[0], ui, accept_new_host_key)]
-    master = specs[0].address
+    master = make_target(recipe, specs[0]).address     # as resolved: an ssh config alias means nothing there
     with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="connect") as pool:
         futures = [pool.submit(open_host, recipe, spec, ui, accept_new_host_key, rank, len(specs), master)
                    for rank, spec in enumerate(specs)]
@@ -289,7 +297,7 @@ def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept
             if job.facts.host.session_alive:
                 ui.ok(f"[{job.host}] training is already running in tmux session {recipe.run.session}; "
                       "nothing to do")
-                remember_host(recipe, node.target)
+                remember_host(recipe, (node.target, spec))
                 return UpResult(job.host, "already running")
             executor = executor_for(job, remote, store, ui)
             try:
@@ -309,7 +317,7 @@ def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept
                     suspect.add(name)
                     ui.warn(f"{exc.message}; copying {name} again before calling it damaged")
         status = _launched(job, results.get("launch") or {}, ui)
-        remember_host(recipe, node.target)
+        remember_host(recipe, (node.target, spec))
         return UpResult(job.host, status, job.checkpoint, job.step)
 
 
@@ -378,7 +386,7 @@ def up_group(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = Fals
                 return [UpResult(plan.host, "planned", jobs[0].checkpoint, jobs[0].step, plan)]
             if all(job.facts.host.session_alive for job in jobs):
                 ui.ok(f"training is already running on every node (tmux session {recipe.run.session}); nothing to do")
-                remember_host(recipe, *(job.target for job in jobs))
+                remember_host(recipe, *zip((job.target for job in jobs), specs, strict=True))
                 return [UpResult(job.host, "already running") for job in jobs]
             executor = executor_for(jobs[0], remotes[jobs[0].host], store, ui, remotes)
             try:
@@ -394,7 +402,7 @@ def up_group(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = Fals
                 damaged.add(name)
                 ui.warn(f"{exc.message}; {name} is not used (kept in the store as it is); falling back")
         statuses = [_launched(job, results.get(f"launch@{job.host}") or {}, ui) for job in jobs]
-        remember_host(recipe, *(job.target for job in jobs))
+        remember_host(recipe, *zip((job.target for job in jobs), specs, strict=True))
         return [UpResult(job.host, status, job.checkpoint, job.step) for job, status in zip(jobs, statuses,
                                                                                               strict=True)]
 

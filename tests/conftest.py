@@ -284,7 +284,11 @@ def hf_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubFactory]:
 def pytest_configure(config: pytest.Config) -> None:
     """A SIGTERM (a CI timeout, a `kill`) ends the run like Ctrl-C, so fixtures still tear down
     their sandbox instances and servers instead of leaving namespaces behind."""
+    import os
     import signal
+
+    # relaunch reads ~/.ssh/config; tests never depend on (or read) this machine's own
+    os.environ["RELAUNCH_SSH_CONFIG"] = os.devnull
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

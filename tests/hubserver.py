@@ -20,7 +20,14 @@ Routes (shapes checked against huggingface_hub 2.4.0's own code):
 - uploads: `POST .../preupload/{rev}`, the LFS batch API `POST /[{type}s/]{repo}.git/info/lfs/
   objects/batch` whose upload actions point back here (`PUT /lfs-upload/{oid}`, signed like a
   presigned S3 URL, so it carries no token) plus `.../objects/verify`, and the NDJSON
-  `POST .../commit/{rev}`.
+  `POST .../commit/{rev}`. A commit whose header names a `parentCommit` that is not the branch's
+  head is refused with 412 ("A commit has happened since"), as the Hub does, whatever the commit
+  holds (additions, deletions or both): that is what lets several writers share a repo safely.
+
+For tests of concurrent writers, `HubServer.before_commit(match, action)` runs `action` once, in
+the request's thread, when a commit whose summary contains `match` arrives and before it is
+checked and applied: another writer's commits can land exactly between a client's read of the
+head and its commit. (Test instrumentation, not part of the Hub's API.)
 
 Not spoken: the Xet protocol. huggingface_hub >= 1.x uploads every "lfs" file through Xet when
 the `hf_xet` package is installed (it is a hard dependency), so an uploading client must run with
@@ -40,7 +47,7 @@ import re
 import secrets
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -399,14 +406,14 @@ class _Handler(BaseHTTPRequestHandler):
             if not getattr(self, "_body_taken", False):
                 for _ in self._body_chunks():
                     pass
-            headers = {"X-Error-Message": e.message, **e.headers}
+            # the request body may be unread: do not reuse this connection, and say so, or the
+            # client puts it back in its pool and its next request meets a closed socket
+            headers = {"X-Error-Message": e.message, **e.headers, "Connection": "close"}
             if e.code:
                 headers["X-Error-Code"] = e.code
-            self.close_connection = True  # the request body may be unread: do not reuse this connection
             self._send_json({"error": e.message, **e.body}, e.status, headers)
         except Exception as e:  # a bug here must show as a 500 with its text, not a dropped connection
-            self.close_connection = True
-            self._send_json({"error": f"test hub crashed: {type(e).__name__}: {e}"}, 500)
+            self._send_json({"error": f"test hub crashed: {type(e).__name__}: {e}"}, 500, {"Connection": "close"})
 
     do_GET = do_HEAD = do_POST = do_PUT = _handle
 
@@ -545,6 +552,9 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 raise HubError(400, f"Unknown commit operation {key!r}")
         message = header.get("summary") or "commit"
+        hook = self.server.take_hook(message)
+        if hook is not None:
+            hook()
         sha = store.commit(repo_type, repo_id, rev, message, adds, deletes, parent=header.get("parentCommit"))
         self._send_json({"success": True, "commitOid": sha, "hookOutput": "", "pullRequestUrl": None,
                          "commitUrl": f"{self.server.url}/{URL_PREFIX[repo_type]}{repo_id}/commit/{sha}"})  # fmt: skip
@@ -634,8 +644,19 @@ class _Server(ThreadingHTTPServer):
         self.tree_page_size = tree_page_size
         self.secret = secrets.token_bytes(32)
         self.log: list[tuple[str, str, int]] = []
+        self.hooks: list[tuple[str, Callable[[], None]]] = []
+        self.hooks_lock = threading.Lock()
         host, port = self.server_address[:2]
         self.url = f"http://{host}:{port}"
+
+    def take_hook(self, message: str) -> Callable[[], None] | None:
+        """The first waiting hook whose match is in this commit summary, removed (it runs once)."""
+        with self.hooks_lock:
+            for i, (match, action) in enumerate(self.hooks):
+                if match in message:
+                    del self.hooks[i]
+                    return action
+        return None
 
     def sign(self, oid: str, size: int) -> str:
         return hmac.new(self.secret, f"{oid}:{size}".encode(), hashlib.sha256).hexdigest()
@@ -665,6 +686,13 @@ class HubServer:
     def log(self) -> list[tuple[str, str, int]]:
         """(method, path, status) of every request answered, in order."""
         return self._server.log
+
+    def before_commit(self, match: str, action: Callable[[], None]) -> None:
+        """Run `action` once, before the next commit whose summary contains `match` is checked
+        against its parentCommit and applied (in that request's thread: `action` may itself talk
+        to this hub, and its own commits do not trigger the hook again)."""
+        with self._server.hooks_lock:
+            self._server.hooks.append((match, action))
 
     def env(self, hf_home: Path | None = None, token: str | None = None) -> dict[str, str]:
         """Environment for a real `hf` / huggingface_hub pointed here (merge it into os.environ)."""

@@ -11,6 +11,7 @@ so what `relaunch plan` shows is all that ever runs.
 
 from __future__ import annotations
 
+import base64
 import errno
 import logging
 import os
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import paramiko
-from fabric import Connection
+from fabric import Config, Connection
 from paramiko.ssh_exception import NoValidConnectionsError
 
 from .. import processes
@@ -84,6 +85,8 @@ def upload_command(path: str, mode: int) -> str:
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, paramiko.ChannelException):
+        return f"the jump host could not open a connection to it ({str(exc.text).lower()})"
     if isinstance(exc, NoValidConnectionsError):
         causes = list(exc.errors.values())
         if causes and all(getattr(c, "errno", None) != errno.ECONNREFUSED for c in causes):
@@ -103,7 +106,11 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _hint_for(exc: BaseException | None) -> str:
+def _hint_for(exc: BaseException | None, is_jump: bool = False) -> str:
+    if is_jump and isinstance(exc, paramiko.AuthenticationException):
+        return "check the jump host's User and IdentityFile in your ssh config, or load its key into ssh-agent"
+    if is_jump:
+        return "check the jump host's HostName and Port in your ssh config, and that it is running"
     if isinstance(exc, paramiko.AuthenticationException):
         return "check ssh.user (or USER@ in HOST) and ssh.key; `relaunch providers` lists each provider's user"
     return "check the address and port, that the instance is running, and ssh.wait"
@@ -112,11 +119,13 @@ def _hint_for(exc: BaseException | None) -> str:
 class Remote:
     """An open SSH connection to one instance."""
 
-    def __init__(self, target: Target, conn: Connection, known_hosts: Path, home: str = "") -> None:
+    def __init__(self, target: Target, conn: Connection, known_hosts: Path, home: str = "",
+                 jump: Connection | None = None) -> None:
         self.target = target
         self.conn = conn
         self.known_hosts = known_hosts
         self.home = home
+        self.jump = jump                # the jump host's connection, which carries `conn`
 
     @property
     def label(self) -> str:
@@ -128,10 +137,13 @@ class Remote:
         return transport is not None and transport.is_active()
 
     def close(self) -> None:
-        try:
-            self.conn.close()
-        except Exception:  # closing a dead connection may raise anything; nothing to save
-            log.debug("close failed", exc_info=True)
+        for conn in (self.conn, self.jump):
+            if conn is None:
+                continue
+            try:
+                conn.close()
+            except Exception:  # closing a dead connection may raise anything; nothing to save
+                log.debug("close failed", exc_info=True)
 
     def __enter__(self) -> Remote:
         return self
@@ -280,10 +292,11 @@ def expand_home(path: str, home: str) -> str:
     return path
 
 
-def ssh_argv(target: Target, known_hosts: Path) -> list[str]:
-    """`ssh` with the same host-key file, strict checking and identity as the connection."""
+def _ssh_options(target: Target, known_hosts: Path) -> list[str]:
+    """`ssh` options for one hop: no ssh config read (`-F /dev/null`: the target is already
+    resolved), relaunch's known_hosts with strict checking, and the resolved port, user and key."""
     argv = [
-        "ssh",
+        "ssh", "-F", "/dev/null",
         "-o", f"UserKnownHostsFile={known_hosts}",
         "-o", "GlobalKnownHostsFile=/dev/null",
         "-o", "StrictHostKeyChecking=yes",
@@ -293,9 +306,25 @@ def ssh_argv(target: Target, known_hosts: Path) -> list[str]:
         "-o", "ServerAliveCountMax=3",
         "-p", str(target.port),
         "-l", target.user,
-    ]
+    ]  # fmt: skip
     if target.key:
-        argv += ["-i", str(Path(target.key).expanduser()), "-o", "IdentitiesOnly=yes"]
+        # a key with a passphrase comes from ssh-agent (matched by the .pub beside it);
+        # IdentitiesOnly: no other key of the agent is offered
+        argv += ["-i", str(Path(target.key).expanduser())]
+        argv += ["-o", "IdentitiesOnly=yes"] if target.key_only else []
+    return argv
+
+
+def ssh_argv(target: Target, known_hosts: Path) -> list[str]:
+    """`ssh` with the same host-key file, strict checking, identity and jump host as the
+    connection; the caller appends the resolved address (`target.address`)."""
+    argv = _ssh_options(target, known_hosts)
+    if target.jump is not None:
+        # ProxyJump done by hand: OpenSSH's own -J would start the jump's ssh without these
+        # options, checking its key against ~/.ssh/known_hosts instead of relaunch's file.
+        # ssh expands %-tokens in a ProxyCommand: literal % in paths are doubled.
+        hop = [a.replace("%", "%%") for a in _ssh_options(target.jump, known_hosts)]
+        argv += ["-o", "ProxyCommand=" + shlex.join([*hop, "-W", "[%h]:%p", target.jump.address])]
     return argv
 
 
@@ -307,70 +336,199 @@ def rsync_rsh(target: Target, known_hosts: Path) -> str:
 class _Refused(Exception):
     """One connection attempt failed in a way worth another (boot, network, key not installed yet)."""
 
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(_describe(cause))
+    def __init__(self, cause: BaseException, who: str, is_jump: bool = False) -> None:
+        super().__init__(f"{who}: {_describe(cause)}")
         self.cause = cause
+        self.who = who
+        self.is_jump = is_jump
+
+
+def public_blob(key: Path) -> bytes | None:
+    """The public half of a private key file, as ssh finds it: `KEY.pub` beside it, else the
+    header of OpenSSH's own format (unencrypted even when the key has a passphrase)."""
+    pub = key.with_name(key.name + ".pub")
+    try:
+        if pub.is_file():
+            fields = pub.read_text().split()
+            return base64.b64decode(fields[1]) if len(fields) >= 2 else None
+        text = key.read_text(errors="replace")
+    except (OSError, ValueError):
+        return None
+    found = re.search(r"-----BEGIN OPENSSH PRIVATE KEY-----(.*?)-----END", text, re.S)
+    if not found:
+        return None
+    try:
+        data = base64.b64decode("".join(found.group(1).split()))
+        magic = b"openssh-key-v1\0"
+        if not data.startswith(magic):
+            return None
+        msg = paramiko.Message(data[len(magic):])
+        for _ in range(3):          # cipher, kdf, kdf options
+            msg.get_string()
+        return msg.get_binary() if msg.get_int() >= 1 else None
+    except (ValueError, paramiko.SSHException, IndexError):
+        return None
+
+
+class _Agent:
+    """ssh-agent (SSH_AUTH_SOCK), asked only when a key file cannot be used by itself."""
+
+    def __init__(self) -> None:
+        self.agent: paramiko.Agent | None = None
+
+    def find(self, blob: bytes | None) -> paramiko.AgentKey | None:
+        if blob is None:
+            return None
+        try:
+            if self.agent is None:
+                self.agent = paramiko.Agent()
+            return next((k for k in self.agent.get_keys() if blob in (k.blob, k.asbytes())), None)
+        except (paramiko.SSHException, OSError):   # not an agent at SSH_AUTH_SOCK, or it went away
+            log.debug("ssh-agent did not answer", exc_info=True)
+            return None
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+
+
+def _auth_kwargs(target: Target, agent: _Agent) -> dict[str, object]:
+    """How paramiko authenticates to `target`, as `ssh` does with the same options: without a
+    key, ssh-agent and the default keys; with one, that key, from the file or, when it has a
+    passphrase, from ssh-agent (relaunch never asks for passphrases), and the agent's other keys
+    too unless `key_only` (IdentitiesOnly)."""
+    if not target.key:
+        return {}
+    key = Path(target.key).expanduser()
+    if not key.is_file():
+        raise ConnectError(f"ssh.key {key} does not exist", "fix ssh.key or leave it out to use ssh-agent")
+    only: dict[str, object] = {"look_for_keys": False, **({"allow_agent": False} if target.key_only else {})}
+    try:
+        paramiko.PKey.from_path(key)
+    except Exception as exc:  # a passphrase (TypeError from cryptography), or a kind paramiko cannot read
+        held = agent.find(public_blob(key))
+        if held is not None:
+            log.debug("key %s: using its ssh-agent identity (%s)", key, type(exc).__name__)
+            return {"pkey": held, **only}
+        if not target.key_only:
+            return only                  # as ssh does: the agent's keys, without this one
+        locked = isinstance(exc, (TypeError, paramiko.PasswordRequiredException))
+        why = "has a passphrase" if locked else f"cannot be read ({exc})"
+        where = "no ssh-agent is running (SSH_AUTH_SOCK is not set)" if not os.environ.get("SSH_AUTH_SOCK") \
+            else "ssh-agent does not hold it"
+        raise ConnectError(f"the key {key} {why} and {where}",
+                           f"load it into ssh-agent first: ssh-add {shlex.quote(str(key))}") from None
+    return {"key_filename": [str(key)], **only}
+
+
+def _open(target: Target, what: str, known: KnownHosts, auth: dict[str, object], say: Callable[[str], None], *,
+          is_jump: bool = False, sock: object = None, first_auth_failure: list[float] | None = None,
+          replace: bool = False) -> Connection:
+    """One connection attempt to one hop, its host key checked under the name of what is
+    contacted (`[address]:port`): the recorded key, else the pin, else trust on first use.
+    `replace` (--accept-new-host-key): the recorded key is replaced by the one the host offers,
+    only once it offers one (a failure before that leaves the file as it was)."""
+    name = target.known_hosts_name
+    # Fabric must not read ~/.ssh/config itself: `target` is already resolved from it, and a
+    # second resolution would contact another address than the one whose key is checked.
+    config = Config(ssh_config=paramiko.SSHConfig())
+    connect_kwargs: dict[str, object] = {"banner_timeout": 15, "auth_timeout": 20, **auth}
+    if sock is not None:
+        connect_kwargs["sock"] = sock
+    conn = Connection(host=target.address, user=target.user, port=target.port, connect_timeout=15,
+                      connect_kwargs=connect_kwargs, config=config)
+    client = conn.client
+    shown = ("jump host " if is_jump else "") + (f"{name} ({target.alias})" if target.alias else name)
+    replacing = replace and bool(known.recorded(name))
+    client.set_missing_host_key_policy(TrustPolicy(known, name, target.host_key, say, shown, replacing))
+    # With a pin, the pin decides (the policy checks it); otherwise the recorded key does.
+    if target.host_key is None and not replace:
+        for recorded in known.recorded(name):
+            client.get_host_keys().add(name, recorded.get_name(), recorded)
+    try:
+        conn.open()
+    except paramiko.BadHostKeyException as exc:
+        conn.close()
+        raise HostKeyError(
+            f"{what}: HOST KEY CHANGED: recorded {fingerprint(exc.expected_key)} for {name}, "
+            f"the host now offers {fingerprint(exc.key)}; refusing to connect",
+            _changed_key_hint(is_jump, name, known.path),
+        ) from None
+    except HostKeyError:
+        conn.close()
+        raise
+    except (NoValidConnectionsError, paramiko.SSHException, OSError, EOFError) as exc:
+        conn.close()
+        log.debug("connect attempt to %s failed", what, exc_info=True)
+        if isinstance(exc, paramiko.AuthenticationException) and first_auth_failure is not None \
+                and not first_auth_failure:
+            first_auth_failure.append(time.monotonic())
+        raise _Refused(exc, what, is_jump) from exc
+    transport = conn.transport
+    assert transport is not None
+    transport.set_keepalive(KEEPALIVE)
+    raw = transport.sock
+    if isinstance(raw, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
+    return conn
+
+
+def _changed_key_hint(is_jump: bool, name: str, path: Path) -> str:
+    if is_jump:
+        return (f"the jump host is yours, not a fresh instance: if it was really rebuilt, remove its old key with "
+                f"ssh-keygen -R {shlex.quote(name)} -f {shlex.quote(str(path))}")
+    return ("a new instance at a reused address has a new key: if you just rented it, run "
+            "`relaunch up --accept-new-host-key`, or pin ssh.host_key from the provider's console")
 
 
 def connect(target: Target, *, accept_new_host_key: bool = False, known_hosts: Path | None = None,
             say: Callable[[str], None] = lambda _m: None) -> Remote:
-    """Open a connection, retrying while the instance boots, until `target.wait` runs out."""
+    """Open a connection (through the jump host, if any), retrying while the instance boots,
+    until `target.wait` runs out."""
     from ..paths import known_hosts_file
 
     path = known_hosts or known_hosts_file()
-    known = KnownHosts(path)
-    name = target.known_hosts_name
-    if accept_new_host_key and known.forget(name):
-        say(f"forgot the recorded host key of {name} (--accept-new-host-key)")
+    agent = _Agent()
+    try:
+        return _connect(target, KnownHosts(path), path, agent, say, accept_new_host_key)
+    finally:
+        agent.close()
 
-    connect_kwargs: dict[str, object] = {"banner_timeout": 15, "auth_timeout": 20}
-    if target.key:
-        key = Path(target.key).expanduser()
-        if not key.is_file():
-            raise ConnectError(f"ssh.key {key} does not exist", "fix ssh.key or leave it out to use ssh-agent")
-        connect_kwargs.update(key_filename=[str(key)], allow_agent=False, look_for_keys=False)
+
+def _connect(target: Target, known: KnownHosts, path: Path, agent: _Agent,
+             say: Callable[[str], None], accept_new_host_key: bool) -> Remote:
+    jump = target.jump
+    jump_what = f"jump host {jump.label}" if jump else ""
+    auth = _auth_kwargs(target, agent)
+    jump_auth = _auth_kwargs(jump, agent) if jump else {}
     first_auth_failure: list[float] = []
     announced: list[str] = []
 
     def attempt() -> Remote:
         processes.check_cancel()
-        conn = Connection(host=target.address, user=target.user, port=target.port, connect_timeout=15,
-                          connect_kwargs=connect_kwargs)
-        client = conn.client
-        client.set_missing_host_key_policy(TrustPolicy(known, name, target.host_key, say))
-        # With a pin, the pin decides (the policy checks it); otherwise the recorded key does.
-        if target.host_key is None:
-            for recorded in known.recorded(name):
-                client.get_host_keys().add(name, recorded.get_name(), recorded)
+        hop: Connection | None = None
+        sock = None
+        if jump is not None:
+            hop = _open(jump, jump_what, known, jump_auth, say, is_jump=True, first_auth_failure=first_auth_failure)
+            try:
+                assert hop.transport is not None
+                sock = hop.transport.open_channel("direct-tcpip", (target.address, target.port), ("", 0),
+                                                  timeout=15)
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                hop.close()
+                log.debug("the jump host could not reach %s", target.label, exc_info=True)
+                raise _Refused(exc, f"{target.label} through {jump_what}") from exc
         try:
-            conn.open()
-        except paramiko.BadHostKeyException as exc:
-            conn.close()
-            raise HostKeyError(
-                f"{target.label}: HOST KEY CHANGED: recorded {fingerprint(exc.expected_key)}, "
-                f"the host now offers {fingerprint(exc.key)}; refusing to connect",
-                "a new instance at a reused address has a new key: if you just rented it, run "
-                "`relaunch up --accept-new-host-key`, or pin ssh.host_key from the provider's console",
-            ) from None
-        except HostKeyError:
-            conn.close()
+            conn = _open(target, target.label, known, auth, say, sock=sock, first_auth_failure=first_auth_failure,
+                         replace=accept_new_host_key)
+        except BaseException:
+            if hop is not None:
+                hop.close()
             raise
-        except (NoValidConnectionsError, paramiko.SSHException, OSError, EOFError) as exc:
-            conn.close()
-            log.debug("connect attempt failed", exc_info=True)
-            if isinstance(exc, paramiko.AuthenticationException) and not first_auth_failure:
-                first_auth_failure.append(time.monotonic())
-            raise _Refused(exc) from exc
-        transport = conn.transport
-        assert transport is not None
-        transport.set_keepalive(KEEPALIVE)
-        sock = transport.sock
-        if isinstance(sock, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
-        remote = Remote(target, conn, path)
+        remote = Remote(target, conn, path, jump=hop)
         result = remote.exec(HOME_COMMAND, deadline=60)
         if not result.ok or not result.text.startswith("/"):
-            conn.close()
+            remote.close()
             raise ConnectError(f"{target.label}: connected, but could not run a command: "
                                f"{shorten(result.output, 200)}")
         remote.home = result.text
@@ -386,7 +544,7 @@ def connect(target: Target, *, accept_new_host_key: bool = False, known_hosts: P
     def on_retry(exc: BaseException, seconds: float) -> None:
         what = str(exc)
         if not announced or announced[-1] != what:
-            say(f"{target.label}: {what}; retrying")
+            say(f"{what}; retrying")
             announced.append(what)
 
     try:
@@ -394,12 +552,13 @@ def connect(target: Target, *, accept_new_host_key: bool = False, known_hosts: P
                         first=1.0, most=10.0, stop_early=auth_left, on_retry=on_retry)
     except _Refused as exc:
         if isinstance(exc.cause, paramiko.AuthenticationException):
+            who = jump if jump is not None and exc.is_jump else target
             raise ConnectError(
-                f"{target.label}: authentication refused for user {target.user}"
-                + (f" with key {target.key}" if target.key else " (ssh-agent and default keys)"),
-                _hint_for(exc.cause)) from None
-        raise ConnectError(f"{target.label}: could not connect within ssh.wait={target.wait:g}s: {exc}",
-                           _hint_for(exc.cause)) from None
+                f"{exc.who}: authentication refused for user {who.user}"
+                + (f" with key {who.key}" if who.key else " (ssh-agent and default keys)"),
+                _hint_for(exc.cause, exc.is_jump)) from None
+        raise ConnectError(f"{exc.who}: could not connect within ssh.wait={target.wait:g}s: {_describe(exc.cause)}",
+                           _hint_for(exc.cause, exc.is_jump)) from None
 
 
 def environ_secrets(names: list[str]) -> dict[str, str]:

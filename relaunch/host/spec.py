@@ -1,4 +1,5 @@
-"""HOST on the command line: ADDRESS, USER@ADDRESS or USER@ADDRESS:PORT (IPv6 in brackets)."""
+"""HOST on the command line: ADDRESS, USER@ADDRESS or USER@ADDRESS:PORT (IPv6 in brackets), where
+ADDRESS may also be a `Host` alias of ~/.ssh/config; and the `Target` it resolves to."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from dataclasses import dataclass
 from ..errors import UsageError
 
 _USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
-_ADDR = re.compile(r"^[A-Za-z0-9.-]+$")
+# a name or an IPv4 address; never a leading "-", which ssh would read as an option
+_ADDR = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class HostSpec:
     def parse(cls, text: str) -> HostSpec:
         raw = text.strip()
         if not raw:
-            raise UsageError("HOST is empty", "give ADDRESS, USER@ADDRESS or USER@ADDRESS:PORT")
+            raise UsageError("HOST is empty", "give ADDRESS, USER@ADDRESS, USER@ADDRESS:PORT or an ~/.ssh/config alias")
         user = None
         if "@" in raw:
             user, raw = raw.rsplit("@", 1)
@@ -59,9 +61,23 @@ class HostSpec:
         return f"{text}:{self.port}" if self.port else text
 
 
+def valid_address(text: str) -> bool:
+    """A host name, an IPv4 address or a bare IPv6 address: safe to hand to ssh as its host."""
+    if ":" in text:
+        return bool(re.match(r"^[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?$", text))
+    return bool(_ADDR.match(text))
+
+
+def valid_user(text: str) -> bool:
+    return bool(_USER.match(text))
+
+
 @dataclass(frozen=True)
 class Target:
-    """Where to connect, after HOST and the recipe's ssh section are combined (HOST wins)."""
+    """Where to connect: the address and port actually contacted, as whom, with which key, and
+    through which jump host, after HOST, the recipe and ~/.ssh/config are combined (see
+    `sshconfig.resolve`). Host keys are recorded and checked under `known_hosts_name`, which
+    names what is contacted, never the alias the user typed."""
 
     address: str
     user: str
@@ -69,11 +85,19 @@ class Target:
     key: str | None = None
     host_key: str | None = None
     wait: float = 300
+    key_only: bool = True              # offer `key` alone (ssh's IdentitiesOnly); else ssh-agent's keys too
+    alias: str | None = None           # the ~/.ssh/config Host name the user gave, when it differs
+    jump: Target | None = None         # ProxyJump: connect there first, then through it
+
+    @property
+    def endpoint(self) -> str:
+        addr = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{self.user}@{addr}" + (f":{self.port}" if self.port != 22 else "")
 
     @property
     def label(self) -> str:
-        addr = f"[{self.address}]" if ":" in self.address else self.address
-        return f"{self.user}@{addr}" + (f":{self.port}" if self.port != 22 else "")
+        """What the user sees: `user@addr[:port]`, or `alias (user@addr[:port])`."""
+        return f"{self.alias} ({self.endpoint})" if self.alias else self.endpoint
 
     @property
     def known_hosts_name(self) -> str:

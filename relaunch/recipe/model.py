@@ -365,6 +365,11 @@ class Recipe(_Section):
                 pass
         return self._origins.get(best, top)
 
+    def wrote(self, key: str) -> bool:
+        """Whether a recipe file (or `--set`) wrote dotted `key` itself, rather than a default or
+        the provider preset filling it in."""
+        return tuple(key.split(".")) in self._origins
+
     def where(self, key: str) -> str:
         """`file:line` that defined dotted `key`, `--set` for an override, else the recipe file."""
         file, line = self.locate(key)

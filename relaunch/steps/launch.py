@@ -34,7 +34,8 @@ def attach_command(job: Job) -> str:
         parts += ["-p", str(target.port)]
     if target.key:
         parts += ["-i", target.key]
-    parts += [f"{target.user}@{target.address}", "tmux", "attach", "-t", f"={job.recipe.run.session}"]
+    # an ssh config alias, so that the user's own ssh finds its HostName and ProxyJump again
+    parts += [f"{target.user}@{target.alias or target.address}", "tmux", "attach", "-t", f"={job.recipe.run.session}"]
     return shlex.join(parts)
 
 

@@ -22,12 +22,28 @@ are passed to the instance's `hf` as they are (they are not secret): see PASSED_
 A repo that holds no relaunch manifest but a Trainer's `last-checkpoint/` (push_to_hub with
 hub_strategy="checkpoint") is read as a store with that one checkpoint, so `up` can resume from
 it; relaunch never writes that record into its manifest, and never prunes those files.
+
+Several writers (two instances evacuating at once, `sync` here and `evacuate` elsewhere: the
+local lock in Store.lock serialises only this machine): every commit that changes the manifest
+is made with the head it was computed from as `parent_commit`. The Hub refuses it (412) when
+another writer committed meanwhile; then the manifest is read again at the new head, this
+writer's changes since its last read are applied to it (`merge_manifests`: the other writer's
+records stay, ours are added, a name both recorded with different files is refused, never
+overwritten) and the commit is tried again, a bounded number of times (relaunch.retry). A
+record is added only while its files at that head are the very blobs verified at the commit its
+upload made, so a manifest never lists files another writer pruned or replaced. Pruning decides
+from the merged manifest (records another writer made since this one last read count towards
+`keep` but are not dropped), commits the manifest first, then deletes, against the head, only
+files that no record at that head lists. `via: local` uploads are made against the head too,
+and refused before any byte is sent when that head records the checkpoint's name with other
+files (`hf upload` on the instance cannot be held to a parent revision).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shlex
@@ -43,6 +59,7 @@ from ..job import Job, StoreState
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
 from ..recipe import Recipe
+from ..retry import retrying
 from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest, check_relpath, \
     utc_now
 from ..ui import human, redact
@@ -63,6 +80,45 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _COMMIT = re.compile(r"/commit/([0-9a-f]{40})")
 _AUTH = re.compile(r"\b401 Unauthorized\b|\b403 Forbidden\b|Invalid credentials")
 _NOT_FOUND = re.compile(r"not found|RepositoryNotFound|does not exist", re.I)
+# commits tried while other writers keep moving the head (each retry re-reads and merges)
+COMMIT_TRIES = 8
+
+log = logging.getLogger("relaunch.hf")
+
+
+class HeadMoved(Exception):
+    """Another writer committed after the head a commit was computed from (the Hub answered 412)."""
+
+
+def merge_manifests(base: StoreManifest, ours: StoreManifest, theirs: StoreManifest, label: str) -> StoreManifest:
+    """This writer's changes since `base` (what it read), as `ours` holds them, applied to `theirs`
+    (the manifest at the head now). Records are keyed by checkpoint name: a record we added is
+    added, or kept as theirs when they recorded the same files; a name they recorded with other
+    files is an EvacuationError, never overwritten. A record we dropped is dropped only while
+    theirs still holds it as we knew it. What we did not change is theirs to keep or drop.
+    """
+    merged = StoreManifest(recipe=theirs.recipe, checkpoints=dict(theirs.checkpoints))
+    for name in sorted(set(base.checkpoints) | set(ours.checkpoints)):
+        was, mine, now = base.checkpoints.get(name), ours.checkpoints.get(name), theirs.checkpoints.get(name)
+        if mine == was:
+            continue
+        if mine is None:
+            if was is not None and now is not None and now.files == was.files:
+                del merged.checkpoints[name]
+        elif now is None:
+            merged.checkpoints[name] = mine
+        elif now.files != mine.files:
+            raise conflict_error(label, now)
+    return merged
+
+
+def conflict_error(label: str, theirs: CheckpointRecord) -> EvacuationError:
+    return EvacuationError(
+        f"{label}: {theirs.name} is already recorded in the store with different files (by another writer: "
+        f"{theirs.host}, verified {theirs.verified_at}); refusing to overwrite that record",
+        "the store never overwrites a checkpoint: are two runs writing the same checkpoint names to one store? "
+        "give each its own checkpoint.remote (or SUBFOLDER), or move one copy aside after checking which is right")
+
 
 def _token() -> str | None:
     """This machine's Hub token: HF_TOKEN, else the one `hf auth login` stored (as the `hf` CLI does)."""
@@ -119,7 +175,10 @@ class HfStore(Store):
         self.label = f"hf:{repo_id}" + (f"/{subfolder}" if subfolder else "")
         self.token, self.endpoint = token, endpoint
         self._synthetic: set[str] = set()          # records read from last-checkpoint/, never saved
-        self._revision: str | None = None          # the commit the manifest was read at
+        self._revision: str | None = None          # the commit the manifest was read (or last written) at
+        self._base: StoreManifest | None = None    # the manifest saved at _revision (no synthetic records)
+        self._verified: dict[str, dict[str, RemoteFile]] = {}   # name -> its blobs at its upload's commit
+        self._snap: Snapshot | None = None         # the last tree listed (a commit's tree never changes)
         self._uploaded: dict[str, str] = {}        # checkpoint name -> commit its upload made
         self._pending_meta: dict[str, str] = {}    # written with the next manifest, in one commit
         self._repo_ready = False
@@ -210,6 +269,8 @@ class HfStore(Store):
     def _snapshot(self, sha: str) -> Snapshot:
         from huggingface_hub.errors import RemoteEntryNotFoundError
 
+        if self._snap is not None and self._snap.sha == sha:
+            return self._snap
         files: dict[str, RemoteFile] = {}
         prefix = f"{self.subfolder}/" if self.subfolder else ""
         with self._hub("listing the repo"):
@@ -222,7 +283,8 @@ class HfStore(Store):
                     files[entry.path[len(prefix):]] = RemoteFile(entry.size, entry.blob_id, lfs)
             except RemoteEntryNotFoundError:
                 pass                    # the subfolder does not exist yet
-        return Snapshot(sha, files)
+        self._snap = Snapshot(sha, files)
+        return self._snap
 
     def _download(self, rel: str, sha: str, folder: Path) -> Path:
         with self._hub(f"downloading {rel}"):
@@ -242,13 +304,14 @@ class HfStore(Store):
         if sha is None:
             if not writing:
                 raise self._missing_error()
-            self.manifest = None
+            self.manifest = self._base = self._revision = None
             return StoreState(self.label, True, None)
-        self._revision = sha
         snap = self._snapshot(sha)
         empty = not [p for p in snap.files if (self.subfolder or p not in REPO_FILES)
                      and not p.startswith(META_DIR + "/")]
         self.manifest = self._load_manifest(snap)
+        self._revision = sha
+        self._base = self._saved(self.manifest or StoreManifest(recipe=self.recipe_name))
         return StoreState(self.label, empty, self.manifest)
 
     def _load_manifest(self, snap: Snapshot) -> StoreManifest | None:
@@ -287,23 +350,121 @@ class HfStore(Store):
         manifest.add(record)
         return manifest
 
-    def save_manifest(self, manifest: StoreManifest) -> None:
+    def _saved(self, manifest: StoreManifest) -> StoreManifest:
+        """What of a manifest is written to the repo: all but the records read from last-checkpoint/."""
+        return StoreManifest(recipe=manifest.recipe, checkpoints={
+            n: r for n, r in manifest.checkpoints.items() if n not in self._synthetic})
+
+    def _manifest_at(self, snap: Snapshot) -> StoreManifest:
+        """The manifest saved at snap.sha (empty when there is none), read again unless it is ours."""
+        if snap.sha == self._revision and self._base is not None:
+            return StoreManifest(recipe=self._base.recipe, checkpoints=dict(self._base.checkpoints))
+        path = f"{META_DIR}/{MANIFEST}"
+        if path not in snap.files:
+            return StoreManifest(recipe=self.recipe_name)
+        with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
+            text = self._download(path, snap.sha, Path(tmp)).read_text(encoding="utf-8", errors="replace")
+        return StoreManifest.from_json(text, f"{self.label}/{path}@{snap.sha[:12]}")
+
+    def _head_snapshot(self) -> Snapshot:
+        sha = self._head()
+        if sha is None:
+            raise EvacuationError(f"{self.label}: the repo {self.repo_id} went away while writing to it")
+        return self._snapshot(sha)
+
+    def _commit(self, ops: list[Any], message: str, parent: str, what: str) -> str:
+        """One commit on top of `parent`; HeadMoved when the head is no longer there."""
+        from huggingface_hub.errors import HfHubHTTPError
+
+        try:
+            info = self._api().create_commit(self.repo_id, ops, commit_message=message, parent_commit=parent)
+        except HfHubHTTPError as exc:
+            if getattr(exc.response, "status_code", None) == 412:
+                raise HeadMoved(parent) from None
+            raise self._fail(exc, what, EvacuationError) from None
+        except Exception as exc:  # httpx/OSError: one line of ours
+            raise self._fail(exc, what, EvacuationError) from None
+        return str(info.oid)
+
+    def _against_head(self, attempt: Callable[[], Any], what: str) -> Any:
+        """Run attempt (read the head, decide, commit against it) until no other writer got in
+        between, at most COMMIT_TRIES times (the one retry policy)."""
+        def told(exc: BaseException, seconds: float) -> None:
+            log.info("%s: another writer committed to %s meanwhile; %s again on the new head in %.1fs",
+                     self.label, self.repo_id, what, seconds)
+
+        try:
+            return retrying(attempt, transient=lambda exc: isinstance(exc, HeadMoved), attempts=COMMIT_TRIES,
+                            first=0.2, most=3.0, on_retry=told)
+        except HeadMoved:
+            raise EvacuationError(f"{self.label}: {what} failed: other writers kept committing to {self.repo_id} "
+                                  f"({COMMIT_TRIES} tries)", "rerun: nothing unverified is trusted") from None
+
+    def _check_added(self, final: StoreManifest, theirs: StoreManifest, snap: Snapshot) -> None:
+        """Each record this commit adds: its files at snap are the blobs verified at its upload's
+        commit (another writer may have pruned or replaced them since)."""
+        for name, record in final.checkpoints.items():
+            if name in theirs.checkpoints:
+                continue
+            verified = self._verified.get(name)
+            for path, want in sorted(record.files.items()):
+                got = snap.files.get(path)
+                same = (got == verified.get(path) if verified is not None else
+                        got is not None and got.size == want.size and got.sha256 in (None, want.sha256))
+                if not same:
+                    raise EvacuationError(
+                        f"{self.label}: {name} not recorded: {path} is "
+                        f"{'gone from' if got is None else 'different in'} {self.repo_id}@{snap.sha[:12]} since it "
+                        "was verified (another writer pruned or replaced it)", "rerun: it is copied and verified again")
+
+    def _commit_manifest(self, ours: StoreManifest,
+                         decide: Callable[[StoreManifest], None] | None = None) -> StoreManifest:
+        """Commit this writer's changes to the manifest (ours, against what it read) on top of the
+        head, with the pending metadata; returns the manifest now in the repo plus the synthetic
+        records. decide(manifest) may change the merged manifest before it is committed (prune)."""
         from huggingface_hub import CommitOperationAdd
 
-        saved = StoreManifest(recipe=manifest.recipe, checkpoints={
-            n: r for n, r in manifest.checkpoints.items() if n not in self._synthetic})
-        for record in saved.checkpoints.values():
-            try:
-                record.check()
-            except ValueError as exc:
-                raise EvacuationError(f"refusing to save the store manifest: {exc}") from None
-        texts = {**{f"{META_DIR}/{n}": t for n, t in self._pending_meta.items()},
-                 f"{META_DIR}/{MANIFEST}": saved.to_json()}
-        ops = [CommitOperationAdd(self._rp(path), text.encode()) for path, text in texts.items()]
         self.ensure_repo()
-        with self._hub("writing the manifest", EvacuationError):
-            self._api().create_commit(self.repo_id, ops, commit_message="relaunch: manifest")
+        synthetic = {n: r for n, r in ours.checkpoints.items() if n in self._synthetic}
+
+        def attempt() -> tuple[str, StoreManifest, StoreManifest]:
+            snap = self._head_snapshot()
+            theirs = self._manifest_at(snap)
+            merged = merge_manifests(self._base or StoreManifest(recipe=self.recipe_name), self._saved(ours),
+                                     theirs, self.label)
+            full = StoreManifest(recipe=merged.recipe, checkpoints={**merged.checkpoints, **synthetic})
+            if decide is not None:
+                decide(full)
+            final = self._saved(full)
+            for record in final.checkpoints.values():
+                try:
+                    record.check()
+                except ValueError as exc:
+                    raise EvacuationError(f"refusing to save the store manifest: {exc}") from None
+            self._check_added(final, theirs, snap)
+            texts = {**{f"{META_DIR}/{n}": t for n, t in self._pending_meta.items()},
+                     f"{META_DIR}/{MANIFEST}": final.to_json()}
+            ops = [CommitOperationAdd(self._rp(path), text.encode()) for path, text in texts.items()]
+            return self._commit(ops, "relaunch: manifest", snap.sha, "writing the manifest"), final, full
+
+        sha, final, full = self._against_head(attempt, "writing the manifest")
+        self._revision, self._base = sha, final
         self._pending_meta.clear()
+        return full
+
+    def save_manifest(self, manifest: StoreManifest) -> None:
+        """Commit what this process changed in `manifest` since it read the store, merged with what
+        other writers committed meanwhile; `manifest` then holds the merged result."""
+        try:
+            full = self._commit_manifest(manifest)
+        except BaseException:
+            # what is in the repo, not what failed to get there
+            base = self._base or StoreManifest(recipe=self.recipe_name)
+            manifest.checkpoints = {**base.checkpoints, **{n: r for n, r in manifest.checkpoints.items()
+                                                          if n in self._synthetic}}
+            raise
+        manifest.recipe, manifest.checkpoints = full.recipe, full.checkpoints
+        self.manifest = manifest
 
     def write_meta(self, filename: str, text: str) -> None:
         """Kept until the next save_manifest, which evacuate always calls: one commit, not four."""
@@ -312,22 +473,45 @@ class HfStore(Store):
         self._pending_meta[filename] = text
 
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
+        preview = StoreManifest(recipe=manifest.recipe, checkpoints=dict(manifest.checkpoints))
+        if not preview.drop_beyond(keep, protect):
+            return []
+        known = frozenset(manifest.checkpoints)
+        dropped: list[CheckpointRecord] = []
+
+        def decide(merged: StoreManifest) -> None:
+            # what another writer recorded since this one read the store counts towards keep, but
+            # is not this writer's to drop (it may be telling its user "safe to destroy" right now)
+            dropped[:] = merged.drop_beyond(keep, protect | (frozenset(merged.checkpoints) - known))
+
+        full = self._commit_manifest(manifest, decide)      # unlisted first: a crash leaves harmless extra files
+        manifest.recipe, manifest.checkpoints = full.recipe, full.checkpoints
+        self.manifest = manifest
+        self._delete_unlisted(dropped)
+        return [r.name for r in dropped]
+
+    def _delete_unlisted(self, dropped: list[CheckpointRecord]) -> None:
+        """Delete the files of dropped records that no record lists at the head the deletion is
+        committed on top of."""
         from huggingface_hub import CommitOperationDelete
 
-        drop = manifest.drop_beyond(keep, protect)
-        if not drop:
-            return []
-        self.save_manifest(manifest)        # unlisted first: a crash leaves harmless extra files
-        still = {p for r in manifest.checkpoints.values() for p in r.files}
-        gone = {p for r in drop if r.name not in self._synthetic for p in r.files if p not in still}
-        sha = self._head()
-        present = set(self._snapshot(sha).files) if sha else set()
-        ops = [CommitOperationDelete(self._rp(p)) for p in sorted(gone & present)]
-        if ops:
-            with self._hub("deleting pruned checkpoints", EvacuationError):
-                self._api().create_commit(self.repo_id, ops, commit_message="relaunch: prune "
-                                          + ", ".join(r.name for r in drop))
-        return [r.name for r in drop]
+        paths = sorted({p for r in dropped if r.name not in self._synthetic for p in r.files})
+        if not paths:
+            return
+        message = "relaunch: prune " + ", ".join(r.name for r in dropped)
+
+        def attempt() -> tuple[str, str] | None:
+            snap = self._head_snapshot()
+            listed = {p for r in self._manifest_at(snap).checkpoints.values() for p in r.files}
+            gone = [p for p in paths if p in snap.files and p not in listed]
+            if not gone:
+                return None
+            ops = [CommitOperationDelete(self._rp(p)) for p in gone]
+            return self._commit(ops, message, snap.sha, "deleting pruned checkpoints"), snap.sha
+
+        done = self._against_head(attempt, "deleting pruned checkpoints")
+        if done is not None and done[1] == self._revision:
+            self._revision = done[0]            # the same manifest as the commit before it
 
     # -- verifying ---------------------------------------------------------------------------------
     def _compare(self, snap: Snapshot, expected: dict[str, FileRecord],
@@ -403,9 +587,11 @@ class HfStore(Store):
         if sha is None:
             raise EvacuationError(f"{self.label}: the repo {self.repo_id} does not exist after the upload")
         blobs = {p: h.hashes.get("gitblob", "") for p, h in hashes.items()}
-        problems = self._compare(self._snapshot(sha), record.files, lambda paths: blobs)
+        snap = self._snapshot(sha)
+        problems = self._compare(snap, record.files, lambda paths: blobs)
         if problems:
             raise EvacuationError(f"{self.label}: {cp.name} did not verify in the repo: {problems[0]}")
+        self._verified[cp.name] = {p: snap.files[p] for p in record.files}
         self.record(record)
         return f"{self.hash_name} {sha[:12]}"
 
@@ -444,22 +630,44 @@ class HfStore(Store):
         from huggingface_hub import CommitOperationAdd
 
         self.ensure_repo()
-        ops = [CommitOperationAdd(self._rp(e.path), str(staged / e.path)) for e in cp.files]
-        with self._hub(f"uploading {cp.name}", EvacuationError):
-            info = self._api().create_commit(self.repo_id, ops, commit_message=f"relaunch: {cp.name} "
-                                             f"(step {cp.step}) from {host}")
-        self._uploaded[cp.name] = str(info.oid)
-        return str(info.oid)
+
+        def attempt() -> str:
+            # against the head, so that no record another writer made there is overwritten
+            snap = self._head_snapshot()
+            recorded = self._manifest_at(snap).checkpoints.get(cp.name)
+            if recorded is not None and not self._same_bytes(recorded, cp, staged):
+                raise conflict_error(self.label, recorded)
+            ops = [CommitOperationAdd(self._rp(e.path), str(staged / e.path)) for e in cp.files]
+            return self._commit(ops, f"relaunch: {cp.name} (step {cp.step}) from {host}", snap.sha,
+                                f"uploading {cp.name}")
+
+        sha: str = self._against_head(attempt, f"uploading {cp.name}")
+        self._uploaded[cp.name] = sha
+        return sha
+
+    @staticmethod
+    def _same_bytes(record: CheckpointRecord, cp: Checkpoint, staged: Path) -> bool:
+        """Is the staged copy of cp exactly the record's files?"""
+        if {e.path for e in cp.files} != set(record.files):
+            return False
+        for path, want in record.files.items():
+            try:
+                if (staged / path).stat().st_size != want.size:
+                    return False
+            except FileNotFoundError:
+                return False
+        return all(_sha256(staged / path) == want.sha256 for path, want in record.files.items())
 
     def check_uploaded(self, record: CheckpointRecord, staged: Path) -> str:
         """The commit made from `staged` against the bytes here; what was compared, in words."""
         sha = self._uploaded.get(record.name) or self._head()
         if sha is None:
             raise EvacuationError(f"{self.label}: the repo {self.repo_id} does not exist after the upload")
-        problems = self._compare(self._snapshot(sha), record.files,
-                                 lambda paths: {p: git_blob_id(staged / p) for p in paths})
+        snap = self._snapshot(sha)
+        problems = self._compare(snap, record.files, lambda paths: {p: git_blob_id(staged / p) for p in paths})
         if problems:
             raise EvacuationError(f"{self.label}: {record.name} did not verify in the repo: {problems[0]}")
+        self._verified[record.name] = {p: snap.files[p] for p in record.files}
         return f"{self.hash_name} {sha[:12]}"
 
     def download_actions(self, record: CheckpointRecord, dest: Path) -> list[Action]:
