@@ -184,7 +184,7 @@ def test_an_alias_is_remembered_as_typed_and_resolved_again(tmp_path, monkeypatc
     monkeypatch.setenv(ENV_VAR, str(cfg))
     recipe = load_recipe(_recipe(tmp_path))
     spec = HostSpec.parse("gpu-box")
-    remember_host(recipe, make_target(recipe, spec), spec)
+    remember_host(recipe, (make_target(recipe, spec), spec))
     cfg.write_text("Host gpu-box\n  HostName 10.0.0.6\n")        # the alias now names a new instance
     again = last_host(recipe, UI())
     assert make_target(recipe, again).address == "10.0.0.6"
