@@ -189,7 +189,7 @@ def test_an_alias_is_remembered_as_typed_and_resolved_again(tmp_path, monkeypatc
     again = last_host(recipe, UI())
     assert make_target(recipe, again).address == "10.0.0.6"
     plain = HostSpec.parse("10.0.0.9")
-    remember_host(recipe, make_target(recipe, plain), plain)
+    remember_host(recipe, (make_target(recipe, plain), plain))
     assert last_host(recipe, UI()) == HostSpec("10.0.0.9", "ubuntu", 22)
 
 
