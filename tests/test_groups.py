@@ -1,0 +1,163 @@
+"""Node groups end to end: torchrun with gloo on sandbox nodes, FSDP2 + PyTorch DCP shards on each
+node's own disk, evacuated from every node, resumed on another number of nodes.
+
+The tolerance: a resumed step's loss equals the uninterrupted run's to 1e-4 (relative). Both
+runs see the same samples in every global batch; only the order of float additions differs
+between world sizes (gradient reductions), which moves the sixth digit at most.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from e2e import run_cli, wait_for
+
+from relaunch import sandbox as sb
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "recipes" / "example"
+TOLERANCE = 1e-4
+
+
+def dist_recipe(folder: Path, key: Path, index_url: str, steps: int = 400, sleep: float = 0.3) -> Path:
+    """recipes/example/recipe-dist.yaml with its files, the store under `folder`, a tiny run."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("train_dist.py", "requirements.lock"):
+        shutil.copy(EXAMPLE / name, folder / name)
+    text = (EXAMPLE / "recipe-dist.yaml").read_text()
+    text = text.replace("--steps 60", f"--steps {steps}").replace("--sleep 0.3", f"--sleep {sleep}")
+    text = text.replace("index_url: http://127.0.0.1:8765/simple/", f"index_url: {index_url}")
+    text = text.replace("provider: sandbox", f"provider: sandbox\nssh: {{key: {key}, wait: 30}}")
+    path = folder / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def losses(log: str) -> dict[int, tuple[float, float]]:
+    return {int(m[1]): (float(m[2]), float(m[3])) for m in re.finditer(r"^step (\d+) loss ([\d.]+) grad_norm ([\d.]+)$",
+                                                                       log, re.M)}
+
+
+def reference(tmp: Path, steps: int) -> dict[int, tuple[float, float]]:
+    """The uninterrupted run, here: 1 node x 2 processes (grad_accum 4), no checkpoint in between."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    out = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLE / "train_dist.py"),
+                          "--out", str(tmp / "reference"), "--steps", str(steps), "--save-every", "100000",
+                          "--global-batch", "32", "--micro", "4", "--grad-accum", "4"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return losses(out.stdout)
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOLERANCE * max(abs(a), abs(b), 1e-9)
+
+
+def node_files(ssh, inst, step: int) -> list[str]:
+    return ssh(inst, f"ls -A ~/ckpt/step-{step:08d} 2>/dev/null || true").stdout.split()
+
+
+def test_two_nodes_of_two_evacuated_then_resumed_on_one_node_keep_the_global_batch(
+        tmp_path, sandbox, ssh, ssh_key, package_index):
+    home = tmp_path / "state"
+    n0, n1 = sandbox(index_dir=package_index), sandbox(index_dir=package_index)
+    recipe = dist_recipe(tmp_path / "work", ssh_key, n0.index_url)
+    up = run_cli("up", str(recipe), n0.host, n1.host, home=home)
+    assert up.returncode == 0, up.stderr
+    assert "2 node(s) x 2 process(es): world size 4, grad_accum 2" in up.stderr
+    wait_for("step 20 saved on both nodes", lambda: ".metadata" in node_files(ssh, n0, 20)
+             and node_files(ssh, n1, 20), timeout=300)
+    # each node holds its own ranks' shards: 0 and 1 on node 0, 2 and 3 on node 1
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(node_files(ssh, n0, 20))
+    assert set(node_files(ssh, n1, 20)) == {"__2_0.distcp", "__3_0.distcp"}
+
+    evac = run_cli("evacuate", str(recipe), n0.host, n1.host, "--stop", "--json", home=home)
+    assert evac.returncode == 0, evac.stderr
+    assert "safe to destroy" in evac.stderr
+    report = json.loads(evac.stdout)
+    stopped = report["newest_step"]
+    first_log = ssh(n0, "cat ~/example-dist.log").stdout
+    assert f"stopped at step {stopped}" in first_log
+    manifest = json.loads((tmp_path / "work" / "store" / "example-dist" / ".relaunch" / "manifest.json").read_text())
+    newest = max(manifest["checkpoints"], key=lambda c: c["step"])
+    assert newest["step"] == stopped and newest["saved_with"]["world_size"] == 4
+    held = {Path(p).name: f["node"] for p, f in newest["files"].items()}
+    assert held["__2_0.distcp"] == held["__3_0.distcp"] == n1.host.rsplit(":", 1)[0]
+    assert held["__0_0.distcp"] == held[".metadata"] == n0.host.rsplit(":", 1)[0]
+
+    one = sandbox(index_dir=package_index)               # a new address (made before the old ones go)
+    sb.destroy(n0.name)
+    sb.destroy(n1.name)
+    again = run_cli("up", str(recipe), one.host, home=home)
+    assert again.returncode == 0, again.stderr
+    assert "world size 4 -> 2: grad_accum 2 -> 4, global batch 32 kept" in again.stderr
+    log = wait_for("five steps after the resume", lambda: (lambda text: text if f"step {stopped + 5} " in text
+                                                           else "")(ssh(one, "cat ~/example-dist.log").stdout),
+                   timeout=300)
+    assert f"at step {stopped} (world size 2, grad_accum 4)" in log
+    ref = reference(tmp_path, stopped + 5)
+    resumed, before = losses(log), losses(first_log)
+    for step in range(stopped + 1, stopped + 6):          # the step counter continues
+        assert close(resumed[step][0], ref[step][0]) and close(resumed[step][1], ref[step][1]), (step, resumed[step],
+                                                                                              ref[step])
+    for step in range(1, stopped + 1):                     # and 4 ranks trained what 2 would have
+        assert close(before[step][0], ref[step][0]), (step, before[step], ref[step])
+
+
+def test_a_shard_lost_on_one_node_leaves_the_previous_checkpoint_newest_and_fans_out_to_a_new_group(
+        tmp_path, sandbox, ssh, ssh_key, package_index):
+    home = tmp_path / "state"
+    n0, n1 = sandbox(index_dir=package_index), sandbox(index_dir=package_index)
+    recipe = dist_recipe(tmp_path / "work", ssh_key, n0.index_url)
+    assert run_cli("up", str(recipe), n0.host, n1.host, home=home).returncode == 0
+    wait_for("step 30 saved on both nodes", lambda: ".metadata" in node_files(ssh, n0, 30)
+             and node_files(ssh, n1, 30), timeout=300)
+    for inst in (n0, n1):
+        ssh(inst, "tmux kill-session -t =example-dist")
+    saved = sorted(int(n.split("-")[1]) for n in ssh(n0, "ls ~/ckpt").stdout.split()
+                   if ".metadata" in node_files(ssh, n0, int(n.split("-")[1])))
+    lost, kept = saved[-1], saved[-2]
+    ssh(n1, f"rm ~/ckpt/step-{lost:08d}/__3_0.distcp")      # a shard lost with its node's disk
+    evac = run_cli("evacuate", str(recipe), n0.host, n1.host, "--json", home=home)
+    assert evac.returncode == 0, evac.stderr
+    report = json.loads(evac.stdout)
+    assert report["newest"] == f"step-{kept:08d}"            # complete across the group: the one before
+    assert f"step-{lost:08d}" not in report["copied"] + report["already"]
+    store = tmp_path / "work" / "store" / "example-dist"
+    names = [c["name"] for c in json.loads((store / ".relaunch" / "manifest.json").read_text())["checkpoints"]]
+    assert f"step-{lost:08d}" not in names and f"step-{kept:08d}" in names
+
+    # a new group of two: the bytes go to node 0 once, then node 0 copies them to node 1
+    m0, m1 = sandbox(index_dir=package_index), sandbox(index_dir=package_index, command_log=True)
+    sb.destroy(n0.name)
+    sb.destroy(n1.name)
+    planned = run_cli("plan", str(recipe), m0.host, m1.host, "--json", home=home)
+    assert planned.returncode == 0, planned.stderr
+    actions = json.loads(planned.stdout)["actions"]
+    local_copies = [a for a in actions if a["argv"] and a["argv"][0] == "rsync"]
+    assert len(local_copies) == 1 and m0.address in local_copies[0]["argv"][-1]
+    up = run_cli("up", str(recipe), m0.host, m1.host, home=home)
+    assert up.returncode == 0, up.stderr
+    step = kept
+    for inst in (m0, m1):
+        assert set(node_files(ssh, inst, step)) >= {".metadata", "__0_0.distcp", "__3_0.distcp"}
+        assert "relaunch-fanout" not in ssh(inst, "cat ~/.ssh/authorized_keys 2>/dev/null || true").stdout
+        assert ssh(inst, "ls ~/.relaunch/example-dist/").stdout.count("fanout") == 0
+    received = [c for c in sb.commands(m1.name) if c.startswith("rsync --server")]
+    assert received, "node 1 got the checkpoint from node 0"
+    log = wait_for("the resumed group", lambda: ssh(m0, "cat ~/example-dist.log").stdout
+                   if f"at step {step} (world size 4" in ssh(m0, "cat ~/example-dist.log").stdout else "",
+                   timeout=300)
+    assert "grad_accum 2" in log
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_torchrun():
+    yield
+    subprocess.run(["pkill", "-f", "[t]rain_dist.py --out .*reference"], capture_output=True)
