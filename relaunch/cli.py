@@ -394,6 +394,43 @@ def interval(recipe: str | None, host: str | None, step_time: str | None, save_t
 
 
 @cli.command()
+@click.argument("recipe")
+@click.argument("hosts", nargs=-1, required=True)
+@click.option("--resume-on", "resume_on", multiple=True, metavar="HOST",
+              help="Resume on these nodes instead (repeatable, node 0 first): fewer nodes, other GPUs.")
+@click.option("--interrupt", type=click.Choice(["kill", "destroy"]), default="kill", show_default=True,
+              help="kill: the training dies on every node; destroy: the last node goes (sandbox nodes only).")
+@click.option("--past", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Steps to run past the copied checkpoint before the interruption (the steps lost).")
+@click.option("--tolerance", type=float, default=1e-4, show_default=True,
+              help="Largest relative difference of loss and grad norm that still counts as continuous.")
+@click.option("--deadline", type=float, default=900, show_default=True, help="Seconds each wait may take.")
+@common
+def drill(recipe: str, hosts: tuple[str, ...], resume_on: tuple[str, ...], interrupt: str, past: int,
+          tolerance: float, deadline: float, overrides: tuple[str, ...], as_json: bool, verbose: bool,
+          yes: bool) -> None:
+    """Rehearse an interruption for real: train to a checkpoint, interrupt, evacuate, resume
+    (optionally on fewer nodes or GPUs), and compare the steps run twice (run.metrics). Prints
+    steps lost, time to resume, loss and grad-norm continuity, throughput; exit 5 when the
+    resumed steps do not reproduce the lost ones."""
+    from .drill import run_drill
+    from .errors import CheckpointError
+
+    r = load(recipe, overrides)
+    ui = UI(verbose=verbose)
+    result = run_drill(r, [HostSpec.parse(h) for h in hosts], ui,
+                       [HostSpec.parse(h) for h in resume_on] or None, interrupt, past, tolerance=tolerance,
+                       deadline=deadline)
+    if as_json:
+        emit(True, {**result.__dict__, "continuous": result.continuous})
+    click.echo(result.table(), err=as_json)
+    if not result.continuous:
+        raise CheckpointError("drill: the resumed run does not reproduce the steps it lost" if result.rows else
+                              "drill: no step was run both before and after the interruption",
+                              "check that training restores its optimizer and data order, and run.metrics")
+
+
+@cli.command()
 @click.option("--workdir", type=click.Path(file_okay=False), default="relaunch-demo", show_default=True,
               help="Where the recipe, train.py and the store go (an earlier demo's folder is cleared).")
 @click.option("--keep", is_flag=True, help="Leave the second instance (demo-b) running at the end.")

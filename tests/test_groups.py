@@ -161,3 +161,21 @@ def test_a_shard_lost_on_one_node_leaves_the_previous_checkpoint_newest_and_fans
 def _no_stray_torchrun():
     yield
     subprocess.run(["pkill", "-f", "[t]rain_dist.py --out .*reference"], capture_output=True)
+
+
+def test_drill_on_two_nodes_resumed_on_one_prints_its_table_and_a_record(tmp_path, sandbox, ssh_key, package_index):
+    home = tmp_path / "state"
+    n0, n1, n2 = (sandbox(index_dir=package_index) for _ in range(3))
+    recipe = dist_recipe(tmp_path / "work", ssh_key, n0.index_url)
+    drill = run_cli("drill", str(recipe), n0.host, n1.host, "--resume-on", n2.host, "--json", home=home,
+                    timeout=1200)
+    assert drill.returncode == 0, drill.stderr
+    result = json.loads(drill.stdout)
+    assert result["continuous"] and result["rows"] and result["worst"] <= 1e-4
+    assert result["steps_lost"] == result["interrupted_at"] - result["resumed_at"] >= 3
+    assert result["seconds_to_resume"] > 0 and result["throughput_before"] > 0 and result["throughput_after"] > 0
+    assert "drill of example-dist: 2 node(s) -> 1 node(s), interrupted (kill)" in drill.stderr
+    assert "continuous: the largest relative difference" in drill.stderr
+    store = tmp_path / "work" / "store" / "example-dist" / ".relaunch"
+    record = json.loads(next(store.glob("drill-*.json")).read_text())
+    assert record["rows"] == result["rows"]

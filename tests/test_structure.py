@@ -21,7 +21,8 @@ LAYERS = [
     {"executor", "gather"},
     {"cycle"},
     {"sync", "status", "freeze", "interval"},
-    {"sandbox", "demo"},
+    {"sandbox"},
+    {"demo", "drill"},
     {"cli", "__main__"},
 ]
 

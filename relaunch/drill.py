@@ -1,0 +1,229 @@
+"""`relaunch drill`: rehearse an interruption for real, and measure what it costs.
+
+Train until the group has saved a checkpoint and run a few steps past it, copy it off (a `sync`
+round, as the copy-off loop would), interrupt (kill the training, or destroy a sandbox node),
+evacuate what the survivors hold, resume (on the same nodes, or on others: fewer nodes or GPUs),
+and compare the first steps after the resume with the same steps before the interruption, read
+from the log with `run.metrics`. The report: steps lost, time to resume, loss and grad-norm
+continuity, throughput before and after; a table here and a record in the store's `.relaunch/`.
+Exit 0 when the resumed steps reproduce the lost ones within the tolerance, 5 when they do not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import processes
+from .cycle import connected, evacuate, open_group, up
+from .errors import CheckpointError, UsageError
+from .host.spec import HostSpec
+from .recipe import Recipe
+from .store import utc_now
+from .sync import sync_round
+from .transports import open_store
+from .ui import UI
+
+MARK = "=== relaunch: start "
+LOOK_EVERY = 1.0
+
+
+@dataclass
+class Drill:
+    recipe: str
+    before: str                                   # "2 node(s)"
+    after: str
+    interrupt: str                                # kill | destroy HOST
+    interrupted_at: int = 0                       # the last step the log showed before the interruption
+    checkpoint: str = ""
+    resumed_at: int = 0
+    steps_lost: int = 0
+    seconds_to_resume: float = 0.0
+    throughput_before: float = 0.0                # steps per second
+    throughput_after: float = 0.0
+    tolerance: float = 1e-4
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    worst: float = 0.0                            # the largest relative difference seen
+    at: str = ""
+
+    @property
+    def continuous(self) -> bool:
+        return bool(self.rows) and self.worst <= self.tolerance
+
+    def table(self) -> str:
+        out = [f"drill of {self.recipe}: {self.before} -> {self.after}, interrupted ({self.interrupt}) at step "
+               f"{self.interrupted_at}",
+               f"  resumed from                 {self.checkpoint} (step {self.resumed_at})",
+               f"  steps lost                   {self.steps_lost}",
+               f"  time to resume               {self.seconds_to_resume:.1f} s (interruption -> first step after it)",
+               f"  throughput before / after    {self.throughput_before:.2f} / {self.throughput_after:.2f} steps/s",
+               f"  {'step':>6}  {'loss before':>12}  {'loss after':>12}  {'rel. diff':>9}  "
+               f"{'grad_norm before':>16}  {'after':>12}  {'rel. diff':>9}"]
+        for row in self.rows:
+            out.append(f"  {row['step']:>6}  {_num(row['loss_before']):>12}  {_num(row['loss_after']):>12}  "
+                       f"{_num(row['loss_diff'], '.1e'):>9}  {_num(row['grad_before']):>16}  "
+                       f"{_num(row['grad_after']):>12}  {_num(row['grad_diff'], '.1e'):>9}")
+        verdict = (f"continuous: the largest relative difference {self.worst:.1e} <= {self.tolerance:g}"
+                   if self.continuous else
+                   f"NOT continuous: relative difference {self.worst:.1e} > {self.tolerance:g}" if self.rows
+                   else "nothing to compare: no step was both lost and run again")
+        out.append(f"  {verdict}")
+        return "\n".join(out)
+
+
+def _num(value: float | None, fmt: str = ".6f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _metrics(recipe: Recipe, log: str) -> dict[int, tuple[float | None, float | None]]:
+    """step -> (loss, grad_norm) of the last run in a log (after the last start marker)."""
+    text = log[log.rfind(MARK):] if MARK in log else log
+    m = recipe.run.metrics
+    found: dict[int, tuple[float | None, float | None]] = {}
+    for line in text.splitlines():
+        step = re.search(m.step, line)
+        if not step:
+            continue
+        loss = re.search(m.loss, line)
+        grad = re.search(m.grad_norm, line) if m.grad_norm else None
+        if loss is None and grad is None:
+            continue
+        found[int(step.group(1))] = (float(loss.group(1)) if loss else None, float(grad.group(1)) if grad else None)
+    return found
+
+
+def _rel(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+class _Watch:
+    """Reads node 0's log every second: the steps seen, and when each was first seen."""
+
+    def __init__(self, recipe: Recipe, specs: list[HostSpec], ui: UI) -> None:
+        self.recipe, self.specs, self.ui = recipe, specs, ui
+        self.seen: dict[int, float] = {}
+
+    def until(self, what: str, done: Any, deadline: float) -> dict[int, tuple[float | None, float | None]]:
+        end = time.monotonic() + deadline
+        pairs = open_group(self.recipe, self.specs[:1], self.ui)
+        with connected(pairs) as remotes:
+            remote = next(iter(remotes.values()))
+            log = remote.expand(self.recipe.run.log)
+            while True:
+                result = remote.exec(f"cat -- {shlex.quote(log)} 2>/dev/null || true", deadline=60)
+                found = _metrics(self.recipe, result.text)
+                now = time.monotonic()
+                for step in found:
+                    self.seen.setdefault(step, now)
+                if done(found):
+                    return found
+                if now > end:
+                    raise CheckpointError(f"drill: {what} did not happen within {deadline:g}s",
+                                          "look at the log (`relaunch status`); the drill changed nothing it cannot "
+                                          "undo: rerun `relaunch up` to continue")
+                processes.sleep(LOOK_EVERY)
+
+    def rate(self, first: int, last: int) -> float:
+        steps = [s for s in self.seen if first <= s <= last]
+        if len(steps) < 2:
+            return 0.0
+        span = self.seen[max(steps)] - self.seen[min(steps)]
+        return (max(steps) - min(steps)) / span if span > 0 else 0.0
+
+
+def run_drill(recipe: Recipe, specs: list[HostSpec], ui: UI, resume_on: list[HostSpec] | None = None,
+              interrupt: str = "kill", past: int = 3, after: int = 5, tolerance: float = 1e-4,
+              deadline: float = 900) -> Drill:
+    resume_on = resume_on or specs
+    drill = Drill(recipe.name, f"{len(specs)} node(s)", f"{len(resume_on)} node(s)", interrupt, tolerance=tolerance,
+                  at=utc_now())
+    ui.say(f"# drill 1/5: training on {' '.join(map(str, specs))}")
+    up(recipe, specs, ui)
+    watch = _Watch(recipe, specs, ui)
+    store = open_store(recipe)
+
+    def saved_then_more(found: dict[int, Any]) -> bool:
+        state = store.read()
+        newest = state.manifest.newest() if state.manifest else None
+        return newest is not None and bool(found) and max(found) >= newest.step + past
+
+    # the copy-off loop's work, as `sync` does it, until a checkpoint is safe and training ran on
+    while True:
+        sync_round(recipe, specs, UI(quiet=True))
+        before = watch.until("a checkpoint and a few steps after it", lambda f: bool(f), deadline)
+        if saved_then_more(before):
+            break
+        processes.sleep(LOOK_EVERY)
+    drill.interrupted_at = max(before)
+    drill.throughput_before = watch.rate(min(before), max(before))
+
+    ui.say(f"# drill 2/5: interrupting at step {drill.interrupted_at} ({interrupt})")
+    interrupted = time.monotonic()
+    survivors = _interrupt(recipe, specs, interrupt, ui)
+
+    ui.say(f"# drill 3/5: evacuating {' '.join(map(str, survivors))}")
+    try:
+        report = evacuate(recipe, survivors, ui)
+        drill.checkpoint = report.stored or ""
+    except CheckpointError:
+        raise
+    state = store.read()
+    newest = state.manifest.newest() if state.manifest else None
+    if newest is None:
+        raise CheckpointError("drill: the store holds no checkpoint to resume from")
+    drill.checkpoint, drill.resumed_at = newest.name, newest.step
+    drill.steps_lost = max(drill.interrupted_at - newest.step, 0)
+
+    ui.say(f"# drill 4/5: resuming on {' '.join(map(str, resume_on))}")
+    up(recipe, resume_on, ui, accept_new_host_key=False)
+    watch_after = _Watch(recipe, resume_on, ui)
+    resumed = watch_after.until(f"{after} steps after the resume", lambda f: any(s > newest.step + after - 1
+                                                                                for s in f), deadline)
+    first_after = min((s for s in resumed if s > newest.step), default=None)
+    if first_after is not None:
+        drill.seconds_to_resume = watch_after.seen[first_after] - interrupted
+    drill.throughput_after = watch_after.rate(newest.step + 1, max(resumed))
+
+    ui.say("# drill 5/5: comparing the steps run twice")
+    for step in range(newest.step + 1, drill.interrupted_at + 1):
+        if step not in resumed or step not in before:
+            continue
+        (lb, gb), (la, ga) = before[step], resumed[step]
+        row = {"step": step, "loss_before": lb, "loss_after": la, "loss_diff": _rel(lb, la),
+               "grad_before": gb, "grad_after": ga, "grad_diff": _rel(gb, ga)}
+        drill.rows.append(row)
+        drill.worst = max([drill.worst, *(d for d in (row["loss_diff"], row["grad_diff"]) if d is not None)])
+    store.write_meta(f"drill-{drill.at.replace(':', '')}.json", json.dumps(asdict(drill), indent=2) + "\n")
+    return drill
+
+
+def _interrupt(recipe: Recipe, specs: list[HostSpec], how: str, ui: UI) -> list[HostSpec]:
+    """Kill the training on every node at once (a crash, a preemption without notice), or destroy
+    the last node (a sandbox node only). Returns the nodes that survive."""
+    if how == "kill":
+        pairs = open_group(recipe, specs, ui)
+        with connected(pairs) as remotes:
+            session = shlex.quote("=" + recipe.run.session)
+            for remote in remotes.values():
+                remote.exec(f"tmux kill-session -t {session} 2>/dev/null; true", deadline=30)
+        return specs
+    if how == "destroy":
+        from . import sandbox as sb
+
+        victim = specs[-1]
+        match = [i for i in sb.list_instances() if i.address == victim.address]
+        if not match:
+            raise UsageError(f"--interrupt destroy needs a sandbox node; {victim} is not one",
+                             "use --interrupt kill on rented instances")
+        sb.destroy(match[0].name)
+        ui.say(f"destroyed sandbox node {match[0].name} ({victim})")
+        if len(specs) == 1:
+            raise UsageError("--interrupt destroy needs a group: the last node is destroyed, the others evacuate")
+        return specs[:-1]
+    raise UsageError(f"unknown --interrupt {how!r}", "kill or destroy")
