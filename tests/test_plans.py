@@ -150,3 +150,76 @@ def test_env_vars_reach_the_run_script_rendered(state: Path) -> None:
     launch = next(a for a in plan_up(job, store)[0].actions if a.title.startswith("upload run.sh"))
     assert isinstance(launch.stdin, bytes)
     assert "export OUT='~/out/planned-0'\n" in launch.stdin.decode()
+
+
+# -- node groups: shape, what changed, and the group's plan ------------------------------------------
+def group_jobs(state: Path, n: int, gpus: int = 0, sets: tuple[str, ...] = ()) -> tuple[list[Job], Store]:
+    import dataclasses
+
+    case = {"facts": "facts-root.json", "store": "local", "set": list(sets),
+            "patch": {"host": {"gpus": [f"GPU {i}, 80 GiB, 550.0" for i in range(gpus)]}}}
+    first, store = job_for(case, state)
+    jobs = []
+    for rank in range(n):
+        target = dataclasses.replace(first.target, address=f"203.0.113.{10 + rank}")
+        jobs.append(Job(first.recipe, Node(target, rank, n, "203.0.113.10"), Facts.from_dict(first.facts.as_dict())))
+    return jobs, store
+
+
+def test_group_shape_keeps_the_global_batch_and_names_the_counts_that_would(state: Path) -> None:
+    from relaunch.errors import EnvError
+    from relaunch.steps.group import shape
+
+    jobs, _ = group_jobs(state, 2, gpus=4, sets=("run.batch={global: 512, micro: 8}",))
+    s = shape(jobs)
+    assert (s.nproc, s.world_size, s.grad_accum) == (4, 8, 8)
+    assert shape(jobs[:1]).grad_accum == 16                       # half the GPUs: twice the accumulation
+    three, _ = group_jobs(state, 3, gpus=4, sets=("run.batch={global: 512, micro: 8}",))
+    with pytest.raises(EnvError) as info:
+        shape(three)                                              # 12 processes do not divide 64 micro-batches
+    assert "with 4 per node: 1 node(s) x 4, 2 node(s) x 4, 4 node(s) x 4, 8 node(s) x 4, 16 node(s) x 4" in (
+        info.value.hint or "")
+    mixed, _ = group_jobs(state, 2, gpus=4)
+    mixed[1].facts.host.gpus = mixed[1].facts.host.gpus[:2]
+    with pytest.raises(EnvError, match="different GPU counts"):
+        shape(mixed)
+
+
+def test_what_changed_and_a_zero_checkpoint_at_another_world_size(state: Path) -> None:
+    from relaunch.errors import CheckpointError
+    from relaunch.steps.group import check_reshard, shape, what_changed
+    from relaunch.store import CheckpointRecord, FileRecord
+
+    jobs, _ = group_jobs(state, 1, gpus=4, sets=("run.batch={global: 512, micro: 8}",))
+    saved = {"world_size": 8, "grad_accum": 8, "nnodes": 2, "nproc_per_node": 4}
+    record = CheckpointRecord("step-100", 100, {"step-100/.metadata": FileRecord(1, "a" * 64)}, "now", "h",
+                              saved_with=saved)
+    assert what_changed(record, shape(jobs), jobs[0]) == "world size 8 -> 4: grad_accum 8 -> 16, global batch 512 kept"
+    zero = CheckpointRecord("global_step100", 100, {
+        "global_step100/zero_pp_rank_0_mp_rank_00_optim_states.pt": FileRecord(1, "b" * 64)}, "now", "h",
+        saved_with=saved)
+    with pytest.raises(CheckpointError, match="DeepSpeed ZeRO checkpoint saved at world size 8") as info:
+        check_reshard(zero, shape(jobs), jobs[0])
+    assert "ds_to_universal" in (info.value.hint or "")
+
+
+def test_a_group_plan_copies_once_then_fans_out(state: Path) -> None:
+    from relaunch.cycle import plan_group_up
+
+    jobs, store = group_jobs(state, 3)
+    manifest = json.loads((FIX / "case-up-resumed-start.json").read_text())["patch"]["store"]["manifest"]
+    for job in jobs:
+        job.facts.store = Facts.from_dict({"host": {}, "store": {"label": "s", "empty": False,
+                                                                 "manifest": manifest}}).store
+    plan, resumed = plan_group_up(jobs, store, "known hosts lines\n")
+    actions = plan.actions
+    local = [a for a in actions if a.argv and a.argv[0] == "rsync"]
+    assert len(local) == 1 and local[0].argv[-1].startswith("203.0.113.10:")        # the slow link once
+    fanout = [a for a in actions if a.command.startswith("rsync ")]
+    assert [(a.host.split("@")[1], a.command.split()[-1].split(":")[0]) for a in fanout] == [
+        ("203.0.113.10", "203.0.113.11"), ("203.0.113.10", "203.0.113.12")]       # rounds: 1 -> 2 -> 3
+    assert {a.host for a in actions if a.title.startswith("verify ckpt-00000020.pt on")} == {j.host for j in jobs}
+    cleanup = [a for a in actions if a.always]
+    assert {a.host for a in cleanup} == {j.host for j in jobs} and all("relaunch-fanout" in a.command for a in cleanup)
+    assert all(job.checkpoint.endswith("/ckpt/ckpt-00000020.pt") and job.step == 20 for job in resumed)
+    assert [a.host for a in actions if a.title.startswith("start tmux")] == [j.host for j in jobs]

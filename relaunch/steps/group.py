@@ -89,9 +89,8 @@ def check_reshard(record: CheckpointRecord | None, s: Shape, job: Job) -> None:
     """A DeepSpeed ZeRO checkpoint cannot be loaded at another world size as it is: say what
     converts it before anything starts."""
     before = (record.saved_with or {}) if record is not None else {}
-    layout = job.recipe.checkpoint.layout
     is_zero = record is not None and any("zero_pp_rank_" in p for p in record.files)
-    if layout in ("deepspeed", "auto") and is_zero and before.get("world_size") not in (None, s.world_size):
+    if is_zero and before.get("world_size") not in (None, s.world_size):
         assert record is not None
         raise CheckpointError(
             f"{record.name} is a DeepSpeed ZeRO checkpoint saved at world size {before['world_size']}; it cannot be "
