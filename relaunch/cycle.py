@@ -258,21 +258,26 @@ def plan_group_up(jobs: list[Job], store: Store, known_hosts: str, exclude: froz
     for job in jobs:
         plan.extend(tag(plan_preflight(job, choice.copy_bytes), job, lane=f"preflight@{job.host}"))
     plan.extend([barrier("preflight", "every node is ready for the env and the checkpoint")])
-    resumed = []
+    resumed, restores = [], []
     for job in jobs:
         again, restore = plan_restore(job, store, choice)
         resumed.append(again)
-        plan.extend(tag(plan_env(again), again))
-        if choice.record is None or choice.on_instance is not None:
-            plan.extend(tag(restore, again, lane=f"checkpoint@{job.host}"))      # nothing to copy
-        elif job is jobs[0]:
-            # the slow link once, to node 0: the copy and its check, not the move into place
-            plan.extend(tag(restore[:-1], again, lane="checkpoint"))
-    if choice.record is not None and choice.on_instance is None:
-        plan.extend(plan_fanout(resumed, choice.record, known_hosts))
-        for job, again in zip(jobs, resumed, strict=True):
-            move = plan_restore(job, store, choice)[1][-1]
-            plan.extend(tag([move], again, lane=f"checkpoint@{job.host}"))
+        restores.append(restore)
+    copying = choice.record is not None and choice.on_instance is None
+    cleanup: list[Action] = []
+    lanes: list[Action] = []
+    if copying:
+        assert choice.record is not None
+        # the slow link once, to node 0; from there the nodes double it between themselves
+        keypair, lanes, cleanup = plan_fanout(resumed, choice.record, known_hosts, restores[0][:-1],
+                                              [restore[-1] for restore in restores])
+        plan.extend([keypair])
+    else:
+        lanes = [a for again, restore in zip(resumed, restores, strict=True)
+                 for a in tag(restore, again, lane=f"checkpoint@{again.host}")]     # nothing to copy
+    plan.extend([a for again in resumed for a in tag(plan_env(again), again)])
+    plan.extend(lanes)
+    plan.extend(cleanup)
     plan.extend([barrier("launch", f"starting training on {len(jobs)} nodes")])
     for again in resumed:
         launch = [dataclasses.replace(a, produces=f"{a.produces}@{again.host}" if a.produces else "")

@@ -61,6 +61,7 @@ class Executor:
         self.handlers = handlers or {}
         self.results: dict[str, Any] = {}
         self._stop = threading.Event()           # a sibling lane failed
+        self._produced = threading.Condition()   # a result arrived (for actions that need one)
 
     # -- plans ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> dict[str, Any]:
@@ -82,6 +83,15 @@ class Executor:
                                 self._cleanup(action)
                 raise
         return self.results
+
+    def _wait_for(self, names: tuple[str, ...]) -> None:
+        """Until earlier actions in other lanes produced these results (the lane's deadline is
+        theirs); a failed sibling or Ctrl-C ends the wait."""
+        with self._produced:
+            while not all(name in self.results for name in names):
+                if self._cancelled():
+                    raise Interrupted("interrupted")
+                self._produced.wait(0.2)
 
     def _label(self, action: Action) -> str:
         return action.host or self.host
@@ -143,6 +153,8 @@ class Executor:
     # -- one action ---------------------------------------------------------------------------
     def run_one(self, action: Action) -> Any:
         label = self._label(action)
+        if action.needs:
+            self._wait_for(action.needs)
         if action.skip:
             self.ui.step(label, action.step, action.skip)
             return None
@@ -160,7 +172,9 @@ class Executor:
         else:
             result = self._attempt(action)
         if action.produces:
-            self.results[action.produces] = result
+            with self._produced:
+                self.results[action.produces] = result
+                self._produced.notify_all()
         if action.done:
             self.ui.step(label, action.step, action.done)
         return result

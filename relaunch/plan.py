@@ -48,6 +48,7 @@ class Action:
     expect: dict[str, str] | None = field(default=None, hash=False)  # with hashes: the values required
     fails_as: str = "env"           # exit category when it fails (FAILS_AS)
     lane: str = ""                  # actions in different lanes next to each other run at the same time
+    needs: tuple[str, ...] = ()     # results of other lanes' actions it waits for before it runs
     say: str = ""                   # printed when it starts
     done: str = ""                  # printed when it succeeded
     skip: str = ""                  # why nothing needs doing: runs nothing

@@ -191,12 +191,17 @@ def test_set_link_outage_and_recovery(sandbox, ssh) -> None:
     _eventually("ssh after link up", lambda: ssh(inst, "true", check=False).returncode == 0)
 
 
-def test_rate_shapes_both_ends(sandbox) -> None:
+def test_rate_shapes_both_ends_of_the_link_to_this_machine_only(sandbox) -> None:
     inst = sandbox(rate="8mbit")
     host_dev, inst_dev = _meta(inst.name)["veth"]
-    assert "rate 8Mbit" in _out("tc", "qdisc", "show", "dev", host_dev)
-    inside = sb.run_in(inst.name, ["tc", "qdisc", "show", "dev", inst_dev], capture_output=True, text=True)
-    assert "rate 8Mbit" in inside.stdout
+    outside = _out("tc", "class", "show", "dev", host_dev)
+    inside = sb.run_in(inst.name, ["tc", "class", "show", "dev", inst_dev], capture_output=True, text=True).stdout
+    for classes in (outside, inside):
+        # traffic with this machine is held to the rate; traffic between instances is not
+        assert re.search(r"class htb 1:10 .*rate 8Mbit", classes) and re.search(r"class htb 1:20 .*rate 10Gbit",
+                                                                               classes)
+    filters = _out("tc", "filter", "show", "dev", host_dev)
+    assert "match 00000001/000000ff at 12" in filters and "flowid 1:10" in filters
 
 
 def test_destroy_leaves_nothing_behind(sandbox, ssh, package_index: Path) -> None:

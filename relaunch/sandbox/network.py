@@ -260,13 +260,26 @@ def disconnect(name: str, slot: int | None) -> None:
 
 
 def shape(name: str, slot: int, rate: str) -> None:
-    """Limit the link to `rate` (a tc rate like "20mbit") both ways."""
+    """Limit the link between this machine and the instance to `rate` (a tc rate like "20mbit"),
+    both ways; traffic between instances (a node group's own network) stays fast, as between the
+    nodes of one datacenter. Addresses ending in .1 are this machine's side of every link."""
     host_dev, inst_dev = veths(slot)
-    for prefix, dev in (([], host_dev), (["ip", "netns", "exec", netns(name)], inst_dev)):
-        tc = [*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", str(rate)]
-        proc = subprocess.run([*tc, "burst", "32kbit", "latency", "400ms"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise UsageError(f"bad rate {rate!r}: {proc.stderr.strip()}", hint="use a tc rate like 20mbit")
+    # (device, command prefix, offset of the address that says "this machine": source leaving
+    # this machine, destination leaving the instance)
+    for prefix, dev, offset in (([], host_dev, 12), (["ip", "netns", "exec", netns(name)], inst_dev, 16)):
+        steps = [
+            ["qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
+            ["class", "replace", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", str(rate),
+             "burst", "32kb", "quantum", "1514"],
+            ["class", "replace", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", "10gbit",
+             "quantum", "60000"],
+            ["filter", "replace", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "u32",
+             "0x00000001", "0x000000ff", "at", str(offset), "flowid", "1:10"],
+        ]
+        for step in steps:
+            proc = subprocess.run([*prefix, "tc", *step], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise UsageError(f"bad rate {rate!r}: {proc.stderr.strip()}", hint="use a tc rate like 20mbit")
 
 
 def set_link_state(name: str, slot: int, up: bool) -> None:

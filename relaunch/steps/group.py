@@ -3,8 +3,9 @@ the global batch), what changed since the checkpoint was saved, and the actions 
 restored checkpoint out from the first node to the others over the nodes' own network.
 
 Each node's actions carry its label (`host`) and lanes of their own, so one executor runs the
-whole group: every node installs at the same time, the checkpoint crosses the slow link to the
-group once, then doubles between the nodes (1 -> 2 -> 4 -> 8).
+whole group: every node installs at the same time as the checkpoint crosses the slow link to the
+group once and then doubles between the nodes (1 -> 2 -> 4 -> 8), each copy starting as soon as
+its sender holds a verified one.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def check_reshard(record: CheckpointRecord | None, s: Shape, job: Job) -> None:
 
 def tag(actions: Sequence[Action], job: Job, lane: str | None = None) -> list[Action]:
     """The actions of one node of a group: its label, and lanes of its own (`env@host`)."""
-    return [dataclasses.replace(a, host=job.host, lane=lane if lane is not None else
+    return [dataclasses.replace(a, host=a.host or job.host, lane=lane if lane is not None else
                                 (f"{a.lane}@{job.host}" if a.lane else a.lane)) for a in actions]
 
 
@@ -118,26 +119,42 @@ def _node_ssh(job: Job, paths_key: str, known: str) -> str:
                        "-o", "IdentitiesOnly=yes", "-o", "ConnectTimeout=20"])
 
 
-def plan_fanout(jobs: Sequence[Job], record: CheckpointRecord, known_hosts: str) -> list[Action]:
-    """The checkpoint in node 0's incoming folder reaches every other node's, verified there.
+def sender(k: int) -> int:
+    """Who gives node k the checkpoint: the nodes that have it double each round (0 -> 1;
+    0 -> 2, 1 -> 3; 0 -> 4, 1 -> 5, 2 -> 6, 3 -> 7 ...)."""
+    return k - (1 << (k.bit_length() - 1))
 
-    A key made for this copy (its private half on the nodes only while the copy runs, its
-    public half in their authorized_keys with a marker, both removed afterwards, also on
-    failure), host keys checked against relaunch's known_hosts (`known_hosts`: their lines).
-    Rounds double the nodes that hold it; each node verifies its copy by sha256.
+
+def plan_fanout(jobs: Sequence[Job], record: CheckpointRecord, known_hosts: str, first_copy: Sequence[Action],
+                moves: Sequence[Action]) -> tuple[Action, list[Action], list[Action]]:
+    """How the checkpoint reaches every node: (the key for this copy, the restore lanes, the cleanups).
+
+    Node 0's lane copies it from the store (`first_copy`) and verifies it; every other node's
+    lane waits until its sender holds a verified copy, then the sender copies it over the nodes'
+    own network, and the node verifies it by sha256. The lanes run beside the nodes' env
+    installs; a node moves its copy into place once every node verified its own (senders read
+    from their hidden incoming folders until then).
+
+    The copies between nodes use a key made for this copy: its private half on the nodes only
+    while the copy runs, its public half in their authorized_keys with a marker, both removed
+    afterwards, also on failure; host keys are checked against relaunch's known_hosts
+    (`known_hosts`: their lines).
     """
     name, total = record.name, sum(f.size for f in record.files.values())
     expected = {f: r.sha256 for f, r in record.files.items()}
     files = sorted(record.files)
+    everyone = tuple(f"ckpt@{job.host}" for job in jobs)
     q = shlex.quote
-    actions: list[Action] = [Action("checkpoint", "a key for copying between the nodes", where=LOCAL,
-                                    call="fanout.keypair", produces="fanout-key", fails_as="checkpoint")]
+    keypair = Action("checkpoint", "a key for copying between the nodes", where=LOCAL, call="fanout.keypair",
+                     produces="fanout-key", fails_as="checkpoint")
+    lanes: list[Action] = []
     cleanup: list[Action] = []
-    for job in jobs:
+    for k, job in enumerate(jobs):
+        lane = "checkpoint" if k == 0 else f"checkpoint@{job.host}"
         state = job.paths.state
         key, known = f"{state}/fanout_key", f"{state}/fanout_known_hosts"
         auth = f"{job.paths.home}/.ssh/authorized_keys"
-        actions += tag([
+        keys = [
             Action("checkpoint", f"the copy key -> {key} (mode 0600, for this copy only)",
                    command=upload_command(key, 0o600), stdin=Ref("fanout-key", "private"), secret=("fanout key",),
                    fails_as="checkpoint"),
@@ -145,41 +162,34 @@ def plan_fanout(jobs: Sequence[Job], record: CheckpointRecord, known_hosts: str)
                    stdin=known_hosts.encode(), fails_as="checkpoint"),
             Action("checkpoint", f"let the copy key in: {auth}",
                    command=f"umask 077 && mkdir -p -- {q(job.paths.home + '/.ssh')} && cat >> {q(auth)}",
-                   stdin=Ref("fanout-key", "authorized"), fails_as="checkpoint"),
-        ], job, lane="")
+                   stdin=Ref("fanout-key", "authorized"), fails_as="checkpoint", produces=f"keys@{job.host}"),
+        ]
+        if k == 0:
+            copy = [*first_copy[:-1], dataclasses.replace(first_copy[-1], produces=f"ckpt@{job.host}")]
+        else:
+            giver = jobs[sender(k)]
+            incoming = giver.paths.incoming
+            to = f"{job.target.address}:{job.paths.incoming}/{name}" + ("/" if record.is_dir else "")
+            argv = ["rsync", "-a", "-s", "--partial-dir=.rsync-partial", "--mkpath", "-e",
+                    _node_ssh(giver, f"{giver.paths.state}/fanout_key", f"{giver.paths.state}/fanout_known_hosts")
+                    + f" -p {job.target.port} -l {q(job.target.user)}",
+                    f"{incoming}/{name}" + ("/" if record.is_dir else ""), to]
+            copy = [
+                Action("checkpoint", f"{name} ({human(total)}) {giver.host} -> {job.host}", command=shlex.join(argv),
+                       host=giver.host, needs=(f"ckpt@{giver.host}", f"keys@{giver.host}"),
+                       deadline=deadline_for(total), fails_as="checkpoint",
+                       say=f"copying {name} to {job.host} over the nodes' network"),
+                Action("checkpoint", f"verify {name} on {job.host} against the store manifest (sha256)",
+                       command=hash_command(job.paths.incoming, job.facts.host.python), stdin=paths_stdin(files),
+                       deadline=hash_deadline(total), parse="hashes:sha256", expect=expected, fails_as="checkpoint",
+                       produces=f"ckpt@{job.host}", hint="nothing was put in place; rerun `relaunch up`"),
+            ]
+        lanes += tag([*keys, *copy, dataclasses.replace(moves[k], needs=everyone)], job, lane=lane)
         cleanup += tag([Action("checkpoint", f"remove the copy key from {job.host}", always=True,
                                command=f"rm -f -- {q(key)} {q(known)}; "
                                        f"if [ -f {q(auth)} ]; then sed -i '/ {MARK}$/d' {q(auth)}; fi",
                                fails_as="checkpoint")], job, lane="")
-    have, rounds = [0], []
-    while len(have) < len(jobs):
-        pairs = [(src, dst) for src, dst in zip(have, range(len(have), len(jobs)), strict=False)]
-        rounds.append(pairs)
-        have += [dst for _, dst in pairs]
-    for n, pairs in enumerate(rounds, 1):
-        actions.append(barrier("checkpoint", f"fan-out round {n}: " +
-                               ", ".join(f"{jobs[s].host} -> {jobs[d].host}" for s, d in pairs)))
-        for src, dst in pairs:
-            sender, receiver = jobs[src], jobs[dst]
-            state = sender.paths.state
-            incoming = sender.paths.incoming
-            to = f"{receiver.target.address}:{receiver.paths.incoming}/{name}" + ("/" if record.is_dir else "")
-            argv = ["rsync", "-a", "-s", "--partial-dir=.rsync-partial", "--mkpath", "-e",
-                    _node_ssh(sender, f"{state}/fanout_key", f"{state}/fanout_known_hosts") +
-                    f" -p {receiver.target.port} -l {q(receiver.target.user)}",
-                    f"{incoming}/{name}" + ("/" if record.is_dir else ""), to]
-            actions.append(Action("checkpoint", f"{name} ({human(total)}) {sender.host} -> {receiver.host}",
-                                  command=shlex.join(argv), host=sender.host, lane=f"fanout@{sender.host}",
-                                  deadline=deadline_for(total), retry=False, fails_as="checkpoint",
-                                  say=f"copying {name} to {receiver.host} over the nodes' network"))
-    actions.append(barrier("checkpoint", f"{name} is on every node; verifying each copy"))
-    for job in jobs[1:]:
-        actions.append(Action("checkpoint", f"verify {name} on {job.host} against the store manifest (sha256)",
-                              command=hash_command(job.paths.incoming, job.facts.host.python),
-                              stdin=paths_stdin(files), deadline=hash_deadline(total), parse="hashes:sha256",
-                              expect=expected, fails_as="checkpoint", host=job.host, lane=f"verify@{job.host}",
-                              hint="nothing was put in place; rerun `relaunch up`"))
-    return [*actions, *cleanup]
+    return keypair, lanes, cleanup
 
 
 def known_hosts_lines(jobs: Sequence[Job], known: dict[str, list[str]]) -> str:

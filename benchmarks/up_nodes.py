@@ -1,0 +1,116 @@
+"""How long does `relaunch up` take on a node group, against one node?
+
+The checkpoint crosses the slow link (this machine -> the group) once, to node 0; then the nodes
+double it between themselves (1 -> 2 -> 4 -> 8) over their own network, and verify their copies.
+So `up` on N nodes should cost about one copy over the slow link plus log2(N) copies between
+nodes, not N slow copies.
+
+Against sandbox nodes (Linux, root): each node's link to this machine is shaped to RATE, the
+links between nodes are not (as between the nodes of one datacenter). The store (a folder here)
+holds one SIZE MB checkpoint of random bytes; the recipe has no lock and a `sleep` command, so
+`up` is the restore. Each `up` is timed end to end as a user runs it, on fresh nodes each time.
+
+  python benchmarks/up_nodes.py [--size-mb 256] [--rate 200mbit] [--nodes 1,2,4,8] [--runs 2]
+
+Prints each run's seconds and the ratio to one node measured in the same run. No asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from relaunch import sandbox as sb
+from relaunch.store import CheckpointRecord, FileRecord, LocalStore, StoreManifest, utc_now
+
+
+def make_store(folder: Path, size_mb: int) -> Path:
+    """A local store holding ckpt-00000100.pt (SIZE MB of random bytes), verified in its manifest."""
+    store = LocalStore(folder / "store")
+    name = "ckpt-00000100.pt"
+    staged = store.staging(name) / name
+    digest = hashlib.sha256()
+    with open(staged, "wb") as out:
+        for _ in range(size_mb):
+            block = os.urandom(1 << 20)
+            digest.update(block)
+            out.write(block)
+    record = CheckpointRecord(name, 100, {name: FileRecord(size_mb << 20, digest.hexdigest())}, utc_now(), "bench")
+    store.commit(record)
+    manifest = StoreManifest("bench")
+    manifest.add(record)
+    store.save_manifest(manifest)
+    return store.root
+
+
+def write_recipe(folder: Path, key: Path, store: Path) -> Path:
+    data = {"name": "bench", "provider": "sandbox", "ssh": {"key": str(key), "wait": 30},
+            "env": {"python": "3.11", "venv": "~/venvs/bench"},
+            "checkpoint": {"dir": "~/ckpt", "layout": "files", "pattern": "ckpt-*.pt", "keep": 2,
+                           "remote": str(store)},
+            "run": {"command": "sleep 3600", "workdir": "~", "grace": 1}}
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def one_up(recipe: Path, nodes: int, rate: str, key: Path, tag: str) -> float:
+    names = [f"bn{tag}{i}" for i in range(nodes)]
+    home = Path(tempfile.mkdtemp(prefix="relaunch-bench-"))
+    try:
+        hosts = [sb.create(name, rate=rate, authorized_key=Path(f"{key}.pub")).host for name in names]
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "relaunch.cli", "up", str(recipe), *hosts],
+                              capture_output=True, text=True, env={**os.environ, "RELAUNCH_HOME": str(home)})
+        seconds = time.monotonic() - started
+        if done.returncode != 0:
+            raise SystemExit(f"up on {nodes} node(s) failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        return seconds
+    finally:
+        for name in names:
+            sb.destroy(name)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size-mb", type=int, default=256)
+    parser.add_argument("--rate", default="200mbit")
+    parser.add_argument("--nodes", default="1,2,4,8")
+    parser.add_argument("--runs", type=int, default=2)
+    args = parser.parse_args()
+    counts = [int(n) for n in args.nodes.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="relaunch-bench-nodes-"))
+    key = sb.default_key()
+    try:
+        recipe = write_recipe(work, key, make_store(work, args.size_mb))
+        times: dict[int, list[float]] = {n: [] for n in counts}
+        ratios: dict[int, list[float]] = {n: [] for n in counts}
+        for run in range(args.runs):
+            base = one_up(recipe, 1, args.rate, key, f"{run}x")
+            for n in counts:
+                seconds = base if n == 1 else one_up(recipe, n, args.rate, key, f"{run}{n}")
+                times[n].append(seconds)
+                ratios[n].append(seconds / base)
+                print(f"run {run + 1}: {n} node(s) {seconds:6.1f} s  ratio to 1 node {seconds / base:.2f}", flush=True)
+        print(f"\n{args.size_mb} MB checkpoint, {args.rate} between this machine and each node, "
+              f"{args.runs} run(s); median of each")
+        print("| nodes | up | ratio to 1 node |\n|---|---|---|")
+        for n in counts:
+            print(f"| {n} | {statistics.median(times[n]):.1f} s | {statistics.median(ratios[n]):.2f} |")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
