@@ -371,13 +371,17 @@ def up_group(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = Fals
     with connected(pairs) as remotes:
         store = open_store(recipe)
         damaged: set[str] = set()
+        tried: set[str] = set()             # group checkpoints already sent to the store once
         known = group_known_hosts([node for node, _ in pairs])
         while True:
             jobs = gather_group(pairs, recipe, store)
             for job in jobs:
                 _say_facts(job, store, ui)
             newer = unsaved_group_checkpoint(jobs[0])
-            if newer is not None and not dry_run and wanted is None:
+            if newer is not None and newer.name in tried:
+                ui.warn(f"{newer.name} could not be copied into the store; resuming from the store's newest")
+            elif newer is not None and not dry_run and wanted is None:
+                tried.add(newer.name)
                 # the group holds a newer checkpoint than the store, spread over its nodes: into the
                 # store first, so that every node can get all of it
                 ui.step(jobs[0].host, "checkpoint", f"{newer.name} (step {newer.step}) is newer than the store's "
@@ -388,6 +392,10 @@ def up_group(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = Fals
                 continue
             plan, jobs = plan_group_up(jobs, store, known, frozenset(damaged), wanted)
             if dry_run:
+                if newer is not None and wanted is None:
+                    plan.actions.insert(0, Action("checkpoint", "the group's newest checkpoint", say=(
+                        f"first: {newer.name} (step {newer.step}) is newer than the store's and spread over the "
+                        "nodes: `up` copies it into the store (as `evacuate` does), then plans again from there")))
                 return [UpResult(plan.host, "planned", jobs[0].checkpoint, jobs[0].step, plan)]
             if all(job.facts.host.session_alive for job in jobs):
                 ui.ok(f"training is already running on every node (tmux session {recipe.run.session}); nothing to do")
