@@ -110,7 +110,10 @@ def test_explain_names_file_line_preset_default_and_set(tmp_path: Path) -> None:
     top = write(tmp_path / "proj" / "recipe.yaml", PROJECT + "extends: [team/base]\nenv: {vars: {P: p}}\n")
     out = run_cli("check", str(top), "--explain", "--set", "checkpoint.keep=5", home=tmp_path / "home")
     assert out.returncode == 0, out.stderr
-    lines = {line.split(":")[0].strip(): line for line in out.stdout.splitlines() if not line.startswith("#")}
+    lines: dict[str, str] = {}          # the first line of each key name (run.command before recover.command)
+    for line in out.stdout.splitlines():
+        if not line.startswith("#"):
+            lines.setdefault(line.split(":")[0].strip(), line)
     assert lines["provider"].endswith(f"# {base}:1")
     assert lines["user"].split("#")[0].strip() == "user: ubuntu" and lines["user"].endswith("# preset lambda")
     assert lines["keep"].endswith("# --set") and "keep: 5" in lines["keep"]

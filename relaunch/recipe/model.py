@@ -276,6 +276,53 @@ class Run(_Section):
         return v
 
 
+GUARD_SOURCES = ("aws", "gcp", "azure", "sigterm")
+
+
+class Guard(_Section):
+    """The watcher `up` starts beside training: it asks the instance's metadata service (and
+    what else is named) for a reclaim notice, and on one asks training to save and exit."""
+
+    enabled: bool = _key("Start the guard beside training on `up` (in its own tmux session NAME-guard).",
+                         True, True)
+    sources: list[str] = _key("Where a reclaim notice comes from: aws (IMDSv2 spot instance-action and "
+                              "rebalance recommendation), gcp (instance/preempted), azure (Scheduled Events "
+                              "Preempt, Terminate), sigterm (the guard's own SIGTERM), file:PATH (a file on the "
+                              "instance that appears), url:URL (an address that answers 200). A source that does "
+                              "not answer is switched off, said once in `relaunch status`.",
+                              ["aws", "sigterm", "file:~/RECLAIM"], list(GUARD_SOURCES))
+    every: float = _key("Seconds between the guard's looks at each source.", 5, 5, gt=0)
+
+    @field_validator("sources")
+    @classmethod
+    def _sources(cls, v: list[str]) -> list[str]:
+        for source in v:
+            if source in GUARD_SOURCES:
+                continue
+            if source.startswith("file:") and len(source) > len("file:"):
+                continue
+            if source.startswith("url:") and re.match(r"url:https?://[^/\s]+", source):
+                continue
+            raise ValueError(f"{source!r} is not a notice source: use " + ", ".join(GUARD_SOURCES)
+                             + ", file:PATH or url:http://...")
+        return v
+
+
+class Recover(_Section):
+    """What `relaunch watch` does when the instance is lost or reclaimed."""
+
+    command: str | None = _key("A command run on this machine (in the recipe's folder) that rents a replacement "
+                               "and prints its HOST on its last line, optionally followed by the host key "
+                               "fingerprint to pin; `watch` then runs `up` there. Unset: `watch` waits for the "
+                               "instance to come back.", "./rent-replacement.sh", None)
+    lost_after: float = _key("Seconds the instance stays unreachable before `watch` counts it as lost.",
+                             120, 120, gt=0)
+    attempts: int = _key("How many times `watch` tries to recover (the command, then `up`), with backoff.",
+                         3, 3, ge=1)
+    timeout: float = _key("Seconds recover.command may run before it is ended and the attempt counts as failed.",
+                          900, 900, gt=0)
+
+
 class Recipe(_Section):
     """A validated recipe. Build it with `load_recipe`, which also records where each key came from."""
 
@@ -290,6 +337,10 @@ class Recipe(_Section):
     env: Env = _key("The environment on the instance.", {"python": "3.11"})
     checkpoint: Checkpoint = _key("Where checkpoints are written and stored.", {"remote": "./store/llama-ft"})
     run: Run = _key("The training command.", {"command": "python train.py"})
+    guard: Guard = _key("The on-instance watcher for reclaim notices that `up` starts beside training.",
+                        {"sources": ["aws", "sigterm"], "every": 5}, Guard)
+    recover: Recover = _key("What `relaunch watch` does when the instance is lost.",
+                            {"command": "./rent-replacement.sh", "lost_after": 120}, Recover)
     templates: Path | None = _key("A folder (relative to the recipe file) whose files replace relaunch's instance "
                                   "scripts of the same name: " + ", ".join(SCRIPT_NAMES) + ".",
                                   "./team-templates", None)

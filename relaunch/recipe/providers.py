@@ -33,6 +33,7 @@ class Provider:
     notes: str
     disk_survives_stop: bool | None = None
     reclaim_notice: str = ""
+    notice_window: float | None = None     # seconds between the notice and the end, where documented
     sources: tuple[str, ...] = ()
 
     def ssh_defaults(self) -> dict[str, Any]:
@@ -42,7 +43,8 @@ class Provider:
 
     def as_dict(self) -> dict[str, Any]:
         return {"user": self.user or None, "port": self.port, "disk_survives_stop": self.disk_survives_stop,
-                "reclaim_notice": self.reclaim_notice or None, "sources": list(self.sources),
+                "reclaim_notice": self.reclaim_notice or None, "notice_window": self.notice_window,
+                "sources": list(self.sources),
                 "notes": self.notes}
 
 
@@ -66,6 +68,7 @@ def _presets() -> tuple[Provider, ...]:
             name=str(name), user=str(p.get("user") or ""), port=int(p["port"]) if p.get("port") else None,
             notes=" ".join(str(p["notes"]).split()), disk_survives_stop=p.get("disk_survives_stop"),
             reclaim_notice=notice, sources=tuple(p.get("sources") or ()),
+            notice_window=float(p["notice_window"]) if p.get("notice_window") else None,
         ))
     return tuple(presets)
 
