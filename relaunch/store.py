@@ -320,6 +320,15 @@ class LocalStore:
         self.meta.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.meta / filename, text)
 
+    def read_meta(self, filename: str) -> str | None:
+        """`.relaunch/<filename>`, None when it does not exist."""
+        if "/" in filename or filename in ("", ".", "..", PARTIAL):
+            raise UsageError(f"read_meta: {filename!r} is not a plain metadata file name")
+        try:
+            return (self.meta / filename).read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return None
+
     # -- staging, verifying, committing ----------------------------------------------------
 
     def staging_path(self, name: str) -> Path:

@@ -113,6 +113,10 @@ class Store(ABC):
     @abstractmethod
     def write_meta(self, filename: str, text: str) -> None: ...
 
+    def read_meta(self, filename: str) -> str | None:
+        """`.relaunch/<filename>` as text (history.jsonl), None when the store has none."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read its metadata files")
+
     @abstractmethod
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         """Drop all but the newest `keep` records (never one named in protect), manifest first."""

@@ -472,6 +472,19 @@ class HfStore(Store):
             raise UsageError(f"write_meta: {filename!r} is not a plain metadata file name")
         self._pending_meta[filename] = text
 
+    def read_meta(self, filename: str) -> str | None:
+        """The file as this process last wrote it, else as the repo's newest revision holds it."""
+        if filename in self._pending_meta:
+            return self._pending_meta[filename]
+        sha = self._head()
+        if sha is None:
+            return None
+        rel = f"{META_DIR}/{filename}"
+        if rel not in self._snapshot(sha).files:
+            return None
+        with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
+            return self._download(rel, sha, Path(tmp)).read_text(encoding="utf-8", errors="replace")
+
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         preview = StoreManifest(recipe=manifest.recipe, checkpoints=dict(manifest.checkpoints))
         if not preview.drop_beyond(keep, protect):

@@ -100,6 +100,9 @@ class LocalPathStore(Store):
     def write_meta(self, filename: str, text: str) -> None:
         self.fs.write_meta(filename, text)
 
+    def read_meta(self, filename: str) -> str | None:
+        return self.fs.read_meta(filename)
+
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         return self.fs.prune(manifest, keep, protect)
 

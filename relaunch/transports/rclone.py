@@ -209,6 +209,14 @@ class RcloneStore(Store):
     def write_meta(self, filename: str, text: str) -> None:
         self._put_text(f"{META_DIR}/{filename}", text)
 
+    def read_meta(self, filename: str) -> str | None:
+        result = self.run("cat", self._path(f"{META_DIR}/{filename}"))
+        if result.status != 0:
+            if result.status in (3, 4) or NOT_FOUND.search(result.err):
+                return None
+            raise self.fail(result, f"reading {META_DIR}/{filename}")
+        return result.text
+
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         drop = manifest.drop_beyond(keep, protect)
         if not drop:

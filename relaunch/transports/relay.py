@@ -55,6 +55,9 @@ class Relay(Store):
     def write_meta(self, filename: str, text: str) -> None:
         self.remote.write_meta(filename, text)
 
+    def read_meta(self, filename: str) -> str | None:
+        return self.remote.read_meta(filename)
+
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         return self.remote.prune(manifest, keep, protect)
 
