@@ -10,6 +10,7 @@ from ..host.connection import upload_command
 from ..job import Job
 from ..plan import Action
 from .env import exports
+from .guard import plan_guard
 
 WATCH_SLACK = 30.0       # seconds beyond the grace for the watch itself (python start, a slow box)
 
@@ -73,6 +74,7 @@ def plan_launch(job: Job) -> list[Action]:
                command=upload_command(paths.run_info, 0o600),
                stdin=(json.dumps(run_info(job), sort_keys=True) + "\n").encode()),
         Action("launch", f"start tmux session {run.session}", command=start),
+        *plan_guard(job),
         Action("launch", "watch the command start", command=watch_command(job), deadline=run.grace + WATCH_SLACK,
                produces="launch", parse="json", say=waiting),
     ]

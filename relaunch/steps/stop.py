@@ -1,5 +1,5 @@
 """Ask training to save and exit (`evacuate --stop`): run.stop.signal to the command's process
-group, then wait up to run.stop.timeout for the tmux session to end."""
+group, then wait up to run.stop.timeout for the tmux session to end; then stop the guard."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import shlex
 
 from ..job import Job
 from ..plan import Action
+from .guard import stop_guard
 
 STOPPED = "stopped"
 STILL_RUNNING = "still running"
@@ -28,4 +29,5 @@ def plan_stop(job: Job) -> list[Action]:
                hint="stop it by hand (tmux attach), then run `relaunch evacuate` without --stop"),
         Action("stop", f"wait up to {stop.timeout:g}s (run.stop.timeout) for the session to end", command=wait,
                deadline=stop.timeout + 30, produces="stop", parse="text", fails_as="evacuate"),
+        stop_guard(job),
     ]

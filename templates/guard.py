@@ -1,0 +1,401 @@
+# relaunch: the guard of one recipe, run beside its training on the instance (tmux session
+# SESSION-guard, started by `relaunch up`). Standard library only; any Python 3 the instance has.
+#
+# argv: the guard's config file (JSON, written by `relaunch up`; see relaunch/steps/guard.py).
+#
+# Every `every` seconds it asks each notice source whether the instance is being taken back:
+#   aws      IMDSv2: PUT /latest/api/token, then /latest/meta-data/spot/instance-action and
+#            /latest/meta-data/events/recommendations/rebalance (404 = no notice)
+#   gcp      /computeMetadata/v1/instance/preempted with Metadata-Flavor: Google (TRUE / FALSE)
+#   azure    /metadata/scheduledevents?api-version=2020-07-01 with Metadata: true (Preempt, Terminate)
+#   sigterm  its own SIGTERM (a container or system shutdown)
+#   file:P   the file P appears;  url:U  U answers 200 (404 or 204: no notice)
+# A source that has not answered as its service does after three looks is switched off and
+# said so in state.json (which `relaunch status` shows); one that answered once stays on.
+#
+# On the first notice it writes notice.json at once, sends the recipe's run.stop signal to the
+# training's process group, waits for the training to exit (the save) until the notice's
+# deadline or run.stop.timeout, whichever comes first, and writes what happened into
+# notice.json. Copying the checkpoint off is not done here: see relaunch/steps/guard.py.
+# It exits then, and also when the training ends without a notice, or on SIGHUP/SIGINT
+# (`tmux kill-session`, which is how relaunch stops it).
+import calendar
+import email.utils
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+
+CONFIG = json.load(open(sys.argv[1]))
+FOLDER = CONFIG["folder"]
+STATE = os.path.join(FOLDER, "state.json")
+NOTICE = os.path.join(FOLDER, "notice.json")
+LOG = os.path.join(FOLDER, "guard.log")
+HOST, _, PORT = CONFIG.get("metadata", "169.254.169.254").partition(":")
+PORT = int(PORT or 80)
+EVERY = float(CONFIG["every"])
+CONNECT_TIMEOUT = 2.0
+READ_TIMEOUT = 5.0
+AZURE_FIRST_READ = 120.0      # Azure documents up to two minutes for the first Scheduled Events call
+TRIES = 3                     # looks without a proper answer before a source is switched off
+
+lock = threading.RLock()       # reentrant: the SIGTERM handler runs in the main thread
+noticed = threading.Event()
+leaving = []                  # why the guard stops without a notice (a signal from relaunch)
+notice = {}
+sources_state = {}
+
+
+def iso(t):
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def write_json(path, data):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def log(message):
+    with lock, open(LOG, "a") as f:
+        f.write(f"{iso(time.time())} {message}\n")
+
+
+def save_state(**extra):
+    with lock:
+        state = {"pid": os.getpid(), "started": STARTED, "every": EVERY, "sources": sources_state}
+        state.update(extra)
+        write_json(STATE, state)
+
+
+class NoAnswer(Exception):
+    """The source did not answer the way its service does."""
+
+
+def describe(exc):
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__
+
+
+def request(method, path, headers, read_timeout=READ_TIMEOUT, host=HOST, port=PORT, https=False):
+    kind = http.client.HTTPSConnection if https else http.client.HTTPConnection
+    conn = kind(host, port, timeout=CONNECT_TIMEOUT)   # no proxy: metadata never goes through one
+    try:
+        conn.connect()
+        conn.sock.settimeout(read_timeout)
+        conn.request(method, path, headers=headers)
+        response = conn.getresponse()
+        body = response.read(65536)
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, body
+    except (OSError, http.client.HTTPException) as exc:
+        raise NoAnswer(f"no answer ({describe(exc)})") from None
+    finally:
+        conn.close()
+
+
+def parse_when(text):
+    """Seconds since the epoch from an ISO 8601 UTC time or an RFC 1123 date; None if neither."""
+    text = (text or "").strip()
+    for form in ("%Y-%m-%dT%H:%M:%SZ", "%Y-%m-%dT%H:%M:%S.%fZ"):
+        try:
+            return float(calendar.timegm(time.strptime(text, form)))
+        except ValueError:
+            pass
+    try:
+        return email.utils.parsedate_to_datetime(text).timestamp()
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
+def from_body(body):
+    """A deadline from a file's or URL's content: {"deadline": time} or {"seconds": N} or N."""
+    try:
+        data = json.loads(body or b"null")
+    except ValueError:
+        return None
+    if isinstance(data, (int, float)) and not isinstance(data, bool):
+        return time.time() + float(data)
+    if isinstance(data, dict):
+        if isinstance(data.get("seconds"), (int, float)):
+            return time.time() + float(data["seconds"])
+        value = data.get("deadline")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            return parse_when(value)
+    return None
+
+
+class Aws:
+    def __init__(self):
+        self.token, self.expires = None, 0.0
+
+    def _token(self):
+        status, _, body = request("PUT", "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
+        if status != 200 or not body.strip():
+            raise NoAnswer(f"the IMDSv2 token PUT answered {status}")
+        self.token, self.expires = body.decode().strip(), time.time() + 21600 - 300
+
+    def _get(self, path):
+        if self.token is None or time.time() > self.expires:
+            self._token()
+        status, _, body = request("GET", path, {"X-aws-ec2-metadata-token": self.token})
+        if status == 401:       # the token expired or was refused: one new token, once
+            self._token()
+            status, _, body = request("GET", path, {"X-aws-ec2-metadata-token": self.token})
+        if status not in (200, 404):
+            raise NoAnswer(f"{path} answered {status}")
+        return status, body
+
+    def look(self, first):
+        status, body = self._get("/latest/meta-data/spot/instance-action")
+        if status == 200:
+            try:
+                data = json.loads(body)
+            except ValueError:
+                data = {}
+            when = data.get("time", "")
+            return {"kind": "instance-action", "detail": "spot {} at {}".format(data.get("action", "?"), when or "?"),
+                    "deadline": parse_when(when)}
+        status, body = self._get("/latest/meta-data/events/recommendations/rebalance")
+        if status == 200:
+            try:
+                when = json.loads(body).get("noticeTime", "")
+            except (ValueError, AttributeError):
+                when = ""
+            return {"kind": "rebalance", "detail": "rebalance recommendation (noticeTime %s)" % (when or "?"),
+                    "deadline": None}
+        return None
+
+
+class Gcp:
+    def look(self, first):
+        status, headers, body = request("GET", "/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"})
+        if status != 200 or headers.get("metadata-flavor") != "Google":
+            raise NoAnswer("instance/preempted answered {}{}".format(
+                status, "" if headers.get("metadata-flavor") == "Google" else " without Metadata-Flavor: Google"))
+        value = body.strip().upper()
+        if value == b"TRUE":
+            return {"kind": "preempted", "detail": "instance/preempted is TRUE", "deadline": None}
+        if value == b"FALSE":
+            return None
+        raise NoAnswer(f"instance/preempted answered {body[:40]!r}")
+
+
+class Azure:
+    def look(self, first):
+        status, _, body = request("GET", "/metadata/scheduledevents?api-version=2020-07-01", {"Metadata": "true"},
+                                  AZURE_FIRST_READ if first else READ_TIMEOUT)
+        if status != 200:
+            raise NoAnswer(f"scheduledevents answered {status}")
+        try:
+            events = json.loads(body).get("Events")
+        except (ValueError, AttributeError):
+            events = None
+        if not isinstance(events, list):
+            raise NoAnswer("scheduledevents answered without an Events list")
+        for event in events:
+            if isinstance(event, dict) and event.get("EventType") in ("Preempt", "Terminate"):
+                not_before = event.get("NotBefore") or ""
+                return {"kind": event["EventType"], "detail": "Scheduled Event {}, NotBefore {}".format(
+                    event["EventType"], not_before or "(already started)"), "deadline": parse_when(not_before)}
+        return None
+
+
+class File:
+    def __init__(self, path):
+        self.path = path
+
+    def look(self, first):
+        if not os.path.exists(self.path):
+            return None
+        try:
+            with open(self.path, "rb") as f:
+                body = f.read(4096)
+        except OSError:
+            body = b""
+        return {"kind": "file", "detail": f"{self.path} appeared", "deadline": from_body(body)}
+
+
+class Url:
+    def __init__(self, url):
+        self.url = url
+        parts = urllib.parse.urlsplit(url)
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if self.https else 80)
+        self.path = (parts.path or "/") + ("?" + parts.query if parts.query else "")
+
+    def look(self, first):
+        status, _, body = request("GET", self.path, {}, host=self.host, port=self.port, https=self.https)
+        if status == 200:
+            return {"kind": "url", "detail": f"{self.url} answered 200", "deadline": from_body(body)}
+        if status in (204, 404):
+            return None
+        raise NoAnswer(f"{self.url} answered {status}")
+
+
+def make_source(name):
+    if name == "aws":
+        return Aws()
+    if name == "gcp":
+        return Gcp()
+    if name == "azure":
+        return Azure()
+    if name.startswith("file:"):
+        return File(name[len("file:"):])
+    if name.startswith("url:"):
+        return Url(name[len("url:"):])
+    return None
+
+
+def notify(name, found):
+    with lock:
+        if notice:
+            return
+        seen = time.time()
+        window = float(CONFIG["windows"].get(name.split(":", 1)[0], CONFIG["stop_timeout"]))
+        deadline = found.get("deadline")
+        notice.update({"source": name, "kind": found["kind"], "detail": found["detail"], "seen_at": seen,
+                       "seen": iso(seen), "deadline": deadline if deadline else seen + window,
+                       "deadline_from": "the notice" if deadline else f"the {name} window of {window:g}s",
+                       "save": {"state": "asking"}, "copy": None, "verdict": None, "host": CONFIG["host"]})
+    noticed.set()
+
+
+def set_source(name, state, why=""):
+    with lock:
+        sources_state[name] = {"state": state, "why": why, "at": iso(time.time())}
+    save_state()
+
+
+def watch_source(name, source):
+    misses, answered = 0, False
+    while not noticed.is_set() and not leaving:
+        try:
+            found = source.look(not answered)
+        except NoAnswer as exc:
+            if not answered:
+                misses += 1
+                if misses >= TRIES:
+                    set_source(name, "off", str(exc))
+                    log(f"{name}: off: {exc}")
+                    return
+        else:
+            if not answered:
+                answered = True
+                set_source(name, "on")
+                log(f"{name}: on")
+            if found:
+                log("{}: notice: {}".format(name, found["detail"]))
+                notify(name, found)
+                return
+        noticed.wait(EVERY)
+
+
+def on_term(signum, frame):
+    if "sigterm" in CONFIG["sources"]:
+        notify("sigterm", {"kind": "sigterm", "detail": "the guard got SIGTERM (a shutdown)", "deadline": None})
+    else:
+        leaving.append("SIGTERM (sigterm is not one of guard.sources)")
+
+
+def on_stop(signum, frame):
+    leaving.append(f"stopped by relaunch (signal {signum})")
+
+
+def session_alive(name):
+    try:
+        return subprocess.run(["tmux", "has-session", "-t", "=" + name], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return True             # cannot tell: never act on that
+
+
+def read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def stop_training():
+    """run.stop to the training's process group, then wait for it to exit: the save."""
+    session, deadline = CONFIG["session"], notice["deadline"]
+    if not session_alive(session):
+        return {"state": "not running", "detail": "training was not running when the notice came"}
+    pgid = read(CONFIG["pgid_file"])
+    number = getattr(signal, "SIG" + CONFIG["signal"])
+    asked = time.time()
+    try:
+        os.killpg(int(pgid), number)
+    except (ValueError, OSError) as exc:
+        return {"state": "not asked", "detail": f"could not signal the training (pgid {pgid!r}): {describe(exc)}"}
+    # the deadline, but a few seconds at least (a notice time in the past may be a skewed clock),
+    # and never longer than run.stop.timeout
+    until = min(max(deadline, asked + 5), asked + float(CONFIG["stop_timeout"]))
+    while time.time() < until:
+        if not session_alive(session):
+            ended = time.time()
+            status = read(CONFIG["status_file"])
+            return {"state": "saved" if status == "0" else "exited", "exit": status, "signal": CONFIG["signal"],
+                    "asked": iso(asked), "ended": iso(ended), "seconds": round(ended - asked, 1),
+                    "before_deadline": round(deadline - ended, 1)}
+        time.sleep(0.5)
+    return {"state": "still running", "signal": CONFIG["signal"], "asked": iso(asked),
+            "seconds": round(time.time() - asked, 1), "detail": "training had not exited when the wait ended"}
+
+
+def main():
+    os.makedirs(FOLDER, exist_ok=True)
+    if os.path.exists(NOTICE):      # a notice an earlier guard on this instance handled: kept beside
+        os.replace(NOTICE, os.path.join(FOLDER, f"notice-{int(os.path.getmtime(NOTICE))}.json"))
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    looking = {name: make_source(name) for name in CONFIG["sources"]}
+    for name in looking:
+        sources_state[name] = {"state": "on" if name == "sigterm" else "checking", "why": "", "at": STARTED}
+    save_state()
+    for name, source in looking.items():
+        if source is not None:
+            threading.Thread(target=watch_source, args=(name, source), daemon=True).start()
+    log("started: sources {}, every {:g}s".format(", ".join(CONFIG["sources"]), EVERY))
+    gone = 0
+    while not noticed.wait(min(EVERY, 1.0)):
+        if leaving:
+            save_state(stopped=leaving[0])
+            log(f"stopped: {leaving[0]}")
+            return 0
+        gone = 0 if session_alive(CONFIG["session"]) else gone + 1
+        if gone >= 2:
+            save_state(stopped="the training ended without a notice")
+            log("stopped: the training ended without a notice")
+            return 0
+    with lock:
+        record = dict(notice)
+    write_json(NOTICE, record)
+    save_state(stopped="after the notice from {}".format(record["source"]))
+    save = stop_training()
+    record["save"] = save
+    left = record["deadline"] - time.time()
+    record["verdict"] = "training {}; {} before the deadline; copying it off is relaunch's (watch or evacuate)".format(
+        {"saved": "saved and exited", "exited": "exited with status {}".format(save.get("exit") or "?"),
+         "still running": "did not exit in time", "not running": "was not running",
+         "not asked": "could not be asked to stop"}[save["state"]],
+        (f"{left:.0f}s") if left >= 0 else "NOT")
+    write_json(NOTICE, record)
+    log("notice from {} handled: {}".format(record["source"], record["verdict"]))
+    return 0
+
+
+STARTED = iso(time.time())
+sys.exit(main())
