@@ -190,6 +190,28 @@ def sync(recipe: str, hosts: tuple[str, ...], every: float | None, once: bool, o
 @cli.command()
 @click.argument("recipe")
 @click.argument("hosts", nargs=-1)
+@common
+def watch(recipe: str, hosts: tuple[str, ...], overrides: tuple[str, ...], as_json: bool, verbose: bool,
+          yes: bool) -> None:
+    """Everything `sync` does, plus: a look at the instance's guard every guard.every seconds; on a
+    reclaim notice, evacuate at once and say whether it made the deadline; when the instance is
+    lost (recover.lost_after), run recover.command and `up` on the HOST it prints, then watch
+    that one. One line per step (--json: one JSON line per event). Ctrl-C stops the watch, never
+    the training."""
+    from . import cycle
+    from .watch import watch as watch_loop
+
+    r = load(recipe, overrides)
+    ui = UI(verbose=verbose)
+    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    outcome = watch_loop(r, specs, ui, emit=click.echo if as_json else None)
+    if as_json:
+        click.echo(json.dumps(outcome.as_dict()))
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("hosts", nargs=-1)
 @click.option("--lines", default=10, show_default=True, help="Log lines to show.")
 @common
 def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str, ...], as_json: bool,
@@ -354,38 +376,58 @@ def providers(as_json: bool) -> None:
 @click.argument("host", required=False)
 @click.option("--step-time", metavar="T", help="One training step, e.g. 1.2s (else measured on RECIPE HOST).")
 @click.option("--save-time", metavar="S", help="Saving one checkpoint, e.g. 90s (else measured on RECIPE HOST).")
-@click.option("--mtbi", metavar="M", help="Mean time between interruptions, e.g. 6h (required).")
+@click.option("--mtbi", metavar="M", help="Mean time between interruptions, e.g. 6h (else measured from the "
+              "history of interruptions in RECIPE's store).")
+@click.option("--copy-time", metavar="C", help="Copying one checkpoint off, e.g. 40s (else the median the history "
+              "measured after reclaim notices): checked with the save time against the provider's notice window.")
 @click.option("--badput", "budget", metavar="B", default="5%", show_default=True,
               help="Budget: the largest share of the run a failure may cost, e.g. 5% or 0.05.")
 @click.option("--every", type=click.IntRange(min=1), metavar="N", default=None,
               help="Instead: the Badput of saving every N steps.")
 @common
 def interval(recipe: str | None, host: str | None, step_time: str | None, save_time: str | None,
-             mtbi: str | None, budget: str, every: int | None, overrides: tuple[str, ...], as_json: bool,
-             verbose: bool, yes: bool) -> None:
+             mtbi: str | None, copy_time: str | None, budget: str, every: int | None, overrides: tuple[str, ...],
+             as_json: bool, verbose: bool, yes: bool) -> None:
     """The checkpoint interval (steps and minutes) that keeps Badput = (S + N*T/2)/MTBI under B.
     Durations: 1.2s, 90s, 90, 250ms, 5m, 6h, 2d, 1h30m. With RECIPE [HOST] instead of --step-time
-    and --save-time, they are measured from the checkpoint timestamps on the instance."""
+    and --save-time, they are measured from the checkpoint timestamps on the instance; without
+    --mtbi, the MTBI is measured from the interruptions `relaunch watch` recorded in RECIPE's
+    store. With RECIPE, warns when saving plus copying does not fit the provider's notice window."""
     from . import interval as iv
 
-    if mtbi is None:
-        raise UsageError("give --mtbi, the mean time between interruptions (e.g. --mtbi 6h)")
+    if mtbi is None and recipe is None:
+        raise UsageError("give --mtbi, the mean time between interruptions (e.g. --mtbi 6h), or RECIPE to "
+                         "measure it from the history of interruptions in its store")
     t = iv.parse_duration(step_time, "--step-time") if step_time is not None else None
     s = iv.parse_duration(save_time, "--save-time") if save_time is not None else None
-    m = iv.parse_duration(mtbi, "--mtbi")
+    m = iv.parse_duration(mtbi, "--mtbi") if mtbi is not None else None
+    c = iv.parse_duration(copy_time, "--copy-time") if copy_time is not None else None
     b = iv.parse_fraction(budget, "--badput")
-    iv.check_inputs(t, s, m)
+    iv.check_inputs(t, s, m if m is not None else 1.0)
+    r = load(recipe, overrides) if recipe is not None else None
+    gaps, entries = 0, None
+    if r is not None and m is None:
+        entries = iv.history_of(r)
+        m, gaps = iv.measured_mtbi(r, entries)
+    assert m is not None
     measured, where = None, ""
-    if (t is None or s is None) and recipe is not None:
+    if (t is None or s is None) and r is not None:
         from . import cycle
 
-        r = load(recipe, overrides)
         ui = UI(verbose=verbose)
         spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
         measured, where = iv.measure_instance(r, spec, ui, s)
-    elif recipe is not None:
+    elif r is not None:
         click.echo("note: --step-time and --save-time given; nothing to measure on the instance", err=True)
     result = iv.compute(t, s, m, b, every, measured, where)
+    notice = None
+    if r is not None and iv.notice_fit(r, result.save_time, c) is not None:
+        if c is None:
+            from .history import copy_time as measured_copy
+
+            c = measured_copy(entries if entries is not None else iv.history_of(r))
+        notice = iv.notice_fit(r, result.save_time, c)
+    result = iv.with_history(result, gaps, notice)
     if as_json:
         emit(True, result.as_dict())
         return

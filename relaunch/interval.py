@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from decimal import Decimal
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,7 @@ from .errors import CheckpointError, UsageError
 from .layouts import Checkpoint
 
 if TYPE_CHECKING:
+    from .history import Interruption
     from .host.spec import HostSpec
     from .recipe import Recipe
     from .ui import UI
@@ -217,6 +218,38 @@ def measure(checkpoints: list[Checkpoint], save_time: float | None = None) -> Me
 
 # -- what the command prints ------------------------------------------------------------------
 @dataclass(frozen=True)
+class NoticeFit:
+    """Does saving plus copying fit inside the notice window of the recipe's provider?"""
+
+    provider: str
+    window: float            # seconds, as documented (recipes/providers.yaml)
+    save_time: float
+    copy_time: float | None  # None: not known (no notice handled yet, no --copy-time)
+
+    @property
+    def needed(self) -> float:
+        return self.save_time + (self.copy_time or 0.0)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.window
+
+    def line(self) -> str:
+        copy = (f" + copy {format_duration(self.copy_time)}" if self.copy_time is not None
+                else " (copy time not known yet: give --copy-time, or let `relaunch watch` measure one)")
+        head = f"save {format_duration(self.save_time)}{copy}"
+        if self.fits:
+            return f"a reclaim notice on {self.provider} gives {format_duration(self.window)}: {head} fits"
+        return (f"warning: {head} = {format_duration(self.needed)} does NOT fit in the {format_duration(self.window)} "
+                f"reclaim notice of {self.provider}: a notice would lose the save it asks for (save faster, "
+                "smaller or asynchronous checkpoints, or a store closer to the instance)")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"provider": self.provider, "window": self.window, "save_time": self.save_time,
+                "copy_time": self.copy_time, "needed": self.needed, "fits": self.fits}
+
+
+@dataclass(frozen=True)
 class Result:
     step_time: float
     save_time: float
@@ -228,6 +261,8 @@ class Result:
     measured: Measured | None = None
     host: str = ""
     measured_fields: tuple[str, ...] = ()   # of "step_time", "save_time": the ones taken from `measured`
+    mtbi_gaps: int = 0                      # > 0: the MTBI is the mean of that many gaps in the store's history
+    notice: NoticeFit | None = None
 
     @property
     def within_budget(self) -> bool:
@@ -245,11 +280,16 @@ class Result:
                     for name in self.measured_fields]
             out.append(f"measured on {self.host}: {', '.join(what)}")
         verdict = "" if not self.given else (" - within budget" if self.within_budget else " - OVER budget")
+        if self.mtbi_gaps:
+            out.append(f"MTBI {format_duration(self.mtbi)}: measured from {self.mtbi_gaps + 1} interruptions in the "
+                       "store's history (.relaunch/history.jsonl), the mean running time between them")
         out.append(f"save every {iv.steps} steps ({iv.seconds / 60:.1f} min): Badput {format_percent(iv.badput)} "
                    f"with {inputs}{verdict}")
         yd = self.young_daly
         out.append(f"Young/Daly optimum sqrt(2*S*MTBI) for reference: every {format_duration(yd.seconds)} "
                    f"({yd.steps} steps, Badput {format_percent(yd.badput)})")
+        if self.notice is not None:
+            out.append(self.notice.line())
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -259,6 +299,8 @@ class Result:
             "young_daly": asdict(self.young_daly),
             "measured": None if self.measured is None else {"host": self.host, **asdict(self.measured)},
             "measured_fields": list(self.measured_fields),
+            "mtbi_from": "history" if self.mtbi_gaps else "given", "mtbi_gaps": self.mtbi_gaps,
+            "notice": None if self.notice is None else self.notice.as_dict(),
         }
 
 
@@ -294,3 +336,37 @@ def measure_instance(recipe: Recipe, spec: HostSpec, ui: UI, save_time: float | 
         checkpoints = instance_checkpoints(job)
         ui.say(f"[{job.host}] {len(checkpoints)} complete checkpoints in {job.paths.ckpt_dir}")
         return measure(checkpoints, save_time), job.host
+
+
+# -- from the store's history and the provider's notice ---------------------------------------
+def history_of(recipe: Recipe) -> list[Interruption]:
+    from .history import read_history
+    from .transports import open_store
+
+    return read_history(open_store(recipe))
+
+
+def measured_mtbi(recipe: Recipe, entries: list[Interruption]) -> tuple[float, int]:
+    """The mean time between interruptions on record (UsageError below two of them)."""
+    from .history import mean_time_between
+
+    found = mean_time_between(entries)
+    if found is None:
+        raise UsageError(f"give --mtbi: the store's history of recipe {recipe.name} holds {len(entries)} "
+                         "interruption(s); measuring the mean time between them needs two",
+                         "`relaunch watch` records every interruption; until there are two, give --mtbi (e.g. 6h)")
+    return found
+
+
+def notice_fit(recipe: Recipe, save_time: float, copy_time: float | None) -> NoticeFit | None:
+    """How saving plus copying compares with the documented notice window of the recipe's provider."""
+    from .recipe import load_providers
+
+    provider = load_providers().get(recipe.provider) if recipe.provider else None
+    if provider is None or not provider.notice_window:
+        return None
+    return NoticeFit(provider.name, provider.notice_window, save_time, copy_time)
+
+
+def with_history(result: Result, gaps: int, notice: NoticeFit | None) -> Result:
+    return replace(result, mtbi_gaps=gaps, notice=notice)

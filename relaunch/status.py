@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .cycle import connected, open_group, open_host
 from .gather import gather, gather_group
+from .history import Interruption, read_history
 from .host.spec import HostSpec
 from .job import Lag, drift
 from .recipe import Recipe
 from .steps.checkpoint import instance_checkpoints
+from .steps.guard import LOOK_DEADLINE as GUARD_LOOK_DEADLINE, guard_session, look_command, parse_look, \
+    source_lines
 from .steps.launch import tail_command
 from .transports import open_store
-from .errors import shorten
+from .errors import RelaunchError, shorten
 from .ui import UI, human
 
 GPU_QUERY = ("timeout -k 2 10 nvidia-smi --query-gpu=name,utilization.gpu,memory.used,memory.total "
              "--format=csv,noheader,nounits")
 LOOK_DEADLINE = 30.0
+HISTORY_SHOWN = 5
 
 
 @dataclass(kw_only=True)
@@ -30,6 +35,9 @@ class Status(Lag):
     gpus: list[str] = field(default_factory=list)
     free_bytes: int = 0
     drift: list[str] = field(default_factory=list)
+    guard: dict[str, Any] | None = None          # the guard's own state: running, its sources
+    notice: dict[str, Any] | None = None         # the guard's notice record, when one came
+    interruptions: list[dict[str, Any]] = field(default_factory=list)   # the last ones, from the store
 
 
 def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
@@ -58,6 +66,15 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
             result.stored, result.stored_step, result.stored_written_at = stored.name, stored.step, stored.written_at
         if job.facts.lock and facts.venv_freeze is not None:
             result.drift = drift(job.facts.lock, facts.venv_freeze)
+        look = remote.exec(look_command(job), deadline=GUARD_LOOK_DEADLINE)
+        if look.ok:
+            seen = parse_look(look.stdout)
+            result.guard = {"running": seen.guard, "session": guard_session(recipe), "state": seen.state}
+            result.notice = seen.notice
+        try:
+            result.interruptions = [e.as_dict() for e in read_history(store)[-HISTORY_SHOWN:]]
+        except RelaunchError as exc:
+            ui.warn(f"could not read the history of interruptions from {store.label}: {shorten(exc.message, 200)}")
         return result
 
 
@@ -79,6 +96,10 @@ def render(s: Status, recipe: Recipe) -> str:
     out.append(f"  free disk under checkpoint.dir: {human(s.free_bytes)}")
     out.append("  env: " + ("matches the lock" if not s.drift else f"{len(s.drift)} difference(s) from the lock: "
                             + "; ".join(s.drift[:5])))
+    out += _guard_lines(s, recipe)
+    if s.interruptions:
+        out.append(f"  interruptions (the last {len(s.interruptions)}, .relaunch/history.jsonl in the store):")
+        out += ["    " + Interruption.from_dict(e).line() for e in s.interruptions]
     if s.log_tail:
         out.append(f"  last lines of {recipe.run.log}:")
         out += ["    " + line for line in s.log_tail]
@@ -134,6 +155,34 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
         out.append(f"last lines of {recipe.run.log} on {first.host}:")
         out += ["  " + line for line in first.log_tail]
     return "\n".join(out)
+
+
+def _guard_lines(s: Status, recipe: Recipe) -> list[str]:
+    out = []
+    guard = s.guard or {}
+    state = guard.get("state") or {}
+    sources = "; ".join(source_lines(state))
+    if guard.get("running"):
+        out.append(f"  guard: running (tmux session {guard['session']}): {sources or 'starting'}")
+    elif not recipe.guard.enabled:
+        out.append("  guard: off (guard.enabled is false)")
+    elif state:
+        saw = f"; it saw: {sources}" if sources else ""
+        out.append(f"  guard: not running ({state.get('stopped') or 'ended'}){saw}")
+    else:
+        out.append("  guard: not started on this instance (`relaunch up` starts it)")
+    n = s.notice
+    if n:
+        save = n.get("save") or {}
+        copy = n.get("copy") or {}
+        out.append(f"  reclaim notice from {n.get('source')} at {n.get('seen')}: {n.get('detail')}")
+        out.append(f"    save: {save.get('state', '?')}" + (f" (exit {save['exit']}, {save.get('seconds')}s)"
+                                                             if save.get("exit") else ""))
+        out.append("    copy: " + (f"{copy.get('checkpoint')} verified by {copy.get('by')}" if copy.get("verified")
+                                   else "not verified yet (`relaunch watch` or `relaunch evacuate` copies it)"))
+        if n.get("verdict"):
+            out.append(f"    verdict: {n['verdict']}")
+    return out
 
 
 __all__ = ["group_status", "render", "render_group", "status", "Status"]

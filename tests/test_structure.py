@@ -20,7 +20,7 @@ LAYERS = [
     {"steps"},
     {"executor", "gather"},
     {"cycle"},
-    {"sync", "status", "freeze", "interval"},
+    {"sync", "status", "freeze", "interval", "history", "watch"},
     {"sandbox"},
     {"demo", "drill"},
     {"cli", "__main__"},
