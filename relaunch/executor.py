@@ -166,9 +166,12 @@ class Executor:
         if action.call:
             result = self._call(action)
         elif action.retry:
-            result = retrying(lambda: self._attempt(action), transient=lambda e: isinstance(e, _Transient),
-                              attempts=3, first=2.0, on_retry=lambda e, s: self.ui.warn(
-                                  f"{label}: {action.step}: {str(e).splitlines()[0]}; retrying in {s:.0f}s"))
+            try:
+                result = retrying(lambda: self._attempt(action), transient=lambda e: isinstance(e, _Transient),
+                                  attempts=3, first=2.0, on_retry=lambda e, s: self.ui.warn(
+                                      f"{label}: {action.step}: {str(e).splitlines()[0]}; retrying in {s:.0f}s"))
+            except _Transient as exc:       # the last attempt failed too: its own error, not the wrapper
+                raise exc.error from None
         else:
             result = self._attempt(action)
         if action.produces:
