@@ -58,6 +58,8 @@ class Interruption:
     @classmethod
     def start(cls, host: str, cause: str, detail: str, at_epoch: float, seen: int | None,
               verified: int | None) -> Interruption:
+        if verified is not None and (seen is None or seen < verified):
+            seen = verified                 # a copy verified after the last look saw it there
         lost = None if seen is None else max(seen - (verified or 0), 0)
         return cls(id=f"{host}@{at_epoch:.3f}", at=iso(at_epoch), at_epoch=at_epoch, host=host, cause=cause,
                    detail=detail, newest_seen_step=seen, newest_verified_step=verified, steps_lost=lost)

@@ -51,7 +51,7 @@ from .transports import open_store
 from .ui import UI, redact
 
 CONNECT_WAIT = 10.0        # seconds one reconnection for a look may take (the loop goes on meanwhile)
-LISTING_EVERY = 30.0       # seconds between looks that also list checkpoint.dir (newest step seen)
+LISTING_EVERY = 10.0       # seconds between looks that also list checkpoint.dir (newest step seen)
 SAVE_SLACK = 10.0          # seconds beyond run.stop.timeout to wait for the guard's save
 WRITE_BACK_DEADLINE = 15.0
 
