@@ -88,11 +88,12 @@ def guard_file(ssh, inst: Instance, name: str, recipe_name: str) -> dict | None:
 
 
 @contextmanager
-def watching(recipe: Path, home: Path, folder: Path, *args: str) -> Iterator[subprocess.Popen]:
+def watching(recipe: Path, home: Path, folder: Path, *args: str,
+             env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """`relaunch watch RECIPE --json` in the background, its output in folder/watch.out and .err."""
     with (folder / "watch.out").open("w") as out, (folder / "watch.err").open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "relaunch.cli", "watch", str(recipe), *args, "--json"],
-                                env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200"},
+                                env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200", **(env or {})},
                                 stdout=out, stderr=err, text=True)
     try:
         yield proc

@@ -6,21 +6,19 @@ verified checkpoint, without anyone typing a command; the store's history record
 from __future__ import annotations
 
 import json
-import shlex
+import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from e2e import example_recipe, plain_recipe, run_cli, wait_for
+from e2e import EXAMPLE, example_recipe, plain_recipe, run_cli, wait_for
 from test_guard import HISTORY, MANIFEST, events, set_keys, step_lines, watching
 
 from relaunch import sandbox as sb
 from relaunch.sandbox.instance import RUN_DIR
 from relaunch.sandbox.network import netns, veths
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 def go_silent(inst: sb.Instance) -> None:
     """Every packet to and from the instance dropped without a word, as a powered-off machine does."""
@@ -31,40 +29,24 @@ def go_silent(inst: sb.Instance) -> None:
     subprocess.run(["ip", "netns", "exec", netns(inst.name), *drop[:4], inst_dev, *drop[5:]], check=True)
 
 
-def recover_script(folder: Path, key: Path, index: Path, created: Path) -> Path:
-    """What a user's recover.command does with a provider's CLI, with `relaunch sandbox create`:
-    rent an instance and print `HOST FINGERPRINT` on the last line. Each name goes into `created`
-    before the instance exists, so that the test's teardown destroys it whatever happens."""
-    relaunch = f"{shlex.quote(sys.executable)} -m relaunch.cli"
-    script = folder / "rent-replacement.sh"
-    script.write_text(f"""#!/bin/bash
-set -euo pipefail
-name="rc$(date +%s%N | tail -c 9)"
-echo "$name" >> {shlex.quote(str(created))}
-echo "renting $name for $RELAUNCH_NAME (lost: $RELAUNCH_LOST_HOST, attempt $RELAUNCH_ATTEMPT)" >&2
-{relaunch} sandbox create "$name" --key {shlex.quote(str(key))}.pub --index {shlex.quote(str(index))} \
-    --json > "$name.json"
-{shlex.quote(sys.executable)} -c 'import json, sys; d = json.load(open(sys.argv[1])); \
-print(d["host"], d["host_key_fingerprint"])' "$name.json"
-""")
-    script.chmod(0o755)
-    return script
-
-
 def test_a_lost_instance_is_replaced_and_training_resumes_there(tmp_path, sandbox, ssh, ssh_key, package_index):
     home, first = tmp_path / "state", sandbox(index_dir=package_index)
     work = tmp_path / "work"
-    created = tmp_path / "created.txt"
-    created.write_text("")
     recipe = example_recipe(work, name="lost", layout="files", key=ssh_key, index_url=first.index_url,
                             steps=100000, save_every=20, sleep=0.05, keep=2)
-    recover_script(work, ssh_key, package_index, created)
+    # the README's sandbox recover.command: it writes each name into rented.txt before renting,
+    # so that this test's teardown destroys whatever it made
+    shutil.copy(EXAMPLE / "rent-sandbox.sh", work / "rent-sandbox.sh")
+    created = work / "rented.txt"
+    created.write_text("")
     set_keys(recipe, checkpoint={"every": 2}, guard={"every": 1},
-             recover={"command": "./rent-replacement.sh", "lost_after": 8, "attempts": 2, "timeout": 300})
+             recover={"command": "./rent-sandbox.sh", "lost_after": 8, "attempts": 2, "timeout": 300})
     store = work / "store"
+    env = {"RELAUNCH_INDEX": str(package_index), "RELAUNCH_SANDBOX_KEY": f"{ssh_key}.pub",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}      # `relaunch` as a user has it
     try:
         assert run_cli("up", str(recipe), first.host, home=home).returncode == 0
-        with watching(recipe, home, tmp_path) as watch:
+        with watching(recipe, home, tmp_path, env=env) as watch:
             def stored_step() -> int:
                 path = store / MANIFEST
                 return json.loads(path.read_text())["checkpoints"][-1]["step"] if path.exists() else 0
