@@ -602,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(as_json, exc.format_message(), f"`{where} --help` shows the usage", 2)
     except (KeyboardInterrupt, Interrupted, click.exceptions.Abort):  # click turns Ctrl-C into Abort
         message = "interrupted: nothing half-written is trusted; rerun to continue"
+        if command == ["watch"]:
+            message = "watch stopped (Ctrl-C); the training was not touched and goes on"
         click.echo(message, err=True)
         if command == ["evacuate"]:
             click.echo(not_verified, err=True)

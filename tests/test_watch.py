@@ -66,6 +66,7 @@ def test_a_lost_instance_is_replaced_and_training_resumes_there(tmp_path, sandbo
             watch.wait(timeout=60)
         err = (tmp_path / "watch.err").read_text()
         assert watch.returncode == 130, err
+        assert err.strip().endswith("watch stopped (Ctrl-C); the training was not touched and goes on")
         assert "the instance is lost" in err and "recover.command gave" in err and "recovered: training started" in err
 
         # the history: one interruption, its lost steps and the time until training ran again

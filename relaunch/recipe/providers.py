@@ -126,6 +126,17 @@ run:
   # log: ~/my-run.log
   # stop: {{signal: TERM, timeout: 120}}   # how `evacuate --stop` asks training to save and exit
 
+# guard:                        # the watcher `up` starts beside training for reclaim notices
+#   enabled: true
+#   sources: [aws, gcp, azure, sigterm]   # plus file:PATH or url:URL
+#   every: 5                    # seconds between looks
+
+# recover:                      # what `relaunch watch` does when the instance is lost
+#   command: ./rent-replacement.sh   # rents a replacement, prints its HOST on the last line
+#   lost_after: 120             # seconds without an answer before it counts as lost
+#   attempts: 3
+#   timeout: 900                # seconds the command may take
+
 # templates: ./team-templates   # a folder whose files replace relaunch's instance scripts by name
 """
 
