@@ -1,4 +1,4 @@
-"""The history of interruptions, kept in the store beside its manifest: `.relaunch/history.jsonl`.
+r"""The history of interruptions, kept in the store beside its manifest: `.relaunch/history.jsonl`.
 
 One JSON object per line, one line per interruption: when, which host, the cause (a reclaim
 notice or a lost instance), the newest checkpoint step seen on the instance and the newest
@@ -9,8 +9,9 @@ is written when the interruption is declared and completed once training runs ag
 interruptions from it. It goes through the store's own metadata calls, so it lives wherever
 the checkpoints do (a local folder, an rclone remote, a Hugging Face repo), under the store lock.
 
-Steps lost are counted in checkpoint steps: training after the newest checkpoint the instance
-saved is lost in any interruption and is not seen from outside.
+The newest step seen on the instance is the newest of the steps its log showed (read with
+`run.metrics.step`, default `step (\d+)`) and of its complete checkpoints, as `watch` last saw
+them (a look every `guard.every` seconds); steps lost are that minus the newest verified step.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Interruption:
     host: str
     cause: str                                # "notice" | "lost" | "restarted"
     detail: str                               # "aws: spot terminate at ...", "no answer for 130s"
-    newest_seen_step: int | None = None       # newest complete checkpoint seen on the instance
+    newest_seen_step: int | None = None       # newest step seen on the instance (its log, its checkpoints)
     newest_verified_step: int | None = None   # newest verified in the store when it was declared
     steps_lost: int | None = None
     deadline: str | None = None               # of a notice, UTC

@@ -45,7 +45,7 @@ from .recipe import Recipe, render_context
 from .recipe.model import SSH
 from .retry import retrying
 from .steps.evacuate import Report, round_line
-from .steps.guard import LOOK_DEADLINE, Look, look_command, parse_look, record_command
+from .steps.guard import LOOK_DEADLINE, Look, look_command, newest_logged_step, parse_look, record_command
 from .sync import RETRY_WAIT, sync_round
 from .transports import open_store
 from .ui import UI, redact
@@ -145,12 +145,15 @@ class Watch:
             self._outage("the look did not answer" if result.timed_out else "the SSH connection was lost")
             return None
         look = parse_look(result.stdout)
+        logged = newest_logged_step(look.log_tail, self.recipe.run.metrics.step)
+        if logged is not None:
+            self.newest_seen = max(logged, self.newest_seen or 0)
         if look.listing is not None:
             self.next_listing = time.monotonic() + LISTING_EVERY
             c = self.recipe.checkpoint
             complete = complete_checkpoints(look.listing, c.layout, c.pattern)
             if complete:
-                self.newest_seen = complete[-1].step
+                self.newest_seen = max(complete[-1].step, self.newest_seen or 0)
         if self.outage_said:
             self.say(f"{self.host}: answers again")
             self.outage_said = False
@@ -273,7 +276,8 @@ class Watch:
                                 + ("before the deadline" if made else "AFTER the deadline")
                                 if verified else "NOT verified")).lstrip("; ")
         self.write_back(notice)
-        seen_step = report.newest_step if report is not None and report.newest_step is not None else self.newest_seen
+        seen_step = max([s for s in (self.newest_seen, report.newest_step if report else None) if s is not None],
+                        default=None)
         verified_step = report.stored_step if report is not None else self.store_newest()
         entry = history.Interruption.start(self.host, "notice", f"{source}: {detail}", seen, seen_step, verified_step)
         entry.deadline, entry.made_deadline = history.iso(deadline), made

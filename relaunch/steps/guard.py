@@ -25,8 +25,9 @@ Deallocate) and a notice record that `relaunch status` shows.
 from __future__ import annotations
 
 import json
+import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..host.connection import upload_command
@@ -40,6 +41,7 @@ SCRIPT = "guard.py"
 # the documented notice windows (recipes/providers.yaml), for notices that carry no time
 DOCUMENTED = ("aws", "gcp", "azure")
 LOOK_DEADLINE = 20.0
+LOG_LINES = 20          # of the training log, for the newest step it shows
 MARK = b"\n--listing\n"
 
 
@@ -146,6 +148,7 @@ class Look:
     state: dict[str, Any] | None = None             # the guard's state.json
     notice: dict[str, Any] | None = None            # the guard's notice.json
     listing: list[Entry] | None = None              # checkpoint.dir, when asked for
+    log_tail: list[str] = field(default_factory=list)   # the training log's last lines
 
     def as_dict(self) -> dict[str, Any]:
         return {"training": self.training, "guard": self.guard, "exit": self.exit, "state": self.state,
@@ -163,6 +166,7 @@ def look_command(job: Job, listing: bool = False) -> str:
         f"echo \"exit $(head -c 20 -- {q(paths.status_file)} 2>/dev/null | tr -cd 0-9)\"",
         f"echo '--state'; cat -- {q(where.state)} 2>/dev/null; echo",
         f"echo '--notice'; cat -- {q(where.notice)} 2>/dev/null; echo",
+        f"echo '--log'; tail -n {LOG_LINES} -- {q(paths.log)} 2>/dev/null; echo",
     ]
     if listing:
         folder = q(paths.ckpt_dir)
@@ -184,18 +188,34 @@ def parse_look(stdout: bytes) -> Look:
     lines = text.split("\n")
     words = dict(line.split(" ", 1) for line in lines[:3] if " " in line)
     state = notice = ""
+    log: list[str] = []
     section = ""
     for line in lines[3:]:
-        if line in ("--state", "--notice"):
+        if line in ("--state", "--notice", "--log") and section != "--log":
             section = line
         elif section == "--state":
             state += line
         elif section == "--notice":
             notice += line
+        elif section == "--log" and line:
+            log.append(line)
     return Look(training=words.get("training") == "1", guard=words.get("guard") == "1",
                 exit=words.get("exit", "").strip(), state=_json(state) if state.strip() else None,
                 notice=_json(notice) if notice.strip() else None,
-                listing=parse_listing(tail) if marked else None)
+                listing=parse_listing(tail) if marked else None, log_tail=log)
+
+
+def newest_logged_step(lines: list[str], pattern: str) -> int | None:
+    """The last step number the log shows, read with run.metrics.step."""
+    regex = re.compile(pattern)
+    for line in reversed(lines):
+        found = regex.search(line)
+        if found:
+            try:
+                return int(found.group(1))
+            except (IndexError, ValueError):
+                continue
+    return None
 
 
 def record_command(job: Job) -> str:
