@@ -69,7 +69,10 @@ def remember_host(recipe: Recipe, *nodes: tuple[Target, HostSpec]) -> None:
     An ssh config alias is remembered as typed, so that a later run resolves it (and its jump
     host) again; an address as the endpoint it was resolved to."""
     hosts = [str(spec) if target.alias else target.endpoint for target, spec in nodes]
-    _hosts_file(recipe).write_text(json.dumps({"host": hosts[0], "port": nodes[0][0].port, "hosts": hosts}) + "\n")
+    first = nodes[0][0]
+    # an alias's port comes from the ssh config again; only a plain address keeps the one it had
+    port = None if first.alias else first.port
+    _hosts_file(recipe).write_text(json.dumps({"host": hosts[0], "port": port, "hosts": hosts}) + "\n")
 
 
 def last_hosts(recipe: Recipe, ui: UI) -> list[HostSpec]:
