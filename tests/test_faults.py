@@ -10,15 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
-import sys
 import zipfile
 from io import BytesIO
 from pathlib import Path
 
 import pytest
-from e2e import plain_recipe, run_cli, wait_for
+from e2e import plain_recipe, run_cli, start_cli, wait_for
 
 from relaunch import sandbox as sb
 
@@ -67,13 +67,6 @@ def in_instance(inst, pattern: str) -> list[str]:
 def local_processes(pattern: str) -> list[str]:
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
     return [line for line in out if pattern in line and "ps -eo" not in line]
-
-
-def start_cli(*args: str, home: Path, env: dict[str, str] | None = None, err: Path) -> subprocess.Popen[str]:
-    with open(err, "w") as handle:
-        return subprocess.Popen([sys.executable, "-m", "relaunch.cli", *args], stdout=subprocess.DEVNULL,
-                                stderr=handle, text=True,
-                                env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200", **(env or {})})
 
 
 def received_bytes(inst) -> int:
@@ -379,6 +372,26 @@ def test_a_refused_key_is_named_quickly_and_not_blamed_on_ssh_wait(tmp_path, san
     err = (tmp_path / "err").read_text()
     assert f"authentication refused for user root with key {other}" in err
     assert "ssh.wait" not in err.split("Error:")[1]
+
+
+def test_uv_missing_from_the_index_falls_back_to_pip(tmp_path, sandbox, ssh, ssh_key, package_index):
+    """uv is the default installer; an index without it (a mirror of only the lock's packages)
+    must still give a working venv, with pip, and say so."""
+    index = tmp_path / "index"
+    (index / "simple").mkdir(parents=True)
+    shutil.copytree(package_index / "simple" / "mpmath", index / "simple" / "mpmath")
+    (index / "files").mkdir()
+    for wheel in (package_index / "files").glob("mpmath-*"):
+        shutil.copy(wheel, index / "files")
+    inst = sandbox(index_dir=index)
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("mpmath==1.3.0\n")
+    recipe = plain_recipe(tmp_path, name="nouv", key=ssh_key, env={"lock": str(lock), "index_url": inst.index_url})
+    up = run_cli("up", str(recipe), inst.host, "-v", home=tmp_path / "state")
+    assert up.returncode == 0, up.stderr
+    assert "uv is not on the package index; installing with pip instead" in up.stderr
+    assert ssh(inst, "~/venvs/plain/bin/python -c 'import mpmath; print(mpmath.__version__)'").stdout.strip() == "1.3.0"
+    assert "pip freeze matches the lock" in up.stderr
 
 
 def test_a_bad_lock_names_the_package(tmp_path, sandbox, ssh_key, package_index):

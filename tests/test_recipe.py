@@ -50,7 +50,7 @@ def test_minimal_recipe_gets_every_default() -> None:
     assert (r.ssh.user, r.ssh.port, r.ssh.key, r.ssh.host_key, r.ssh.wait) == ("root", 22, None, None, 300)
     assert r.env.python == "3.11"
     assert r.env.venv == "~/venvs/minimal"
-    assert (r.env.installer, r.env.lock, r.env.index_url) == ("pip", None, None)
+    assert (r.env.installer, r.env.lock, r.env.index_url) == ("uv", None, None)
     assert (r.env.extra_index_urls, r.env.apt, r.env.files, r.env.setup, r.env.vars, r.env.secrets) == (
         [], [], {}, [], {}, [])
     assert r.env.system_site_packages is False

@@ -10,7 +10,7 @@ from ..host.connection import upload_command
 from ..host.facts import FREEZE_PY
 from ..job import Job, drift
 from ..plan import LOCAL, Action, Ref
-from ..transports.tools import index_args
+from ..transports.tools import index_args, tool_action
 
 LANE = "env"
 INSTALL_DEADLINE = 3600.0
@@ -58,6 +58,10 @@ def plan_env(job: Job) -> list[Action]:
         if lock:
             actions.append(act(f"upload {recipe.env.lock} -> {paths.lock}", command=upload_command(paths.lock, 0o600),
                                stdin=recipe.env.lock))
+        if recipe.env.installer == "uv" and lock:
+            # straight from its wheel (a download and an unzip); the env script falls back to pip
+            uv = tool_action(job, "uv", "env", "env")
+            actions.append(act(uv.title, command=f"{uv.command} || true", stdin=uv.stdin, deadline=uv.deadline))
         pinned = f"installing {len(lock)} pinned packages with {recipe.env.installer}"
         actions.append(act(f"create {paths.venv}" + (f" and install {len(lock)} pinned packages" if lock else ""),
                            command="bash -s", stdin=script.encode(), deadline=INSTALL_DEADLINE,

