@@ -263,7 +263,7 @@ def plan_group_up(jobs: list[Job], store: Store, known_hosts: str, exclude: froz
     plan.extend([barrier("preflight", "every node is ready for the env and the checkpoint")])
     resumed, restores = [], []
     for job in jobs:
-        again, restore = plan_restore(job, store, choice)
+        again, restore = plan_restore(job, store, choice, follow=False)
         resumed.append(again)
         restores.append(restore)
     copying = choice.record is not None and choice.on_instance is None

@@ -9,6 +9,7 @@ raised. Ctrl-C stops every lane the same way and raises Interrupted.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
@@ -198,7 +199,12 @@ class Executor:
         args = {k: self._resolve(v) for k, v in action.args.items()}
         if check:
             processes.check_cancel()
-        return getattr(handler, method)(**args)
+        func = getattr(handler, method)
+        # a call that runs programs itself (an upload as files arrive) shows progress and stops
+        # with its lane: it asks for the UI and the cancel check by naming them
+        wanted = inspect.signature(func).parameters
+        args.update({k: v for k, v in (("ui", self.ui), ("cancelled", self._cancelled)) if k in wanted})
+        return func(**args)
 
     def _run_program(self, action: Action) -> Any:
         status: int | None
@@ -213,9 +219,10 @@ class Executor:
             remote = self._remote_for(action)
             if remote is None:
                 raise RelaunchError(f"internal: {action.title} needs an instance")
-            result = remote.exec(action.command, deadline=action.deadline, stdin=self._stdin(action),
-                                 on_output=self._detail, cancelled=self._cancelled)
-            status, stdout, stderr, timed_out = result.status, result.stdout, result.stderr, result.timed_out
+            with self.ui.transfer(action.title, action.size, action.progress) as bar:
+                result = remote.exec(action.command, deadline=action.deadline, stdin=self._stdin(action),
+                                     on_output=lambda data: self._detail(data, bar), cancelled=self._cancelled)
+            status, stdout, stderr, timed_out = result.status, result.stdout, _quiet(result.stderr), result.timed_out
             program = ""
             if status is None and not timed_out and not remote.alive:
                 raise _Transient(ConnectError(
@@ -299,8 +306,12 @@ class Executor:
         value = self._resolve(action.stdin)
         return value.encode() if isinstance(value, str) else value
 
-    def _detail(self, data: bytes) -> None:
-        self.ui.detail(data.decode(errors="replace").rstrip())
+    def _detail(self, data: bytes, bar: Any = None) -> None:
+        if bar is not None:
+            bar.feed(data)
+        text = _quiet(data).decode(errors="replace").rstrip()
+        if text:
+            self.ui.detail(text)
 
 
 def _groups(actions: Sequence[Action]) -> list[dict[str, list[Action]]]:
@@ -312,6 +323,14 @@ def _groups(actions: Sequence[Action]) -> list[dict[str, list[Action]]]:
         else:
             groups.append({action.lane: [action]})
     return groups
+
+
+_PROGRESS_LINE = re.compile(rb"^relaunch-read \d+\n?", re.M)
+
+
+def _quiet(data: bytes) -> bytes:
+    """Output without the hasher's progress lines (they feed a bar, not a message)."""
+    return _PROGRESS_LINE.sub(b"", data)
 
 
 def _last_line(text: str) -> str:

@@ -348,12 +348,17 @@ class LocalStore:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
+    def copied_marker(self, name: str) -> Path:
+        """Made when a copy into staging(name) is over: hashing it as it lands stops there."""
+        return self.staging_path(name).with_name(f".{name}.copied")
+
     def prepare_staging(self, name: str, files: list[str]) -> Path:
         """The staging folder of a checkpoint, ready for a transfer that continues what an earlier,
         stopped one received: rsync's temp file left by a killed run (`.NAME.XXXXXX`) becomes the
         basis rsync continues from; anything else that is not one of `files` goes (staging is
         never trusted, and the caller holds the store lock, so no one else writes here)."""
         base = self.staging(name)
+        self.copied_marker(name).unlink(missing_ok=True)
         wanted = set(files)
         for dirpath, dirnames, filenames in os.walk(base, topdown=False):
             folder = Path(dirpath)
@@ -383,10 +388,15 @@ class LocalStore:
 
     def drop_staging(self, name: str) -> None:
         shutil.rmtree(self.staging_path(name), ignore_errors=True)
+        self.copied_marker(name).unlink(missing_ok=True)
 
-    def verify_staged(self, name: str, expected: dict[str, FileRecord]) -> list[str]:
+    def verify_staged(self, name: str, expected: dict[str, FileRecord],
+                      received: dict[str, tuple[int, str]] | None = None) -> list[str]:
         """Check the staged copy of a checkpoint against `expected` (paths relative to the store
-        root, hashes from the instance). Returns the problems; an empty list means verified."""
+        root, hashes from the instance). `received`: (size, sha256) of staged files computed as
+        they landed (hashes.py --follow); a file without one is read now. Returns the problems; an
+        empty list means verified."""
+        received = received or {}
         base = self.staging_path(name)
         problems: list[str] = []
         for path, want in sorted(expected.items()):
@@ -405,7 +415,8 @@ class LocalStore:
             elif st.st_size != want.size:
                 problems.append(f"{path}: size {st.st_size}, expected {want.size}")
             else:
-                got = self.hash_file(base / path)
+                landed = received.get(path)
+                got = landed[1] if landed and landed[0] == st.st_size else self.hash_file(base / path)
                 if got != want.sha256:
                     problems.append(f"{path}: sha256 {got}, expected {want.sha256}")
         if base.is_dir():
@@ -490,6 +501,7 @@ class LocalStore:
         for folder in sorted(touched, key=lambda p: len(p.parts), reverse=True):
             _fsync_dir(folder)
         shutil.rmtree(base, ignore_errors=True)  # only leftovers; staging is never trusted
+        self.copied_marker(record.name).unlink(missing_ok=True)
 
     def _make_dirs(self, folder: Path, touched: set[Path]) -> None:
         """mkdir -p, remembering each new folder's parent so its entry gets fsynced too."""

@@ -48,7 +48,9 @@ class UI:
         self.console = Console(stderr=True, highlight=False, soft_wrap=True)
         self.verbose = verbose
         self.quiet = quiet
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._progress: Progress | None = None     # the bars shown now (one display for all)
+        self._live = 0
 
     def _print(self, text: str, style: str | None = None) -> None:
         text = redact(text)
@@ -76,9 +78,29 @@ class UI:
                 self.console.print(escape(redact(text)), style="dim")
 
     def transfer(self, description: str, total: int, kind: str = "rsync") -> Transfer | contextlib.nullcontext[None]:
-        """A bar for a transfer fed by the program's own progress output (kind: rsync, rclone);
-        no bar (None) when kind is empty."""
+        """A bar for a long phase fed by its program's own progress output (kind: rsync, rclone,
+        hashes); no bar (None) when kind is empty. Bars of phases that run at the same time
+        (a copy and a hash, a pull and an upload) share one display."""
         return Transfer(self, description, total) if kind else contextlib.nullcontext()
+
+    def _bars(self) -> Progress:
+        with self._lock:
+            if self._progress is None:
+                self._progress = Progress(
+                    TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=self.console, transient=True,
+                    disable=self.quiet or not self.console.is_terminal)
+            if self._live == 0:
+                self._progress.start()
+            self._live += 1
+            return self._progress
+
+    def _bar_done(self) -> None:
+        with self._lock:
+            self._live -= 1
+            if self._live == 0 and self._progress is not None:
+                self._progress.stop()
+                self._progress = None
 
 
 def human(n: int) -> str:
@@ -94,37 +116,44 @@ def human(n: int) -> str:
 _PROGRESS2 = re.compile(rb"^\s*([\d,]+)\s+(\d+)%")
 
 
+_READ = re.compile(rb"^relaunch-read (\d+)$")
+
+
 class Transfer:
-    """A rich bar fed by rsync's `--info=progress2` lines (stdout) or rclone's JSON stats (stderr)."""
+    """A bar fed by a program's progress: rsync's `--info=progress2` lines, rclone's JSON stats
+    (`--use-json-log --stats 1s`), or the hasher's `relaunch-read BYTES` lines."""
 
     def __init__(self, ui: UI, description: str, total: int) -> None:
         self.ui = ui
-        self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TimeRemainingColumn(), console=ui.console, transient=True,
-            disable=ui.quiet or not ui.console.is_terminal,
-        )
-        self.task = self.progress.add_task(escape(description), total=max(total, 1))
+        self.description = escape(description)
+        self.total = max(total, 1)
 
     def __enter__(self) -> Transfer:
-        self.progress.start()
+        self.progress = self.ui._bars()
+        self.task = self.progress.add_task(self.description, total=self.total)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.progress.stop()
+        self.progress.remove_task(self.task)
+        self.ui._bar_done()
 
     def update(self, completed: int) -> None:
         self.progress.update(self.task, completed=completed)
 
     def feed(self, chunk: bytes) -> None:
         for part in re.split(rb"[\r\n]", chunk):
-            match = _PROGRESS2.match(part)
+            match = _PROGRESS2.match(part) or _READ.match(part)
             if match:
-                self.progress.update(self.task, completed=int(match.group(1).replace(b",", b"")))
+                self.update(int(match.group(1).replace(b",", b"")))
+            elif part.startswith(b"{"):
+                self.feed_err(part)
 
     def feed_err(self, chunk: bytes) -> None:
         """rclone's `--use-json-log --stats 1s` lines carry the bytes so far."""
         for line in chunk.splitlines():
+            if _READ.match(line):
+                self.feed(line)
+                continue
             try:
                 entry = json.loads(line)
             except ValueError:

@@ -25,6 +25,14 @@ def run_cli(*args: str, home: Path, timeout: float = 900, env: dict[str, str] | 
                           timeout=timeout, env=environ, input=input)
 
 
+def start_cli(*args: str, home: Path, env: dict[str, str] | None = None, err: Path) -> subprocess.Popen[str]:
+    """`relaunch ARGS` started in the background, its stderr into the file `err`."""
+    with open(err, "w") as handle:
+        return subprocess.Popen([sys.executable, "-m", "relaunch.cli", *args], stdout=subprocess.DEVNULL,
+                                stderr=handle, text=True,
+                                env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200", **(env or {})})
+
+
 def write_recipe(folder: Path, data: dict[str, Any], name: str = "recipe.yaml") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name

@@ -9,7 +9,7 @@ import os
 
 import pytest
 from conftest import host_side_address
-from e2e import example_recipe, local_final_hash, plain_recipe, run_cli, wait_for
+from e2e import example_recipe, local_final_hash, plain_recipe, run_cli, start_cli, wait_for
 
 from relaunch import sandbox as sb
 
@@ -45,6 +45,8 @@ def test_evacuate_to_s3_and_up_elsewhere(via, tmp_path, sandbox, ssh, ssh_key, s
     assert hashlib.sha256((s3.bucket_dir / "runs/a/ckpt-00000015.pt").read_bytes()).hexdigest() == on_instance
     if via == "instance":
         assert ssh(first, "ls ~/.relaunch/tools/bin/rclone").returncode == 0
+        # straight from its wheel: no venv (and no pip) was needed for it
+        assert ssh(first, "test -e ~/.relaunch/tools/bin/python", check=False).returncode == 1
         assert ssh(first, "ls ~/.relaunch/s3-instance/store.env 2>/dev/null || true").stdout == ""
 
     # a second evacuation moves nothing new and still verifies
@@ -120,3 +122,34 @@ def test_full_cycle_through_s3_is_bit_identical(tmp_path, sandbox, ssh, ssh_key,
     final = wait_for("the end", lambda: ssh(second, "cat ~/final.sha256 2>/dev/null", check=False).stdout.strip(),
                      timeout=300)
     assert final == expected
+
+
+def test_via_local_uploads_each_file_while_the_next_ones_still_arrive(tmp_path, sandbox, ssh, ssh_key, s3_remote):
+    """The relay does not wait for the whole checkpoint: a shard goes up as soon as it is here and
+    verified, while later shards are still crossing the instance's link."""
+    inst = sandbox(rate="8mbit")                  # ~1 MB/s: each 1.5 MB shard takes over a second
+    s3 = s3_remote(bind=host_side_address(inst))
+    home = tmp_path / "state"
+    recipe = plain_recipe(tmp_path, name="relay", key=ssh_key,
+                          checkpoint={"remote": f"rclone:{s3.name}:{s3.bucket}/p", "via": "local",
+                                      "layout": "hf-trainer"})
+    shards = [f"shard-{i:05d}.bin" for i in range(6)]
+    ssh(inst, "mkdir -p ~/ckpt/checkpoint-20 && cd ~/ckpt/checkpoint-20 && "
+              + " && ".join(f"head -c 1500000 /dev/urandom > {s}" for s in shards)
+              + " && echo '{\"global_step\": 20}' > trainer_state.json")
+    proc = start_cli("evacuate", str(recipe), inst.host, home=home, env=s3.env, err=tmp_path / "err")
+    try:
+        remote = s3.bucket_dir / "p" / "checkpoint-20"
+        wait_for("the first shard on the remote", lambda: (remote / shards[0]).is_file(), timeout=120, every=0.05)
+        # rsync copies in name order: the last shard has not reached this machine yet
+        assert not list((home / "cache").rglob(shards[-1]))
+        assert proc.wait(timeout=300) == 0, (tmp_path / "err").read_text()
+    finally:
+        proc.kill()
+    err = (tmp_path / "err").read_text()
+    assert "safe to destroy" in err
+    held = ssh(inst, "cd ~/ckpt && sha256sum checkpoint-20/*").stdout
+    for line in held.splitlines():
+        digest, path = line.split()
+        assert hashlib.sha256((s3.bucket_dir / "p" / path).read_bytes()).hexdigest() == digest
+    assert remote_manifest(s3, "p") == ["checkpoint-20"]

@@ -5,15 +5,22 @@ store needs (sha256 always; md5 for S3-like remotes; the git blob id for small f
 Hub), and says when a file cannot be trusted: a torch zip without its central directory or a
 safetensors file whose header does not match its size (a save that crashed half-way). The files
 are named on stdin, NUL-separated, relative to a folder, so any name stays data.
+
+Where bytes land (the instance on `up`, this machine on `evacuate`), the same script follows
+rsync as it writes (`--follow`): the receiver's hash is ready when the copy ends, not one full
+read later.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import CheckpointError
+from ..resources import templates_dir
 from ..scripts import plain
 
 ALGOS = ("sha256", "md5", "gitblob")
@@ -29,14 +36,28 @@ class FileHash:
     missing: bool = False        # gone (rotated away) when it was read
 
 
-def hash_command(root: str, python: str, algos: tuple[str, ...] = ("sha256",)) -> str:
+def hash_command(root: str, python: str, algos: tuple[str, ...] = ("sha256",), follow: str = "") -> str:
     """Hash the NUL-separated paths on stdin, relative to `root`, with `python` on the instance;
-    no algos: only check that each save finished (reads a file's first and last bytes)."""
+    no algos: only check that each save finished (reads a file's first and last bytes).
+    `follow`: hash them while a copy writes them, until the file `follow` exists (hashes.py)."""
+    return (f"cd {shlex.quote(root)} && {shlex.quote(python or 'python3')} -c "
+            f"{shlex.quote(plain('hashes.py'))} {shlex.join(hash_args(algos, follow))}").rstrip()
+
+
+def hash_args(algos: tuple[str, ...], follow: str = "") -> list[str]:
     for algo in algos:
         if algo not in ALGOS:
             raise ValueError(f"unknown hash {algo}")
-    return (f"cd {shlex.quote(root)} && {shlex.quote(python or 'python3')} -c "
-            f"{shlex.quote(plain('hashes.py'))} {' '.join(algos)}")
+    return [*(["--follow", follow] if follow else []), *algos]
+
+
+def local_hash_argv(root: Path, algos: tuple[str, ...] = ("sha256",), follow: Path | None = None) -> tuple[str, ...]:
+    """The same hasher run on this machine, in folder `root`, for files landing here: what it
+    follows it also flushes to disk as it lands, so that a store's commit (fsync) finds it done."""
+    args = hash_args(algos, str(follow) if follow else "")
+    if follow:
+        args.insert(2, "--sync")
+    return (sys.executable, str(templates_dir() / "hashes.py"), "--in", str(root), *args)
 
 
 def paths_stdin(paths: list[str]) -> bytes:

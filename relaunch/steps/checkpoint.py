@@ -20,7 +20,8 @@ from ..store import CheckpointRecord
 from ..transports import Store
 from ..ui import human
 
-LANE = "checkpoint"
+LANE, VERIFY_LANE = "checkpoint", "checkpoint-verify"
+COPIED = ".relaunch-copied"      # in the incoming folder: the copy is over (hashes.py --follow stops)
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,11 @@ def _wanted(job: Job, name: str, records: list[CheckpointRecord], local: list[Ch
                           "complete one of that name on the instance", f"the store holds: {names}")
 
 
-def plan_restore(job: Job, store: Store, choice: Choice) -> tuple[Job, list[Action]]:
-    """The job as it will run (resumed or not) and the actions that put its checkpoint in place."""
+def plan_restore(job: Job, store: Store, choice: Choice, follow: bool = True) -> tuple[Job, list[Action]]:
+    """The job as it will run (resumed or not) and the actions that put its checkpoint in place.
+
+    `follow`: the instance hashes the files as they land (a lane beside the copy) instead of
+    reading them again after it; the last two actions are always the verification and the move."""
     paths = job.paths
     if choice.record is None:
         if choice.on_instance is not None:
@@ -141,18 +145,30 @@ def plan_restore(job: Job, store: Store, choice: Choice) -> tuple[Job, list[Acti
 
     q = shlex.quote
     incoming = paths.incoming
-    move = (f"cd {q(incoming)} && mkdir -p -- {q(paths.ckpt_dir)} && mv -T -- {q(record.name)} {q(dest)} && "
-            f"cd / && rmdir -- {q(incoming)}")
+    copied = f"{incoming}/{COPIED}"
+    move = (f"cd {q(incoming)} && rm -f -- {COPIED} && mkdir -p -- {q(paths.ckpt_dir)} && "
+            f"mv -T -- {q(record.name)} {q(dest)} && cd / && rmdir -- {q(incoming)}")
     copy = [dataclasses.replace(a, lane=LANE) for a in store.plan_send(job, record, incoming)]
     copy[0] = dataclasses.replace(copy[0], say=f"{choice.reason}; copying {human(total)} from {store.label}")
-    return job, [
-        *copy,
-        Action("checkpoint", f"verify {record.name} on the instance against the store manifest (sha256)", lane=LANE,
-               command=hash_command(incoming, python), stdin=paths_stdin(files), deadline=hash_deadline(total),
-               parse="hashes:sha256", expect=expected, fails_as="checkpoint",
-               hint="nothing was put in place; rerun `relaunch up`"),
-        Action("checkpoint", f"move {record.name} into place at {dest}", lane=LANE, command=move,
-               fails_as="checkpoint",
-               done=f"restored {record.name} (step {record.step}), {len(files)} file(s) verified"),
-    ]
+    verify = Action("checkpoint", f"verify {record.name} on the instance against the store manifest (sha256)"
+                    + (", hashing each file as it lands" if follow else ""), lane=LANE,
+                    command=hash_command(incoming, python, follow=copied if follow else ""),
+                    stdin=paths_stdin(files), parse="hashes:sha256", expect=expected, fails_as="checkpoint",
+                    progress="hashes", size=total,
+                    deadline=hash_deadline(total) + (sum(a.deadline for a in copy) * 3 if follow else 0),
+                    hint="nothing was put in place; rerun `relaunch up`")
+    move_action = Action("checkpoint", f"move {record.name} into place at {dest}", lane=LANE, command=move,
+                         fails_as="checkpoint",
+                         done=f"restored {record.name} (step {record.step}), {len(files)} file(s) verified")
+    if not follow:
+        return job, [*copy, verify, move_action]
+    ready = f"incoming:{record.name}"
+    prepare = Action("checkpoint", f"{incoming} ready for the copy", lane=LANE, produces=ready,
+                     command=f"mkdir -p -- {q(incoming)} && rm -f -- {q(copied)}", fails_as="checkpoint")
+    over = Action("checkpoint", f"the copy of {record.name} is over", lane=LANE, command=f"touch -- {q(copied)}",
+                  fails_as="checkpoint")
+    verified = f"verified:{record.name}"
+    return job, [prepare, *copy, over,
+                 dataclasses.replace(verify, lane=VERIFY_LANE, needs=(ready,), produces=verified),
+                 dataclasses.replace(move_action, needs=(verified,))]
 

@@ -19,10 +19,12 @@ from ..job import Job, Lag
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
 from ..transports import Store
+from ..transports.base import hash_ref_names
 from ..ui import human
 from .launch import tail_command
 
 LOG_TAIL_LINES = 200
+COPY_LANE, HASH_LANE = "copy", "hash"
 
 
 @dataclass(kw_only=True)
@@ -51,22 +53,27 @@ def hash_action(job: Job, store: Store, cp: Checkpoint) -> Action:
     return Action("evacuate", f"hash {cp.name} on the instance ({', '.join(store.instance_hashes)})",
                   command=hash_command(job.paths.ckpt_dir, job.facts.host.python, store.instance_hashes),
                   stdin=paths_stdin(files), deadline=hash_deadline(total), produces=f"hashes:{cp.name}",
-                  parse="hashes", fails_as="evacuate")
+                  parse="hashes", fails_as="evacuate", progress="hashes", size=total)
 
 
 def plan_copy(job: Job, store: Store, cp: Checkpoint, again: bool = False,
               parts: list[tuple[Job, Checkpoint]] | None = None, about: dict[str, Any] | None = None) -> list[Action]:
-    """Receive cp, hash it on the instance (after the copy: what was copied is what is hashed,
-    unless the trainer rotated it away meanwhile), verify, commit, record. In a node group,
-    `parts` says which node sends which files; each hashes its own."""
+    """Receive cp and, at the same time, hash it on the instance (a complete checkpoint does not
+    change; one that is rotated away or rewritten meanwhile fails the comparison or counts as
+    vanished); then verify, commit, record. In a node group, `parts` says which node sends which
+    files; each hashes its own."""
     if not parts or len(parts) == 1:
-        hashes = Ref(f"hashes:{cp.name}")
-        return [*store.plan_receive(job, cp, again), hash_action(job, store, cp),
-                *store.plan_accept(job, cp, hashes, about)]
-    refs = [Ref(f"hashes:{cp.name}@{part_job.host}") for part_job, _ in parts]
-    hashing = [dataclasses.replace(hash_action(part_job, store, part), host=part_job.host, produces=ref.name)
-               for (part_job, part), ref in zip(parts, refs, strict=True)]
-    return [*store.plan_receive_parts(parts, cp, again), *hashing, *store.plan_accept(job, cp, refs, about)]
+        receive = store.plan_receive(job, cp, again)
+        hashing = [dataclasses.replace(hash_action(job, store, cp), lane=HASH_LANE)]
+        refs: Ref | list[Ref] = Ref(hash_ref_names(cp, [job.host])[0])
+    else:
+        receive = store.plan_receive_parts(parts, cp, again)
+        refs = [Ref(name) for name in hash_ref_names(cp, [part_job.host for part_job, _ in parts])]
+        hashing = [dataclasses.replace(hash_action(part_job, store, part), host=part_job.host, produces=ref.name,
+                                       lane=f"{HASH_LANE}@{part_job.host}")
+                   for (part_job, part), ref in zip(parts, refs, strict=True)]
+    receive = [a if a.lane else dataclasses.replace(a, lane=COPY_LANE) for a in receive]
+    return [*receive, *hashing, *store.plan_accept(job, cp, refs, about)]
 
 
 def plan_meta(job: Job) -> list[Action]:

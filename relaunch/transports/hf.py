@@ -54,7 +54,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import processes
 from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError, shorten
+from ..host.hashing import FileHash
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
@@ -62,7 +64,7 @@ from ..recipe import Recipe
 from ..retry import retrying
 from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest, check_relpath, \
     utc_now
-from ..ui import human, redact
+from ..ui import UI, human, redact
 from . import rsync
 from .base import Hashes, Store, expected_record, merged
 from .tools import credential_actions, tool_action, tool_path
@@ -632,16 +634,20 @@ class HfStore(Store):
         return [tool_action(job, "hf", "checkpoint", "checkpoint"), *write, download, move, *remove, clean]
 
     # -- via local: primitives for the relay -------------------------------------------------------
-    def upload_actions(self, staged: Path, cp: Checkpoint, host: str) -> list[Action]:
-        total = sum(e.size for e in cp.files)
-        return [Action("evacuate", f"{cp.name} ({human(total)}) from this machine to {self.label} in one commit",
-                       where=LOCAL, call="remote.commit_from", args={"staged": staged, "cp": cp, "host": host},
-                       fails_as="evacuate", say=f"uploading {cp.name} ({len(cp.files)} file(s), "
-                                                f"{human(total)}) to {self.label}")]
+    landed_hashes = ("sha256",)
+
+    def begin_upload(self, staged: Path, cp: Checkpoint, host: str) -> _Upload:
+        return _Upload(self, staged, cp, host)
 
     def commit_from(self, staged: Path, cp: Checkpoint, host: str) -> str:
+        """Upload and commit all of cp's staged files at once."""
         from huggingface_hub import CommitOperationAdd
 
+        return self.commit_ops(staged, cp, host, [CommitOperationAdd(self._rp(e.path), str(staged / e.path))
+                                                  for e in cp.files])
+
+    def commit_ops(self, staged: Path, cp: Checkpoint, host: str, ops: list[Any]) -> str:
+        """One commit of cp's files (uploaded already, or small ones inline) on the head."""
         self.ensure_repo()
 
         def attempt() -> str:
@@ -650,7 +656,6 @@ class HfStore(Store):
             recorded = self._manifest_at(snap).checkpoints.get(cp.name)
             if recorded is not None and not self._same_bytes(recorded, cp, staged):
                 raise conflict_error(self.label, recorded)
-            ops = [CommitOperationAdd(self._rp(e.path), str(staged / e.path)) for e in cp.files]
             return self._commit(ops, f"relaunch: {cp.name} (step {cp.step}) from {host}", snap.sha,
                                 f"uploading {cp.name}")
 
@@ -671,7 +676,8 @@ class HfStore(Store):
                 return False
         return all(_sha256(staged / path) == want.sha256 for path, want in record.files.items())
 
-    def check_uploaded(self, record: CheckpointRecord, staged: Path) -> str:
+    def check_uploaded(self, record: CheckpointRecord, staged: Path,
+                       landed: dict[str, FileHash] | None = None) -> str:
         """The commit made from `staged` against the bytes here; what was compared, in words."""
         sha = self._uploaded.get(record.name) or self._head()
         if sha is None:
@@ -699,3 +705,27 @@ class HfStore(Store):
             dest.mkdir(parents=True, exist_ok=True)
             source = Path(tmp) / self._rp(record.name)
             os.replace(source, dest / record.name)
+
+
+class _Upload:
+    """A checkpoint going up from the relay's cache: each batch's large files to the Hub's LFS
+    storage as they arrive, then one commit of them all (a checkpoint appears whole or not)."""
+
+    def __init__(self, store: HfStore, staged: Path, cp: Checkpoint, host: str) -> None:
+        self.store, self.staged, self.cp, self.host = store, staged, cp, host
+        self.ops: dict[str, Any] = {}
+
+    def send(self, paths: list[str], size: int, ui: UI, cancelled: Callable[[], bool]) -> None:
+        from huggingface_hub import CommitOperationAdd
+
+        store = self.store
+        store.ensure_repo()
+        new = [CommitOperationAdd(store._rp(p), str(self.staged / p)) for p in paths]
+        with ui.transfer(f"{len(paths)} file(s) of {self.cp.name} ({human(size)}) to {store.label}", size, ""), \
+                store._hub(f"uploading {self.cp.name}", EvacuationError):
+            store._api().preupload_lfs_files(store.repo_id, additions=new)
+        self.ops.update(zip(paths, new, strict=True))
+
+    def finish(self, ui: UI, cancelled: Callable[[], bool]) -> None:
+        processes.check_cancel()
+        self.store.commit_ops(self.staged, self.cp, self.host, [self.ops[e.path] for e in self.cp.files])

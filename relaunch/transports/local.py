@@ -7,28 +7,40 @@ shared with it.
 
 from __future__ import annotations
 
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..host.hashing import paths_stdin
+from .. import processes
+from ..errors import EvacuationError, Interrupted
+from ..host.hashing import FileHash, hash_deadline, local_hash_argv, parse_hashes, paths_stdin
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
 from ..paths import known_hosts_file
-from ..plan import LOCAL, Action
+from ..plan import LOCAL, Action, Ref
 from ..store import CheckpointRecord, LocalStore, StoreManifest
 from ..ui import human
 from . import rsync
 from .base import Hashes, Mismatch, Store, expected_record
 
 
+COPY_LANE, FOLLOW_LANE = "copy", "hash-here"
+
+
 def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkpoint, again: bool,
-                 room: str) -> list[Action]:
+                 room: str, follow: bool = True) -> list[Action]:
     """rsync exactly cp's listed files into the staging folder of `fs` (never trusted there),
-    each part from the node that holds it."""
+    each part from the node that holds it, then mark the copy over (`fs.copied_marker`). With
+    `follow`, beside the copy: sha256 of each file as it lands (result `received:<name>`, for
+    `staging.verify`); without, the caller follows the copy itself."""
     files = [e.path for e in cp.files]
+    total = sum(e.size for e in cp.files)
     staging = fs.staging_path(cp.name)
     actions = [Action("evacuate", f"prepare the staging folder of {cp.name}", where=LOCAL, call="staging.prepare",
-                      args={"name": cp.name, "files": files}, fails_as="evacuate")]
+                      args={"name": cp.name, "files": files}, fails_as="evacuate", produces=f"staging:{cp.name}")]
     for job, part in parts:
         names = [e.path for e in part.files]
         total = sum(e.size for e in part.files)
@@ -41,7 +53,14 @@ def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkp
             outcomes=rsync.OUTCOMES, fails_as="evacuate", progress="rsync", size=total, room=f"in {room}",
             say=f"copying {cp.name} (step {cp.step}, {len(names)} file(s), {human(total)}) to {room}"
                 + (f" from {job.host}" if len(parts) > 1 else "") + (", comparing every byte" if again else "")))
-    return actions
+    actions.append(Action("evacuate", f"the copy of {cp.name} is over", where=LOCAL, call="staging.copied",
+                          args={"name": cp.name}, fails_as="evacuate"))
+    follow_action = Action("evacuate", f"sha256 of {cp.name} here as it lands", where=LOCAL,
+                    argv=local_hash_argv(staging, follow=fs.copied_marker(cp.name)), stdin=paths_stdin(files),
+                    deadline=rsync.deadline_for(total) * 3 + hash_deadline(total), lane=FOLLOW_LANE,
+                    needs=(f"staging:{cp.name}",), produces=f"received:{cp.name}", parse="hashes",
+                    fails_as="evacuate")
+    return [dataclasses.replace(a, lane=COPY_LANE) for a in actions] + ([follow_action] if follow else [])
 
 
 def push_actions(job: Job, source: Path, name: str, incoming: str, total: int, is_dir: bool) -> list[Action]:
@@ -62,11 +81,75 @@ class StagingCalls:
     def prepare(self, name: str, files: list[str]) -> None:
         self.fs.prepare_staging(name, files)
 
-    def verify(self, cp: Checkpoint, hashes: Hashes, host: str,
-               about: dict[str, Any] | None = None) -> CheckpointRecord:
-        """The staged copy against the instance's hashes: the record it earns, or Mismatch."""
+    def copied(self, name: str) -> None:
+        self.fs.copied_marker(name).touch()
+
+    def follow(self, cp: Checkpoint, algos: tuple[str, ...],
+               cancelled: Callable[[], bool]) -> Iterator[list[FileHash]]:
+        """The staged files' hashes as soon as the copy put them in place (hashes.py --follow),
+        until the copy is marked over, then the rest: each time, all that arrived meanwhile."""
+        files = [e.path for e in cp.files]
+        total = sum(e.size for e in cp.files)
+        lines: queue.Queue[bytes | BaseException | None] = queue.Queue()
+        buffer = bytearray()
+        stop = threading.Event()
+
+        def feed(chunk: bytes) -> None:
+            buffer.extend(chunk)
+            while b"\n" in buffer:
+                line, _, rest = bytes(buffer).partition(b"\n")
+                buffer[:] = rest
+                lines.put(line)
+
+        def run() -> None:
+            try:
+                done = processes.run(local_hash_argv(self.fs.staging_path(cp.name), algos,
+                                                     follow=self.fs.copied_marker(cp.name)),
+                                     stdin=paths_stdin(files), deadline=rsync.deadline_for(total) * 3,
+                                     on_stdout=feed, cancelled=lambda: stop.is_set() or cancelled())
+                if done.status != 0:
+                    lines.put(EvacuationError(f"hashing {cp.name} here failed: {done.err.strip()[-300:]}"))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+                lines.put(exc)
+            finally:
+                lines.put(None)
+
+        thread = threading.Thread(target=run, name=f"follow-{cp.name}", daemon=True)
+        thread.start()
+        try:
+            while True:
+                try:
+                    item = lines.get(timeout=0.2)
+                except queue.Empty:
+                    processes.check_cancel()
+                    if cancelled():
+                        raise Interrupted("interrupted") from None
+                    continue
+                batch: list[FileHash] = []
+                while item is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    batch += parse_hashes(item).values()
+                    try:
+                        item = lines.get_nowait()
+                    except queue.Empty:
+                        break
+                if batch:
+                    yield batch
+                if item is None:
+                    return
+        finally:
+            stop.set()
+            thread.join()
+
+    def verify(self, cp: Checkpoint, hashes: Hashes, host: str, about: dict[str, Any] | None = None,
+               received: dict[str, FileHash] | None = None) -> CheckpointRecord:
+        """The staged copy against the instance's hashes: the record it earns, or Mismatch.
+        `received`: the staged files' hashes computed as they landed."""
         record = expected_record(cp, hashes, host, about)
-        problems = self.fs.verify_staged(cp.name, record.files)
+        landed = {p: (h.size, h.hashes["sha256"]) for p, h in (received or {}).items()
+                  if not h.missing and not h.problem and "sha256" in h.hashes}
+        problems = self.fs.verify_staged(cp.name, record.files, landed)
         if problems:
             raise Mismatch(f"{cp.name} did not verify: {problems[0]}"
                            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), problems)
@@ -118,8 +201,14 @@ class LocalPathStore(Store):
                            again: bool = False) -> list[Action]:
         return pull_actions(parts, self.fs, cp, again, f"the store {self.label}")
 
-    def accept(self, cp: Checkpoint, hashes: Hashes, host: str, about: dict[str, Any] | None = None) -> str:
-        record = self.staging.verify(cp, hashes, host, about)
+    def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref | list[Ref],
+                    about: dict[str, Any] | None = None) -> list[Action]:
+        return [dataclasses.replace(a, args={**a.args, "received": Ref(f"received:{cp.name}")})
+                for a in super().plan_accept(job, cp, hashes, about)]
+
+    def accept(self, cp: Checkpoint, hashes: Hashes, host: str, about: dict[str, Any] | None = None,
+               received: dict[str, FileHash] | None = None) -> str:
+        record = self.staging.verify(cp, hashes, host, about, received)
         self.fs.commit(record)
         self.record(record)
         return self.hash_name

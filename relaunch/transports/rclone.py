@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 import re
 import shlex
 import shutil
@@ -25,13 +26,14 @@ from typing import Any
 
 from .. import processes
 from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError, shorten
-from ..host.hashing import paths_stdin
+from ..host.hashing import FileHash, paths_stdin
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action
 from ..recipe import Recipe
 from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest
-from ..ui import human, redact
+from ..retry import retrying
+from ..ui import UI, human, redact
 from . import rsync
 from .base import Hashes, Store, expected_record, merged
 from .tools import credential_actions, tool_action, tool_path
@@ -42,6 +44,7 @@ NOT_FOUND = re.compile(r"NoSuchBucket|directory not found|bucket .* not found|ob
 # rclone's exit codes: 5 is a temporary error worth another try
 OUTCOMES: dict[int | str, str] = {5: "transient"}
 READ_DEADLINE = 120.0
+STATS = "--use-json-log --stats 1s --stats-log-level NOTICE"    # progress for the bar, on stderr
 
 
 def rclone_binary() -> str:
@@ -89,6 +92,7 @@ class RcloneStore(Store):
         self.label = f"rclone:{remote}:{self.path}"
         self.base = f"{remote}:{self.path}"
         self._env: dict[str, str] | None = None
+        self._pending_meta: dict[str, str] = {}    # written with the next manifest, in one rclone call
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> RcloneStore:
@@ -193,21 +197,21 @@ class RcloneStore(Store):
             return None
         return StoreManifest.from_json(result.text, f"{self.label}/{META_DIR}/{MANIFEST}")
 
-    def _put_text(self, rel: str, text: str) -> None:
-        with tempfile.NamedTemporaryFile("w", delete=False, suffix=".json") as handle:
-            handle.write(text)
-        try:
-            result = self.run("copyto", handle.name, self._path(rel))
-        finally:
-            os.unlink(handle.name)
-        if result.status != 0:
-            raise self.fail(result, f"writing {rel}", EvacuationError)
-
     def save_manifest(self, manifest: StoreManifest) -> None:
-        self._put_text(f"{META_DIR}/{MANIFEST}", manifest.to_json())
+        """The manifest, with the metadata written since the last one: one rclone call."""
+        texts = {**self._pending_meta, MANIFEST: manifest.to_json()}
+        with tempfile.TemporaryDirectory(prefix="relaunch-meta-") as folder:
+            for name, text in texts.items():
+                Path(folder, name).write_text(text)
+            result = self.run("copy", "--ignore-times", "--files-from0", "-", folder, self._path(META_DIR),
+                              stdin=paths_stdin(sorted(texts)))
+        if result.status != 0:
+            raise self.fail(result, f"writing {', '.join(sorted(texts))}", EvacuationError)
+        self._pending_meta.clear()
 
     def write_meta(self, filename: str, text: str) -> None:
-        self._put_text(f"{META_DIR}/{filename}", text)
+        """Kept until the next save_manifest, which evacuate always calls."""
+        self._pending_meta[filename] = text
 
     def read_meta(self, filename: str) -> str | None:
         result = self.run("cat", self._path(f"{META_DIR}/{filename}"))
@@ -279,10 +283,11 @@ class RcloneStore(Store):
         files = [e.path for e in cp.files]
         total = sum(e.size for e in cp.files)
         write, load, remove = credential_actions(job, "evacuate", self.credentials, "evacuate")
-        command = (f"{load}{shlex.quote(tool_path(job, 'rclone'))} copy --immutable --files-from0 - "
+        command = (f"{load}{shlex.quote(tool_path(job, 'rclone'))} {STATS} copy --immutable --files-from0 - "
                    f"{shlex.quote(job.paths.ckpt_dir + '/')} {shlex.quote(self._path())}")
         copy = Action("evacuate", f"the instance uploads {cp.name} (step {cp.step}, {human(total)}) to {self.label}",
                       command=command, stdin=paths_stdin(files), deadline=rsync.deadline_for(total),
+                      progress="rclone", size=total,
                       fails_as="evacuate", outcomes={"re:no such file or directory": "vanished"},
                       explain="store.explain", say=f"the instance uploads {cp.name} to {self.label}")
         return [tool_action(job, "rclone", "evacuate", "evacuate"), write, copy, remove]
@@ -291,28 +296,27 @@ class RcloneStore(Store):
         files = sorted(record.files)
         total = sum(f.size for f in record.files.values())
         write, load, remove = credential_actions(job, "checkpoint", self.credentials, "checkpoint")
-        command = (f"{load}{shlex.quote(tool_path(job, 'rclone'))} copy --files-from0 - "
+        command = (f"{load}{shlex.quote(tool_path(job, 'rclone'))} {STATS} copy --files-from0 - "
                    f"{shlex.quote(self._path())} {shlex.quote(incoming + '/')}")
         copy = Action("checkpoint", f"the instance downloads {record.name} ({human(total)}) from {self.label}",
                       command=command, stdin=paths_stdin(files), deadline=rsync.deadline_for(total),
+                      progress="rclone", size=total,
                       fails_as="checkpoint", hint="nothing is lost; rerun `relaunch up`", explain="store.explain",
                       say=f"the instance downloads {record.name} ({human(total)}) from {self.label}")
         return [tool_action(job, "rclone", "checkpoint", "checkpoint"), write, copy, remove]
 
     # -- via local: primitives for the relay ------------------------------------------------------
-    def upload_actions(self, staged: Path, cp: Checkpoint, host: str) -> list[Action]:
-        files = [e.path for e in cp.files]
-        total = sum(e.size for e in cp.files)
-        argv = self.argv("--use-json-log", "--stats", "1s", "--stats-log-level", "NOTICE", "copy", "--immutable",
-                         "--files-from0", "-", f"{staged}/", self._path())
-        return [Action("evacuate", f"{cp.name} ({human(total)}) from this machine to {self.label}", where=LOCAL,
-                       argv=argv, stdin=paths_stdin(files), deadline=rsync.deadline_for(total), retry=True,
-                       outcomes=OUTCOMES, fails_as="evacuate", progress="rclone", size=total,
-                       explain="remote.explain", say=f"uploading {cp.name} ({human(total)}) to {self.label}")]
+    landed_hashes = ("sha256", "md5")      # of the files here: the md5 is for remotes without sha256
 
-    def check_uploaded(self, record: CheckpointRecord, staged: Path) -> str:
+    def begin_upload(self, staged: Path, cp: Checkpoint, host: str) -> _Upload:
+        return _Upload(self, staged, cp)
+
+    def check_uploaded(self, record: CheckpointRecord, staged: Path,
+                       landed: dict[str, FileHash] | None = None) -> str:
         """The upload from `staged` against the remote; what was compared, in words."""
-        md5 = {p: LocalStore.hash_file(staged / p, "md5") for p in record.files}
+        landed = landed or {}
+        md5 = {p: landed[p].hashes["md5"] if p in landed and "md5" in landed[p].hashes
+               else LocalStore.hash_file(staged / p, "md5") for p in record.files}
         problems, compared = self.check_remote(record.files, md5)
         if problems:
             raise EvacuationError(f"{self.label}: {record.name} did not verify on the remote: {problems[0]}")
@@ -321,10 +325,47 @@ class RcloneStore(Store):
     def download_actions(self, record: CheckpointRecord, dest: Path) -> list[Action]:
         files = sorted(record.files)
         total = sum(f.size for f in record.files.values())
-        argv = self.argv("--use-json-log", "--stats", "1s", "--stats-log-level", "NOTICE", "copy", "--files-from0",
+        argv = self.argv(*STATS.split(), "copy", "--files-from0",
                          "-", self._path(), f"{dest}/")
         return [Action("checkpoint", f"{record.name} ({human(total)}) from {self.label} to this machine",
                        where=LOCAL, argv=argv, stdin=paths_stdin(files), deadline=rsync.deadline_for(total),
                        retry=True, outcomes=OUTCOMES, fails_as="checkpoint", progress="rclone", size=total,
                        explain="remote.explain", hint="nothing is lost; rerun `relaunch up`")]
 
+
+
+class _Upload:
+    """A checkpoint going up from the relay's cache, a few files at a time (`copy --immutable`)."""
+
+    def __init__(self, store: RcloneStore, staged: Path, cp: Checkpoint) -> None:
+        self.store, self.staged, self.cp = store, staged, cp
+
+    def send(self, paths: list[str], size: int, ui: UI, cancelled: Callable[[], bool]) -> None:
+        store = self.store
+        argv = store.argv(*STATS.split(), "copy", "--immutable",
+                          "--files-from0", "-", f"{self.staged}/", store._path())
+        what = f"{len(paths)} file(s) of {self.cp.name} ({human(size)}) from this machine to {store.label}"
+
+        def attempt() -> None:
+            with ui.transfer(what, size, "rclone") as bar:
+                done = processes.run(argv, stdin=paths_stdin(paths), deadline=rsync.deadline_for(size),
+                                     on_stderr=bar.feed_err if bar else None, cancelled=cancelled)
+            done.stderr = redact(done.err).encode()
+            if done.status != 0:
+                error = store.fail(done, f"uploading {what}", EvacuationError)
+                raise _Again(error) if OUTCOMES.get(done.status or -1) == "transient" else error
+
+        try:
+            retrying(attempt, transient=lambda e: isinstance(e, _Again), attempts=3, first=2.0,
+                     on_retry=lambda e, s: ui.warn(f"{e}; retrying in {s:.0f}s"))
+        except _Again as exc:
+            raise exc.error from None
+
+    def finish(self, ui: UI, cancelled: Callable[[], bool]) -> None:
+        """Nothing to do: each file is in place once its copy ended."""
+
+
+class _Again(Exception):
+    def __init__(self, error: RelaunchError) -> None:
+        super().__init__(str(error))
+        self.error = error

@@ -1,24 +1,33 @@
 """`via: local` for rclone and hf remotes: bytes pass through this machine, and the instance never
 holds the remote's credentials.
 
-Evacuate: instance -> rsync -> a cache folder here (verified by sha256 against the instance) ->
-the remote (verified by the remote's own hashes against these bytes) -> the manifest.
+Evacuate: instance -> rsync -> a cache folder here (each file verified by sha256 against the
+instance's as it lands) -> the remote, file by file while the next ones still arrive (verified by
+the remote's own hashes against these bytes) -> the manifest. A checkpoint of one file is pulled,
+then uploaded: a remote's own hash of an object (the md5 of an S3 upload in parts) is only
+known for a whole file, and relaunch does not give up checking it.
 Restore: the remote -> the cache -> rsync -> the instance (verified there by the caller).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..host.hashing import FileHash
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
 from ..store import CheckpointRecord, LocalStore, StoreManifest
-from .base import Store
+from ..ui import UI, human
+from .base import Hashes, Mismatch, Store, expected_record, hash_ref_names
 from .hf import HfStore
 from .local import StagingCalls, pull_actions, push_actions
 from .rclone import RcloneStore
+
+
+UPLOAD_LANE = "upload"
 
 
 class Relay(Store):
@@ -67,25 +76,63 @@ class Relay(Store):
 
     def plan_receive_parts(self, parts: list[tuple[Job, Checkpoint]], cp: Checkpoint,
                            again: bool = False) -> list[Action]:
-        return pull_actions(parts, self.cache, cp, again, f"the cache {self.cache.root} on this machine")
+        pull = pull_actions(parts, self.cache, cp, again, f"the cache {self.cache.root} on this machine",
+                            follow=False)
+        hosts = [job.host for job, _ in parts]
+        names = hash_ref_names(cp, hosts)
+        hashes: Ref | list[Ref] = Ref(names[0]) if len(names) == 1 else [Ref(n) for n in names]
+        total = sum(e.size for e in cp.files)
+        upload = Action("evacuate", f"each file of {cp.name} from this machine to {self.label} once it verified here",
+                        where=LOCAL, call="store.upload_landed", args={"cp": cp, "hashes": hashes, "host": hosts[0]},
+                        lane=UPLOAD_LANE, needs=(f"staging:{cp.name}", *names), produces=f"landed:{cp.name}",
+                        fails_as="evacuate", say=f"uploading {cp.name} ({len(cp.files)} file(s), {human(total)}) "
+                                                 f"to {self.label} as its files arrive here")
+        return [*pull, upload]
 
     def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref | list[Ref],
                     about: dict[str, Any] | None = None) -> list[Action]:
-        staged = self.cache.staging_path(cp.name)
-        record = Ref(f"record:{cp.name}")
-        return [
-            Action("evacuate", f"verify {cp.name} here against the instance's sha256", where=LOCAL,
-                   call="staging.verify", args={"cp": cp, "hashes": hashes, "host": job.host,
-                                                **({"about": about} if about else {})},
-                   produces=record.name, fails_as="evacuate"),
-            *self.remote.upload_actions(staged, cp, job.host),
-            Action("evacuate", f"verify {cp.name} on {self.label}, record it, clear the cache", where=LOCAL,
-                   call="store.finish", args={"record": record, "staged": staged}, fails_as="evacuate",
-                   produces=f"verified:{cp.name}"),
-        ]
+        return [Action("evacuate", f"verify {cp.name} on {self.label}, record it, clear the cache", where=LOCAL,
+                       call="store.finish", fails_as="evacuate", produces=f"verified:{cp.name}",
+                       args={"cp": cp, "hashes": hashes, "landed": Ref(f"landed:{cp.name}"), "host": job.host,
+                             **({"about": about} if about else {})})]
 
-    def finish(self, record: CheckpointRecord, staged: Path) -> str:
-        compared = self.remote.check_uploaded(record, staged)
+    def upload_landed(self, cp: Checkpoint, hashes: Hashes, host: str, ui: UI,
+                      cancelled: Callable[[], bool]) -> dict[str, FileHash]:
+        """Upload each staged file as soon as it is in place and its sha256 equals the instance's;
+        what landed here, by path (with the hashes the remote's check needs)."""
+        expected = expected_record(cp, hashes, host)     # Vanished / Damaged before any upload
+        staged = self.cache.staging_path(cp.name)
+        landed: dict[str, FileHash] = {}
+        ready: list[str] = []
+        upload = self.remote.begin_upload(staged, cp, host)
+
+        def send() -> None:
+            size = sum(landed[p].size for p in ready)
+            upload.send(sorted(ready), size, ui, cancelled)
+            ready.clear()
+
+        # while one batch uploads, the next files arrive: they make the next batch
+        for batch in self.staging.follow(cp, self.remote.landed_hashes, cancelled):
+            for got in batch:
+                want = expected.files.get(got.path)
+                if want is None or got.missing or got.size != want.size or got.hashes.get("sha256") != want.sha256:
+                    problem = (f"{got.path}: missing" if got.missing or want is None else
+                               f"{got.path}: sha256 {got.hashes.get('sha256')} size {got.size}, expected "
+                               f"{want.sha256} size {want.size}")
+                    raise Mismatch(f"{cp.name} did not verify: {problem}", [problem])
+                landed[got.path] = got
+                ready.append(got.path)
+            send()
+        missing = sorted(set(expected.files) - set(landed))
+        if missing:
+            raise Mismatch(f"{cp.name} did not verify: {missing[0]}: missing here", [f"{missing[0]}: missing"])
+        upload.finish(ui, cancelled)
+        return landed
+
+    def finish(self, cp: Checkpoint, hashes: Hashes, landed: dict[str, FileHash], host: str,
+               about: dict[str, Any] | None = None) -> str:
+        record = expected_record(cp, hashes, host, about)
+        compared = self.remote.check_uploaded(record, self.cache.staging_path(cp.name), landed)
         self.record(record)
         self.cache.drop_staging(record.name)
         return f"sha256 of the instance's bytes = sha256 of the copy here; then {compared}"

@@ -1,0 +1,124 @@
+"""Hashing files while rsync writes them (templates/hashes.py --follow), against the real rsync.
+
+The receiver's sha256 is what `up` and `evacuate` compare with the other end's; computing it as
+the bytes land saves a full read after the copy, and must never vouch for bytes that are not
+what ended up in place: a copy started again, a file replaced, a temp left by a killed copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from relaunch.host.hashing import local_hash_argv, parse_hashes, paths_stdin
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class Follower:
+    """hashes.py --follow on `dest`, its output lines with the time each arrived."""
+
+    def __init__(self, dest: Path, marker: Path, files: list[str]) -> None:
+        self.proc = subprocess.Popen(local_hash_argv(dest, ("sha256",), follow=marker), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(paths_stdin(files))
+        self.proc.stdin.close()
+        self.lines: list[tuple[float, dict]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), json.loads(line)))
+
+    def result(self) -> dict[str, dict]:
+        assert self.proc.wait(timeout=60) == 0, self.proc.stderr.read() if self.proc.stderr else ""
+        self.reader.join(timeout=10)
+        return {doc["path"]: doc for _, doc in self.lines}
+
+
+def rsync(src: Path, dest: Path, *extra: str) -> None:
+    subprocess.run(["rsync", "-a", "--partial-dir=.rsync-partial", *extra, f"{src}/", f"{dest}/"], check=True)
+
+
+def test_each_file_is_hashed_as_it_lands_and_reported_before_the_copy_ends(tmp_path):
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    (src / "sub").mkdir(parents=True)
+    dest.mkdir()
+    names = ["a.bin", "sub/b.bin", "sub/c.bin"]
+    for name in names:
+        (src / name).write_bytes(os.urandom(3_000_000))
+    marker = tmp_path / "copied"
+    follower = Follower(dest, marker, names)
+    rsync(src, dest, "--bwlimit=6000")          # ~0.5 s a file: the copy takes a while
+    copy_ended = time.monotonic()
+    marker.touch()
+    got = follower.result()
+    assert {p: d["sha256"] for p, d in got.items()} == {n: sha(src / n) for n in names}
+    assert all(d.get("followed") for d in got.values())          # read as they landed, not again
+    first = min(t for t, _ in follower.lines)
+    assert first < copy_ended                                    # a file's line came while the copy went on
+
+
+def test_what_is_in_place_at_the_end_is_what_counts(tmp_path):
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.mkdir()
+    dest.mkdir()
+    (src / "a.bin").write_bytes(os.urandom(2_000_000))
+    (src / "small.txt").write_text("tiny")
+    # a different file already there (rsync replaces it) and a temp a killed copy left, older
+    (dest / "a.bin").write_bytes(os.urandom(1_000_000))
+    stale = dest / ".a.bin.Ab12Cd"
+    stale.write_bytes(b"junk" * 1000)
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    marker = tmp_path / "copied"
+    follower = Follower(dest, marker, ["a.bin", "small.txt", "gone.bin"])
+    rsync(src, dest, "--bwlimit=4000")
+    marker.touch()
+    got = follower.result()
+    assert got["a.bin"]["sha256"] == sha(src / "a.bin") and got["a.bin"]["size"] == 2_000_000
+    assert got["small.txt"]["sha256"] == sha(src / "small.txt")
+    assert got["gone.bin"] == {"path": "gone.bin", "missing": True}
+
+
+def test_a_copy_started_again_or_a_file_replaced_is_read_again(tmp_path):
+    """A temp that is followed but never becomes the file (rsync's second try after a failed
+    check writes a new temp): the file in place is hashed from its own bytes."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    marker = tmp_path / "copied"
+    follower = Follower(dest, marker, ["w.pt"])
+    first = dest / ".w.pt.Zz9Yy8"
+    first.write_bytes(b"A" * 500_000)             # followed: it looks like rsync's temp
+    time.sleep(0.6)
+    final = os.urandom(700_000)
+    second = dest / ".w.pt.Qq1Ww2"
+    second.write_bytes(final)
+    os.replace(second, dest / "w.pt")             # the second try is what lands
+    first.unlink()
+    marker.touch()
+    got = follower.result()["w.pt"]
+    assert got["sha256"] == hashlib.sha256(final).hexdigest() and got["size"] == len(final)
+
+
+def test_a_save_that_did_not_finish_is_reported_as_it_lands(tmp_path):
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.mkdir()
+    dest.mkdir()
+    # a torch.save zip cut before its central directory
+    (src / "ckpt.pt").write_bytes(b"PK\x03\x04" + os.urandom(400_000))
+    marker = tmp_path / "copied"
+    follower = Follower(dest, marker, ["ckpt.pt"])
+    rsync(src, dest, "--bwlimit=2000")
+    marker.touch()
+    got = parse_hashes(b"".join(json.dumps(d).encode() + b"\n" for d in follower.result().values()))
+    assert got["ckpt.pt"].problem.startswith("truncated zip")
