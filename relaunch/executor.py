@@ -63,6 +63,7 @@ class Executor:
         self.results: dict[str, Any] = {}
         self._stop = threading.Event()           # a sibling lane failed
         self._produced = threading.Condition()   # a result arrived (for actions that need one)
+        self._running = self._waiting = 0        # lanes running now, and how many of them wait
 
     # -- plans ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> dict[str, Any]:
@@ -87,12 +88,20 @@ class Executor:
 
     def _wait_for(self, names: tuple[str, ...]) -> None:
         """Until earlier actions in other lanes produced these results (the lane's deadline is
-        theirs); a failed sibling or Ctrl-C ends the wait."""
+        theirs); a failed sibling or Ctrl-C ends the wait, and so does a wait no lane still
+        running can end (a plan that names a result nothing produces)."""
         with self._produced:
-            while not all(name in self.results for name in names):
-                if self._cancelled():
-                    raise Interrupted("interrupted")
-                self._produced.wait(0.2)
+            self._waiting += 1
+            try:
+                while not all(name in self.results for name in names):
+                    if self._cancelled():
+                        raise Interrupted("interrupted")
+                    if self._waiting >= self._running:
+                        missing = [n for n in names if n not in self.results]
+                        raise RelaunchError(f"internal: waiting for {', '.join(missing)}, which no step produces")
+                    self._produced.wait(0.2)
+            finally:
+                self._waiting -= 1
 
     def _label(self, action: Action) -> str:
         return action.host or self.host
@@ -102,8 +111,10 @@ class Executor:
 
     def _run_parallel(self, lanes: list[list[Action]]) -> None:
         self._stop.clear()
+        with self._produced:
+            self._running += len(lanes)
         with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix="lane") as pool:
-            futures = [pool.submit(self._run_lane, lane) for lane in lanes]
+            futures = [pool.submit(self._run_lane, lane, True) for lane in lanes]
             try:
                 done, _ = wait(futures, return_when=FIRST_EXCEPTION)
                 if any(f.exception() for f in done):
@@ -126,7 +137,24 @@ class Executor:
     def _cancelled(self) -> bool:
         return processes.CANCEL.is_set() or self._stop.is_set()
 
-    def _run_lane(self, actions: list[Action]) -> None:
+    def _run_lane(self, actions: list[Action], parallel: bool = False) -> None:
+        """One lane's actions in order; counted among the running lanes until it ends (a parallel
+        group counts all its lanes from before the first starts)."""
+        if not parallel:
+            with self._produced:
+                self._running += 1
+        try:
+            self._run_actions(actions)
+        except BaseException:
+            if parallel:
+                self._stop.set()     # before this lane counts as gone: a lane waiting on it stops, not errs
+            raise
+        finally:
+            with self._produced:
+                self._running -= 1
+                self._produced.notify_all()
+
+    def _run_actions(self, actions: list[Action]) -> None:
         failure: BaseException | None = None
         for action in actions:
             if failure is None:

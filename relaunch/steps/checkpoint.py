@@ -18,6 +18,7 @@ from ..layouts import Checkpoint, complete_checkpoints
 from ..plan import Action
 from ..store import CheckpointRecord
 from ..transports import Store
+from ..transports.base import incoming_ready
 from ..ui import human
 
 LANE, VERIFY_LANE = "checkpoint", "checkpoint-verify"
@@ -146,10 +147,14 @@ def plan_restore(job: Job, store: Store, choice: Choice, follow: bool = True) ->
     q = shlex.quote
     incoming = paths.incoming
     copied = f"{incoming}/{COPIED}"
-    move = (f"cd {q(incoming)} && rm -f -- {COPIED} && mkdir -p -- {q(paths.ckpt_dir)} && "
-            f"mv -T -- {q(record.name)} {q(dest)} && cd / && rmdir -- {q(incoming)}")
-    copy = [dataclasses.replace(a, lane=LANE) for a in store.plan_send(job, record, incoming)]
+    ready = incoming_ready(record.name)
+    prepare = Action("checkpoint", f"{incoming} ready for the copy", lane=LANE, produces=ready,
+                     command=f"mkdir -p -- {q(incoming)} && rm -f -- {q(copied)}", fails_as="checkpoint")
+    # the copy's first stream in this lane; more streams (a folder of large files) in lanes of their own
+    copy = [a if a.lane else dataclasses.replace(a, lane=LANE) for a in store.plan_send(job, record, incoming)]
     copy[0] = dataclasses.replace(copy[0], say=f"{choice.reason}; copying {human(total)} from {store.label}")
+    over = Action("checkpoint", f"the copy of {record.name} is over", lane=LANE, command=f"touch -- {q(copied)}",
+                  fails_as="checkpoint", needs=tuple(a.produces for a in copy if a.lane != LANE and a.produces))
     verify = Action("checkpoint", f"verify {record.name} on the instance against the store manifest (sha256)"
                     + (", hashing each file as it lands" if follow else ""), lane=LANE,
                     command=hash_command(incoming, python, follow=copied if follow else ""),
@@ -157,18 +162,14 @@ def plan_restore(job: Job, store: Store, choice: Choice, follow: bool = True) ->
                     progress="hashes", size=total,
                     deadline=hash_deadline(total) + (sum(a.deadline for a in copy) * 3 if follow else 0),
                     hint="nothing was put in place; rerun `relaunch up`")
-    move_action = Action("checkpoint", f"move {record.name} into place at {dest}", lane=LANE, command=move,
-                         fails_as="checkpoint",
-                         done=f"restored {record.name} (step {record.step}), {len(files)} file(s) verified")
+    move = Action("checkpoint", f"move {record.name} into place at {dest}", lane=LANE, fails_as="checkpoint",
+                  command=f"cd {q(incoming)} && rm -f -- {COPIED} && mkdir -p -- {q(paths.ckpt_dir)} && "
+                          f"mv -T -- {q(record.name)} {q(dest)} && cd / && rmdir -- {q(incoming)}",
+                  done=f"restored {record.name} (step {record.step}), {len(files)} file(s) verified")
     if not follow:
-        return job, [*copy, verify, move_action]
-    ready = f"incoming:{record.name}"
-    prepare = Action("checkpoint", f"{incoming} ready for the copy", lane=LANE, produces=ready,
-                     command=f"mkdir -p -- {q(incoming)} && rm -f -- {q(copied)}", fails_as="checkpoint")
-    over = Action("checkpoint", f"the copy of {record.name} is over", lane=LANE, command=f"touch -- {q(copied)}",
-                  fails_as="checkpoint")
+        return job, [prepare, *copy, over, verify, move]
     verified = f"verified:{record.name}"
     return job, [prepare, *copy, over,
                  dataclasses.replace(verify, lane=VERIFY_LANE, needs=(ready,), produces=verified),
-                 dataclasses.replace(move_action, needs=(verified,))]
+                 dataclasses.replace(move, needs=(verified,))]
 

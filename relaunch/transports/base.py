@@ -56,6 +56,11 @@ class Mismatch(EvacuationError):
 Hashes = dict[str, FileHash] | list[dict[str, FileHash]]
 
 
+def incoming_ready(name: str) -> str:
+    """The result `up` produces once the instance's incoming folder is ready for a copy of `name`."""
+    return f"incoming:{name}"
+
+
 def hash_ref_names(cp: Checkpoint, hosts: list[str]) -> list[str]:
     """What the instance's hash actions for cp produce: one name, or one per node of a group."""
     return [f"hashes:{cp.name}"] if len(hosts) <= 1 else [f"hashes:{cp.name}@{host}" for host in hosts]

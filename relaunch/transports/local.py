@@ -24,7 +24,7 @@ from ..plan import LOCAL, Action, Ref
 from ..store import CheckpointRecord, LocalStore, StoreManifest
 from ..ui import human
 from . import rsync
-from .base import Hashes, Mismatch, Store, expected_record
+from .base import Hashes, Mismatch, Store, expected_record, incoming_ready
 
 
 COPY_LANE, FOLLOW_LANE = "copy", "hash-here"
@@ -33,43 +33,76 @@ COPY_LANE, FOLLOW_LANE = "copy", "hash-here"
 def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkpoint, again: bool,
                  room: str, follow: bool = True) -> list[Action]:
     """rsync exactly cp's listed files into the staging folder of `fs` (never trusted there),
-    each part from the node that holds it, then mark the copy over (`fs.copied_marker`). With
+    each part from the node that holds it, a checkpoint of several large files in up to
+    checkpoint.streams rsyncs at once; then mark the copy over (`fs.copied_marker`). With
     `follow`, beside the copy: sha256 of each file as it lands (result `received:<name>`, for
     `staging.verify`); without, the caller follows the copy itself."""
     files = [e.path for e in cp.files]
-    total = sum(e.size for e in cp.files)
     staging = fs.staging_path(cp.name)
+    ready = f"staging:{cp.name}"
     actions = [Action("evacuate", f"prepare the staging folder of {cp.name}", where=LOCAL, call="staging.prepare",
-                      args={"name": cp.name, "files": files}, fails_as="evacuate", produces=f"staging:{cp.name}")]
+                      args={"name": cp.name, "files": files}, fails_as="evacuate", produces=ready, lane=COPY_LANE)]
+    streams: list[Action] = []
     for job, part in parts:
-        names = [e.path for e in part.files]
-        total = sum(e.size for e in part.files)
         source = "the instance" if len(parts) == 1 else job.host
         argv = rsync.pull_argv(job.target, known_hosts_file(), job.paths.ckpt_dir, staging,
                                ("--checksum",) if again else ())
-        actions.append(Action(
-            "evacuate", f"{cp.name} (step {cp.step}, {len(names)} file(s), {human(total)}) from {source}",
-            where=LOCAL, argv=argv, stdin=paths_stdin(names), deadline=rsync.deadline_for(total), retry=True,
-            outcomes=rsync.OUTCOMES, fails_as="evacuate", progress="rsync", size=total, room=f"in {room}",
-            say=f"copying {cp.name} (step {cp.step}, {len(names)} file(s), {human(total)}) to {room}"
-                + (f" from {job.host}" if len(parts) > 1 else "") + (", comparing every byte" if again else "")))
+        sizes = {e.path: e.size for e in part.files}
+        groups = rsync.split(list(sizes.items()), job.recipe.checkpoint.streams if len(parts) == 1 else 1)
+        for i, names in enumerate(groups):
+            size = sum(sizes[n] for n in names)
+            said = (f"copying {cp.name} (step {cp.step}, {len(sizes)} file(s), {human(sum(sizes.values()))}) to "
+                    f"{room}" + (f" from {job.host}" if len(parts) > 1 else "")
+                    + (f" in {len(groups)} streams" if len(groups) > 1 else "")
+                    + (", comparing every byte" if again else ""))
+            stream = f" (stream {i + 1} of {len(groups)})" if len(groups) > 1 else ""
+            action = Action(
+                "evacuate", f"{cp.name} (step {cp.step}, {len(names)} file(s), {human(size)}) from {source}{stream}",
+                where=LOCAL, argv=argv, stdin=paths_stdin(names), deadline=rsync.deadline_for(size), retry=True,
+                outcomes=rsync.OUTCOMES, fails_as="evacuate", progress="rsync", size=size, room=f"in {room}",
+                say=said if i == 0 else "", lane=COPY_LANE)
+            if i:
+                action = dataclasses.replace(action, lane=f"{COPY_LANE}-{i + 1}", needs=(ready,),
+                                             produces=f"pulled:{cp.name}:{i + 1}")
+                streams.append(action)
+            else:
+                actions.append(action)
     actions.append(Action("evacuate", f"the copy of {cp.name} is over", where=LOCAL, call="staging.copied",
-                          args={"name": cp.name}, fails_as="evacuate"))
+                          args={"name": cp.name}, fails_as="evacuate", lane=COPY_LANE,
+                          needs=tuple(a.produces for a in streams)))
+    total = sum(e.size for e in cp.files)
     follow_action = Action("evacuate", f"sha256 of {cp.name} here as it lands", where=LOCAL,
-                    argv=local_hash_argv(staging, follow=fs.copied_marker(cp.name)), stdin=paths_stdin(files),
-                    deadline=rsync.deadline_for(total) * 3 + hash_deadline(total), lane=FOLLOW_LANE,
-                    needs=(f"staging:{cp.name}",), produces=f"received:{cp.name}", parse="hashes",
-                    fails_as="evacuate")
-    return [dataclasses.replace(a, lane=COPY_LANE) for a in actions] + ([follow_action] if follow else [])
+                           argv=local_hash_argv(staging, follow=fs.copied_marker(cp.name)), stdin=paths_stdin(files),
+                           deadline=rsync.deadline_for(total) * 3 + hash_deadline(total), lane=FOLLOW_LANE,
+                           needs=(ready,), produces=f"received:{cp.name}", parse="hashes", fails_as="evacuate")
+    return [*actions, *streams, *([follow_action] if follow else [])]
 
 
-def push_actions(job: Job, source: Path, name: str, incoming: str, total: int, is_dir: bool) -> list[Action]:
-    """rsync a checkpoint (file or folder) from this machine to `incoming/<name>` on the instance."""
-    argv = rsync.push_argv(job.target, known_hosts_file(), source, f"{incoming}/{name}", is_dir)
-    return [Action("checkpoint", f"{name} ({human(total)}) to the instance", where=LOCAL, argv=argv,
-                   deadline=rsync.deadline_for(total), retry=True, outcomes=rsync.PUSH_OUTCOMES,
-                   fails_as="checkpoint", progress="rsync", size=total, room="on the instance",
-                   hint="nothing is lost; rerun `relaunch up`")]
+def push_actions(job: Job, source: Path, name: str, incoming: str, files: dict[str, int], is_dir: bool,
+                 after: tuple[str, ...] = ()) -> list[Action]:
+    """rsync a checkpoint (file or folder; `files`: its paths in the store and sizes) from this
+    machine to `incoming/<name>` on the instance; a folder of several large files in up to
+    checkpoint.streams rsyncs at once: the first in the caller's lane, each other in its own,
+    waiting for the incoming folder and the results `after`, producing `pushed:<name>:<n>`."""
+    total = sum(files.values())
+    groups = rsync.split(list(files.items()), job.recipe.checkpoint.streams) if is_dir else [list(files)]
+    argv = rsync.push_argv(job.target, known_hosts_file(), source, f"{incoming}/{name}", is_dir,
+                           some=len(groups) > 1)
+    actions = []
+    for i, paths in enumerate(groups):
+        size = sum(files[p] for p in paths)
+        stream = f": {len(paths)} file(s), {human(size)} (stream {i + 1} of {len(groups)})" if len(groups) > 1 else ""
+        action = Action("checkpoint", f"{name} ({human(total)}) to the instance{stream}", where=LOCAL, argv=argv,
+                        deadline=rsync.deadline_for(size), retry=True, outcomes=rsync.PUSH_OUTCOMES,
+                        fails_as="checkpoint", progress="rsync", size=size, room="on the instance",
+                        hint="nothing is lost; rerun `relaunch up`")
+        if len(groups) > 1:        # store paths are NAME/...: the list is relative to the folder
+            action = dataclasses.replace(action, stdin=paths_stdin([p.split("/", 1)[1] for p in paths]))
+        if i:
+            action = dataclasses.replace(action, lane=f"push-{i + 1}", produces=f"pushed:{name}:{i + 1}",
+                                         needs=(incoming_ready(name), *after))
+        actions.append(action)
+    return actions
 
 
 class StagingCalls:
@@ -190,9 +223,9 @@ class LocalPathStore(Store):
         return self.fs.prune(manifest, keep, protect)
 
     def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
-        total = sum(f.size for f in record.files.values())
         source = self.root / record.name
-        return push_actions(job, source, record.name, incoming, total, is_dir=record.is_dir)
+        return push_actions(job, source, record.name, incoming, {p: f.size for p, f in record.files.items()},
+                            is_dir=record.is_dir)
 
     def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
         return pull_actions([(job, cp)], self.fs, cp, again, f"the store {self.label}")

@@ -11,6 +11,7 @@ Restore: the remote -> the cache -> rsync -> the instance (verified there by the
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -141,10 +142,13 @@ class Relay(Store):
     def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
         name = f"restore-{record.name}"
         here = self.cache.staging_path(name)
-        total = sum(f.size for f in record.files.values())
         drop = Action("checkpoint", f"clear {here}", where=LOCAL, call="staging.drop", args={"name": name},
                       fails_as="checkpoint")
-        return [drop, *self.remote.download_actions(record, here),
-                *push_actions(job, here / record.name, record.name, incoming, total, record.is_dir),
+        fetched = f"fetched:{record.name}"
+        download = self.remote.download_actions(record, here)
+        download[-1] = dataclasses.replace(download[-1], produces=fetched)
+        return [drop, *download,
+                *push_actions(job, here / record.name, record.name, incoming,
+                              {p: f.size for p, f in record.files.items()}, record.is_dir, after=(fetched,)),
                 Action("checkpoint", f"clear {here}", where=LOCAL, call="staging.drop", args={"name": name},
                        always=True, fails_as="checkpoint")]

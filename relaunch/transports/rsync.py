@@ -44,11 +44,14 @@ def base_argv(target: Target, known_hosts: Path) -> list[str]:
             f"--partial-dir={RSYNC_PARTIAL}", "-e", rsync_rsh(target, known_hosts)]
 
 
-def push_argv(target: Target, known_hosts: Path, local: Path, dest: str, is_dir: bool) -> tuple[str, ...]:
-    """Copy a file or folder from this machine to `dest` on the instance (its full new name)."""
+def push_argv(target: Target, known_hosts: Path, local: Path, dest: str, is_dir: bool,
+              some: bool = False) -> tuple[str, ...]:
+    """Copy a file or folder from this machine to `dest` on the instance (its full new name);
+    `some`: only the folder's NUL-separated paths on stdin."""
     src = f"{local}/" if is_dir else str(local)
     to = f"{dest}/" if is_dir else dest
-    return (*base_argv(target, known_hosts), "--mkpath", src, remote_path(target, to))
+    only = ("--from0", "--files-from=-") if some else ()
+    return (*base_argv(target, known_hosts), *only, "--mkpath", src, remote_path(target, to))
 
 
 def pull_argv(target: Target, known_hosts: Path, remote_root: str, local_root: Path,
@@ -56,3 +59,17 @@ def pull_argv(target: Target, known_hosts: Path, remote_root: str, local_root: P
     """Copy exactly the NUL-separated paths on stdin (relative to remote_root) into local_root."""
     return (*base_argv(target, known_hosts), *extra, "--mkpath", "--from0", "--files-from=-",
             remote_path(target, remote_root.rstrip("/") + "/"), f"{local_root}/")
+
+
+SPLIT_MIN = 64 << 20     # below this many bytes, one more SSH connection costs more than it saves
+
+
+def split(files: list[tuple[str, int]], streams: int) -> list[list[str]]:
+    """Files (path, size) in at most `streams` groups of about equal bytes, largest first."""
+    total = sum(size for _, size in files)
+    count = max(1, min(streams, len(files), max(1, total // SPLIT_MIN)))
+    groups: list[tuple[int, list[str]]] = [(0, []) for _ in range(count)]
+    for path, size in sorted(files, key=lambda f: (-f[1], f[0])):
+        i = min(range(count), key=lambda k: groups[k][0])
+        groups[i] = (groups[i][0] + size, [*groups[i][1], path])
+    return [sorted(paths) for _, paths in groups if paths]

@@ -1,0 +1,64 @@
+"""The executor's lanes, in-process: what runs at the same time, what waits for what, and that
+every wait ends (a result that never comes, a lane that failed) with the error that matters."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from relaunch.errors import CheckpointError, RelaunchError
+from relaunch.executor import Executor
+from relaunch.plan import LOCAL, Action
+from relaunch.ui import UI
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.both = threading.Barrier(2, timeout=10)
+
+    def mark(self, name: str) -> str:
+        self.log.append(name)
+        return name
+
+    def meet(self, name: str) -> str:
+        self.both.wait()        # returns only when the other lane is here too
+        return self.mark(name)
+
+    def fail(self) -> None:
+        time.sleep(0.2)
+        raise CheckpointError("the copy did not verify")
+
+
+def call(title: str, method: str, lane: str, **kw: object) -> Action:
+    args = kw.pop("args", {"name": title})
+    return Action("checkpoint", title, where=LOCAL, call=f"calls.{method}", args=args, lane=lane,  # type: ignore[arg-type]
+                  fails_as="checkpoint", **kw)  # type: ignore[arg-type]
+
+
+def run(actions: list[Action]) -> tuple[Calls, dict]:
+    calls = Calls()
+    results = Executor(UI(quiet=True), "test", handlers={"calls": calls}).run(actions)
+    return calls, results
+
+
+def test_lanes_run_at_the_same_time_and_a_result_is_waited_for():
+    calls, results = run([
+        call("copy", "meet", "copy", produces="copied"),
+        call("hash", "meet", "hash"),
+        call("move", "mark", "hash", needs=("copied",)),
+    ])
+    assert results["copied"] == "copy" and calls.log.index("move") > calls.log.index("copy")
+
+
+def test_a_result_no_step_produces_is_an_error_not_a_hang():
+    with pytest.raises(RelaunchError, match="waiting for never, which no step produces"):
+        run([call("copy", "mark", "copy"), call("move", "mark", "hash", needs=("never",))])
+
+
+def test_a_lane_waiting_on_a_failed_lane_gives_way_to_its_error():
+    with pytest.raises(CheckpointError, match="the copy did not verify"):
+        run([call("move", "mark", "copy", needs=("verified",)),        # listed first: its error would win
+             call("verify", "fail", "verify", args={}, produces="verified")])
