@@ -24,6 +24,7 @@ from ..resources import templates_dir
 from ..scripts import plain
 
 ALGOS = ("sha256", "md5", "gitblob")
+NICE = "nice -n 10 "      # a hash beside a copy has time: the copy's processes come first
 HASH_DEADLINE_PER_GIB = 30.0     # seconds per GiB read on the instance (a slow disk reads 40 MB/s)
 
 
@@ -36,11 +37,13 @@ class FileHash:
     missing: bool = False        # gone (rotated away) when it was read
 
 
-def hash_command(root: str, python: str, algos: tuple[str, ...] = ("sha256",), follow: str = "") -> str:
+def hash_command(root: str, python: str, algos: tuple[str, ...] = ("sha256",), follow: str = "",
+                 beside: bool = False) -> str:
     """Hash the NUL-separated paths on stdin, relative to `root`, with `python` on the instance;
     no algos: only check that each save finished (reads a file's first and last bytes).
-    `follow`: hash them while a copy writes them, until the file `follow` exists (hashes.py)."""
-    return (f"cd {shlex.quote(root)} && {shlex.quote(python or 'python3')} -c "
+    `follow`: hash them while a copy writes them, until the file `follow` exists (hashes.py).
+    `beside`: it runs beside a copy, which it must not slow down: at a lower CPU priority."""
+    return (f"cd {shlex.quote(root)} && {NICE if beside or follow else ''}{shlex.quote(python or 'python3')} -c "
             f"{shlex.quote(plain('hashes.py'))} {shlex.join(hash_args(algos, follow))}").rstrip()
 
 
@@ -57,7 +60,8 @@ def local_hash_argv(root: Path, algos: tuple[str, ...] = ("sha256",), follow: Pa
     args = hash_args(algos, str(follow) if follow else "")
     if follow:
         args.insert(2, "--sync")
-    return (sys.executable, str(templates_dir() / "hashes.py"), "--in", str(root), *args)
+    return (*(NICE.split() if follow else ()), sys.executable, str(templates_dir() / "hashes.py"), "--in", str(root),
+            *args)
 
 
 def paths_stdin(paths: list[str]) -> bytes:

@@ -178,9 +178,11 @@ class Checkpoint(_Section):
                                              "instance; instance: the instance talks to the remote itself.",
                                              "local", "local", shown_default="local (instance for hf:)")
     every: float = _key("Seconds between copies in `relaunch sync`.", 600, 600, gt=0)
-    streams: int = _key("rsync streams at once (each its own SSH connection) for a checkpoint of several files, "
-                        "so that a link one stream cannot fill is filled; a single file is always one stream.",
-                        8, 4, ge=1, le=32)
+    streams: int = _key("rsync streams at once (each its own SSH connection) for a checkpoint of several large "
+                        "files, so that a link one stream cannot fill (far away: SSH's window / the round trip) "
+                        "is filled; a single file is one stream. A via: local evacuation uses one unless this "
+                        "is set: each file then goes up while the next arrives.", 8, 4, ge=1, le=32,
+                        shown_default="4 (1 for a via: local evacuation)")
 
     @field_validator("remote", mode="before")
     @classmethod

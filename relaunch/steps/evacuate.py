@@ -47,11 +47,11 @@ class Report(Lag):
         return self.newest is None or self.newest in self.copied or self.newest in self.already
 
 
-def hash_action(job: Job, store: Store, cp: Checkpoint) -> Action:
+def hash_action(job: Job, store: Store, cp: Checkpoint, beside: bool = False) -> Action:
     files = [e.path for e in cp.files]
     total = sum(e.size for e in cp.files)
     return Action("evacuate", f"hash {cp.name} on the instance ({', '.join(store.instance_hashes)})",
-                  command=hash_command(job.paths.ckpt_dir, job.facts.host.python, store.instance_hashes),
+                  command=hash_command(job.paths.ckpt_dir, job.facts.host.python, store.instance_hashes, beside=beside),
                   stdin=paths_stdin(files), deadline=hash_deadline(total), produces=f"hashes:{cp.name}",
                   parse="hashes", fails_as="evacuate", progress="hashes", size=total)
 
@@ -64,12 +64,13 @@ def plan_copy(job: Job, store: Store, cp: Checkpoint, again: bool = False,
     files; each hashes its own."""
     if not parts or len(parts) == 1:
         receive = store.plan_receive(job, cp, again)
-        hashing = [dataclasses.replace(hash_action(job, store, cp), lane=HASH_LANE)]
+        hashing = [dataclasses.replace(hash_action(job, store, cp, beside=True), lane=HASH_LANE)]
         refs: Ref | list[Ref] = Ref(hash_ref_names(cp, [job.host])[0])
     else:
         receive = store.plan_receive_parts(parts, cp, again)
         refs = [Ref(name) for name in hash_ref_names(cp, [part_job.host for part_job, _ in parts])]
-        hashing = [dataclasses.replace(hash_action(part_job, store, part), host=part_job.host, produces=ref.name,
+        hashing = [dataclasses.replace(hash_action(part_job, store, part, beside=True), host=part_job.host,
+                                       produces=ref.name,
                                        lane=f"{HASH_LANE}@{part_job.host}")
                    for (part_job, part), ref in zip(parts, refs, strict=True)]
     receive = [a if a.lane else dataclasses.replace(a, lane=COPY_LANE) for a in receive]

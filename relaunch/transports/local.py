@@ -31,24 +31,25 @@ COPY_LANE, FOLLOW_LANE = "copy", "hash-here"
 
 
 def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkpoint, again: bool,
-                 room: str, follow: bool = True) -> list[Action]:
+                 room: str, follow: bool = True, streams: int | None = None) -> list[Action]:
     """rsync exactly cp's listed files into the staging folder of `fs` (never trusted there),
     each part from the node that holds it, a checkpoint of several large files in up to
-    checkpoint.streams rsyncs at once; then mark the copy over (`fs.copied_marker`). With
-    `follow`, beside the copy: sha256 of each file as it lands (result `received:<name>`, for
-    `staging.verify`); without, the caller follows the copy itself."""
+    `streams` (default checkpoint.streams) rsyncs at once; then mark the copy over
+    (`fs.copied_marker`). With `follow`, beside the copy: sha256 of each file as it lands
+    (result `received:<name>`, for `staging.verify`); without, the caller follows the copy itself."""
     files = [e.path for e in cp.files]
     staging = fs.staging_path(cp.name)
     ready = f"staging:{cp.name}"
     actions = [Action("evacuate", f"prepare the staging folder of {cp.name}", where=LOCAL, call="staging.prepare",
                       args={"name": cp.name, "files": files}, fails_as="evacuate", produces=ready, lane=COPY_LANE)]
-    streams: list[Action] = []
+    others: list[Action] = []       # the streams after the first, each in a lane of its own
     for job, part in parts:
         source = "the instance" if len(parts) == 1 else job.host
         argv = rsync.pull_argv(job.target, known_hosts_file(), job.paths.ckpt_dir, staging,
                                ("--checksum",) if again else ())
         sizes = {e.path: e.size for e in part.files}
-        groups = rsync.split(list(sizes.items()), job.recipe.checkpoint.streams if len(parts) == 1 else 1)
+        wanted = streams or job.recipe.checkpoint.streams
+        groups = rsync.split(list(sizes.items()), wanted if len(parts) == 1 else 1)
         for i, names in enumerate(groups):
             size = sum(sizes[n] for n in names)
             said = (f"copying {cp.name} (step {cp.step}, {len(sizes)} file(s), {human(sum(sizes.values()))}) to "
@@ -64,18 +65,18 @@ def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkp
             if i:
                 action = dataclasses.replace(action, lane=f"{COPY_LANE}-{i + 1}", needs=(ready,),
                                              produces=f"pulled:{cp.name}:{i + 1}")
-                streams.append(action)
+                others.append(action)
             else:
                 actions.append(action)
     actions.append(Action("evacuate", f"the copy of {cp.name} is over", where=LOCAL, call="staging.copied",
                           args={"name": cp.name}, fails_as="evacuate", lane=COPY_LANE,
-                          needs=tuple(a.produces for a in streams)))
+                          needs=tuple(a.produces for a in others)))
     total = sum(e.size for e in cp.files)
     follow_action = Action("evacuate", f"sha256 of {cp.name} here as it lands", where=LOCAL,
                            argv=local_hash_argv(staging, follow=fs.copied_marker(cp.name)), stdin=paths_stdin(files),
                            deadline=rsync.deadline_for(total) * 3 + hash_deadline(total), lane=FOLLOW_LANE,
                            needs=(ready,), produces=f"received:{cp.name}", parse="hashes", fails_as="evacuate")
-    return [*actions, *streams, *([follow_action] if follow else [])]
+    return [*actions, *others, *([follow_action] if follow else [])]
 
 
 def push_actions(job: Job, source: Path, name: str, incoming: str, files: dict[str, int], is_dir: bool,

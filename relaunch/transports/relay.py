@@ -77,8 +77,11 @@ class Relay(Store):
 
     def plan_receive_parts(self, parts: list[tuple[Job, Checkpoint]], cp: Checkpoint,
                            again: bool = False) -> list[Action]:
+        # one stream unless the recipe asks for more: files then land one after the other and
+        # each goes up while the next arrives (streams land theirs together, at the end)
+        asked = "streams" in parts[0][0].recipe.checkpoint.model_fields_set
         pull = pull_actions(parts, self.cache, cp, again, f"the cache {self.cache.root} on this machine",
-                            follow=False)
+                            follow=False, streams=None if asked else 1)
         hosts = [job.host for job, _ in parts]
         names = hash_ref_names(cp, hosts)
         hashes: Ref | list[Ref] = Ref(names[0]) if len(names) == 1 else [Ref(n) for n in names]
