@@ -25,10 +25,13 @@ turns, so that both see the same machine:
   size    evacuate and up (restore only) for 0.25 to 8 GiB (--sizes)
   files   evacuate and up for 1 to 1000 files of the same total (--counts)
   rate    evacuate and up for several link rates (--rates)
+  streams evacuate and up of 1 GiB in 16 files with 1 to 8 rsync streams (--stream-counts,
+          checkpoint.streams) on a link with a round trip (--latency, delay.py), where one SSH
+          stream cannot fill the link; paired with one bare rsync
   plot    draw benchmarks/speed.png from benchmarks/speed.json (written by the others)
 
   sudo python benchmarks/speed.py table [--size 1G] [--rate 400mbit] [--runs 3] [-v]
-  sudo python benchmarks/speed.py size files rate plot
+  sudo python benchmarks/speed.py size files rate streams plot [--runs 1]
 
 The package index is served inside each instance (on a real box pip reads PyPI, not this
 machine's link), so an install does not share the shaped link with the copy; the Hub and the S3

@@ -52,7 +52,8 @@ class Action:
     say: str = ""                   # printed when it starts
     done: str = ""                  # printed when it succeeded
     skip: str = ""                  # why nothing needs doing: runs nothing
-    progress: str = ""              # "rsync" | "rclone": a transfer bar from the program's output
+    progress: str = ""              # "rsync" | "rclone" | "hashes": a bar fed by the program's output;
+                                    # "time": one that only shows it is still going
     size: int = 0                   # bytes it moves (for the bar)
     always: bool = False            # also runs after an earlier action of its lane failed (cleanup)
     # exit status (or "re:REGEX" on the output) -> transient | vanished | full

@@ -14,8 +14,9 @@ from collections.abc import Iterable
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
-    TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, Task, TextColumn, TimeElapsedColumn, \
+    TimeRemainingColumn, TransferSpeedColumn
+from rich.text import Text
 
 log = logging.getLogger("relaunch")
 
@@ -79,16 +80,19 @@ class UI:
 
     def transfer(self, description: str, total: int, kind: str = "rsync") -> Transfer | contextlib.nullcontext[None]:
         """A bar for a long phase fed by its program's own progress output (kind: rsync, rclone,
-        hashes); no bar (None) when kind is empty. Bars of phases that run at the same time
-        (a copy and a hash, a pull and an upload) share one display."""
-        return Transfer(self, description, total) if kind else contextlib.nullcontext()
+        hashes), or (kind `time`) for a program that says nothing on its way (an install, a
+        Hub upload on the instance): it moves and shows the time so far; no bar (None) when
+        kind is empty. Bars of phases that run at the same time share one display."""
+        if not kind:
+            return contextlib.nullcontext()
+        return Transfer(self, description, None if kind == "time" else total)
 
     def _bars(self) -> Progress:
         with self._lock:
             if self._progress is None:
                 self._progress = Progress(
-                    TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TimeRemainingColumn(), console=self.console, transient=True,
+                    TextColumn("{task.description}"), BarColumn(), _Amount(binary_units=True), _Speed(), _Time(),
+                    console=self.console, transient=True,
                     disable=self.quiet or not self.console.is_terminal)
             if self._live == 0:
                 self._progress.start()
@@ -123,10 +127,10 @@ class Transfer:
     """A bar fed by a program's progress: rsync's `--info=progress2` lines, rclone's JSON stats
     (`--use-json-log --stats 1s`), or the hasher's `relaunch-read BYTES` lines."""
 
-    def __init__(self, ui: UI, description: str, total: int) -> None:
+    def __init__(self, ui: UI, description: str, total: int | None) -> None:
         self.ui = ui
         self.description = escape(description)
-        self.total = max(total, 1)
+        self.total = None if total is None else max(total, 1)
 
     def __enter__(self) -> Transfer:
         self.progress = self.ui._bars()
@@ -160,6 +164,23 @@ class Transfer:
                 continue
             if isinstance(entry, dict) and isinstance(entry.get("stats"), dict):
                 self.update(int(entry["stats"].get("bytes", 0)))
+
+
+class _Amount(DownloadColumn):
+    def render(self, task: Task) -> Text:
+        return Text("") if task.total is None else super().render(task)
+
+
+class _Speed(TransferSpeedColumn):
+    def render(self, task: Task) -> Text:
+        return Text("") if task.total is None else super().render(task)
+
+
+class _Time(TimeRemainingColumn):
+    """The time left of a bar that knows its total, the time so far of one that does not."""
+
+    def render(self, task: Task) -> Text:
+        return TimeElapsedColumn().render(task) if task.total is None else super().render(task)
 
 
 def setup_logging(path: str) -> None:

@@ -3,10 +3,14 @@ every wait ends (a result that never comes, a lane that failed) with the error t
 
 from __future__ import annotations
 
+import io
+import re
+import sys
 import threading
 import time
 
 import pytest
+from rich.console import Console
 
 from relaunch.errors import CheckpointError, RelaunchError
 from relaunch.executor import Executor
@@ -62,3 +66,22 @@ def test_a_lane_waiting_on_a_failed_lane_gives_way_to_its_error():
     with pytest.raises(CheckpointError, match="the copy did not verify"):
         run([call("move", "mark", "copy", needs=("verified",)),        # listed first: its error would win
              call("verify", "fail", "verify", args={}, produces="verified")])
+
+
+def test_concurrent_phases_share_one_display_on_a_terminal(tmp_path):
+    """A copy that reports its bytes and an install that says nothing, at the same time, on a
+    terminal: one display (rich refuses two), the copy's bar in bytes, the install's in time so far."""
+    ui = UI()
+    ui.console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    half = "import sys, time; print('  536,870,912  50%  40.00MB/s  0:00:13', flush=True); time.sleep(1.5)"
+    Executor(ui, "test").run([
+        Action("checkpoint", "copying ckpt-100", where=LOCAL, argv=(sys.executable, "-c", half), lane="copy",
+               progress="rsync", size=1 << 30, fails_as="checkpoint"),
+        Action("env", "installing 10 pinned packages", where=LOCAL, argv=(sys.executable, "-c", "import time; "
+               "time.sleep(1.5)"), lane="env", progress="time", fails_as="env"),
+    ])
+    shown = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", ui.console.file.getvalue())  # type: ignore[attr-defined]
+    copy = [line for line in shown.splitlines() if "copying ckpt-100" in line]
+    install = [line for line in shown.splitlines() if "installing 10 pinned packages" in line]
+    assert copy and "0.5/1.0 GiB" in copy[-1]
+    assert install and re.search(r"0:00:0\d\s*$", install[-1]) and "GiB" not in install[-1]

@@ -66,6 +66,7 @@ def plan_env(job: Job) -> list[Action]:
         actions.append(act(f"create {paths.venv}" + (f" and install {len(lock)} pinned packages" if lock else ""),
                            command="bash -s", stdin=script.encode(), deadline=INSTALL_DEADLINE,
                            say=pinned if lock else "creating the venv", explain="checks.install_failure",
+                           progress="time",
                            hint="the full output is in the debug log (relaunch -v shows it live)"))
 
     for local, remote_path in recipe.env.files.items():
@@ -93,7 +94,7 @@ def plan_env(job: Job) -> list[Action]:
                    f"bash -s <<'RELAUNCH_SETUP'\n{setup}RELAUNCH_SETUP\n"
                    f"echo {digest} > \"$marker\"\n")
         actions.append(act("env.setup", command="bash -s", stdin=guarded.encode(), deadline=INSTALL_DEADLINE,
-                           say=f"running env.setup ({len(lines)} lines)"))
+                           say=f"running env.setup ({len(lines)} lines)", progress="time"))
 
     if lock:
         actions += [act("pip freeze of the venv", command=f"{q(paths.venv)}/bin/python -c {q(FREEZE_PY)}",

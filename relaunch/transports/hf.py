@@ -580,7 +580,7 @@ class HfStore(Store):
                         command=f"cd {shlex.quote(job.paths.ckpt_dir)} && {self._hf_command(job, load, args)}",
                         deadline=rsync.deadline_for(total), fails_as="evacuate", produces=f"upload:{cp.name}",
                         parse="text", explain="store.explain", outcomes={"re:No such file": "vanished"},
-                        say=f"the instance uploads {cp.name} to {self.label}")
+                        say=f"the instance uploads {cp.name} to {self.label}", progress="time")
         return [Action("evacuate", f"create the repo {self.repo_id} (private) unless it exists", where=LOCAL,
                        call="store.ensure_repo", fails_as="evacuate"),
                 tool_action(job, "hf", "evacuate", "evacuate"), *write, upload, *remove]
@@ -625,7 +625,8 @@ class HfStore(Store):
                           command=f"rm -rf -- {q(tmp)} && mkdir -p -- {q(tmp)} && {self._hf_command(job, load, args)}",
                           deadline=rsync.deadline_for(total), fails_as="checkpoint", explain="store.explain",
                           hint="nothing is lost; rerun `relaunch up`",
-                          say=f"the instance downloads {record.name} ({len(files)} file(s)) from {self.label}")
+                          say=f"the instance downloads {record.name} ({len(files)} file(s)) from {self.label}",
+                          progress="time")
         # the files only: hf leaves its bookkeeping in <tmp>/.cache/huggingface/
         move = Action("checkpoint", f"move the download to {incoming}/{record.name}",
                       command=f"mkdir -p -- {q(incoming)} && mv -T -- {q(tmp + '/' + self._rp(record.name))} "
