@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +75,17 @@ def plan_copy(job: Job, store: Store, cp: Checkpoint, again: bool = False,
                                        lane=f"{HASH_LANE}@{part_job.host}")
                    for (part_job, part), ref in zip(parts, refs, strict=True)]
     receive = [a if a.lane else dataclasses.replace(a, lane=COPY_LANE) for a in receive]
-    return [*receive, *hashing, *store.plan_accept(job, cp, refs, about)]
+    still = ([still_there(job, cp)] if not parts or len(parts) == 1 else
+             [dataclasses.replace(still_there(part_job, part), host=part_job.host) for part_job, part in parts])
+    return [*receive, *hashing, *still, *store.plan_accept(job, cp, refs, about)]
+
+
+def still_there(job: Job, cp: Checkpoint) -> Action:
+    """After the copy: a file deleted while it was copied still reads to its end (for the copy and
+    for the hash beside it); a checkpoint that is gone by then was rotated away, not evacuated."""
+    return Action("evacuate", f"{cp.name} is still on the instance",
+                  command=f"cd {shlex.quote(job.paths.ckpt_dir)} && xargs -0 -r stat -c %i -- >/dev/null",
+                  stdin=paths_stdin([e.path for e in cp.files]), outcomes={123: "vanished"}, fails_as="evacuate")
 
 
 def plan_meta(job: Job) -> list[Action]:
