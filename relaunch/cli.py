@@ -145,25 +145,28 @@ def plan(recipe: str, hosts: tuple[str, ...], checkpoint: str | None, overrides:
 @click.argument("recipe")
 @click.argument("hosts", nargs=-1)
 @click.option("--stop", is_flag=True, help="First ask training to save and exit (run.stop), then evacuate.")
+@click.option("--allow-empty", is_flag=True,
+              help="Accept an instance with no complete checkpoint although training made progress (that "
+                   "progress is lost when it is destroyed).")
 @common
-def evacuate(recipe: str, hosts: tuple[str, ...], stop: bool, overrides: tuple[str, ...], as_json: bool, verbose: bool,
-             yes: bool) -> None:
+def evacuate(recipe: str, hosts: tuple[str, ...], stop: bool, allow_empty: bool, overrides: tuple[str, ...],
+             as_json: bool, verbose: bool, yes: bool) -> None:
     """Before destroying an instance: copy its checkpoints, env lock and log off it, verify every
-    byte, then say `safe to destroy` (exit 0). Any failure: exit 6, DO NOT destroy."""
+    byte, check that the store holds the newest one now, then say `safe to destroy` (exit 0). Any
+    failure, or training progress with no checkpoint to copy: exit 6, DO NOT destroy."""
     from . import cycle
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
     specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
     spec = " ".join(map(str, specs))
-    report = cycle.evacuate(r, specs, ui, stop=stop)
+    report = cycle.evacuate(r, specs, ui, stop=stop, allow_empty=allow_empty)
     newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint yet"
     ui.say(f"store {report.store}: copied {len(report.copied)}, already there {len(report.already)}, "
-           f"newest on the instance: {newest}")
+           f"newest on the instance: {newest}; {report.why}")
     emit(as_json, report.as_dict())
     if not report.safe:         # the verdict alone decides; nothing else may say "safe"
-        raise EvacuationError(f"the newest checkpoint on the instance, {newest}, is not verified in the store "
-                              f"{report.store}\nevacuation NOT verified: DO NOT destroy the instance")
+        raise EvacuationError(f"{report.why}\nevacuation NOT verified: DO NOT destroy the instance")
     ui.ok(f"safe to destroy {spec}")
 
 

@@ -22,22 +22,26 @@ from pathlib import Path
 from typing import Any
 
 from . import processes
-from .errors import EnvError, EvacuationError, RelaunchError, UsageError, shorten
+from . import verdicts
+from .errors import CheckpointError, EnvError, EvacuationError, Interrupted, RelaunchError, UsageError, shorten
 from .executor import Executor, HashMismatch
 from .gather import gather, gather_group, read_listing, share_listings
 from .host.connection import Remote, connect
+from .host.hashing import hash_deadline
 from .host.spec import HostSpec, Target
 from .host.sshconfig import Layer, resolve
 from .job import Job, Node, drift
 from .layouts import Checkpoint, Entry
 from .paths import state_dir
-from .plan import Action, Plan
+from .plan import LOCAL, Action, Plan
 from .recipe import Recipe
+from .store import CheckpointRecord
 from .steps.checkpoint import choose, instance_checkpoints, on_every_node, plan_restore
 from .steps.group import MARK, barrier, check_reshard, plan_fanout, shape, shaped, tag, what_changed
 from .steps.env import plan_env
-from .steps.evacuate import Report, hash_action, plan_copy, plan_meta
-from .steps.launch import attach_command, plan_launch
+from .steps.evacuate import LOG_TAIL_LINES, Report, hash_action, plan_copy, plan_meta
+from .steps.guard import newest_logged_step
+from .steps.launch import attach_command, plan_launch, tail_command
 from .steps.preflight import plan_preflight, summary
 from .steps.stop import STILL_RUNNING, plan_stop
 from .transports import Damaged, Mismatch, Store, Vanished, open_store
@@ -299,6 +303,8 @@ def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept
         while True:
             job = gather(remote, recipe, node, store)
             _say_facts(job, store, ui)
+            if _not_held(job, store, damaged, wanted, ui):
+                continue
             plan, job = plan_up(job, store, frozenset(damaged), wanted)
             if dry_run:
                 return UpResult(job.host, "planned", job.checkpoint, job.step, plan)
@@ -327,6 +333,27 @@ def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept
         status = _launched(job, results.get("launch") or {}, ui)
         remember_host(recipe, (node.target, spec))
         return UpResult(job.host, status, job.checkpoint, job.step)
+
+
+def _not_held(job: Job, store: Store, damaged: set[str], wanted: str | None, ui: UI) -> bool:
+    """Is the store's checkpoint `up` would restore listed in the manifest but not held by the store
+    (deleted by hand, a lifecycle rule, a disk fault)? Then, like a damaged one, it is not used:
+    True, and it joins `damaged`, so that the next verified one is chosen."""
+    if job.facts.host.session_alive:
+        return False
+    choice = choose(job, frozenset(damaged), wanted)
+    record = choice.record
+    if record is None or choice.on_instance is not None:
+        return False
+    problems = verdicts.store_holds(record, store.observe(record, size_only=True), size_only=True)
+    if not problems:
+        return False
+    said = f"{record.name} is in the store's manifest, but the store {store.label} does not hold it: {problems[0]}"
+    if wanted is not None:
+        raise CheckpointError(said, "choose another with --checkpoint, or none for the newest that the store holds")
+    damaged.add(record.name)
+    ui.warn(f"{said}; not used; falling back to the next verified checkpoint")
+    return True
 
 
 def _say_facts(job: Job, store: Store, ui: UI) -> None:
@@ -393,6 +420,8 @@ def up_group(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = Fals
                     evacuate_jobs(jobs, remotes, store, executor_for(jobs[0], remotes[jobs[0].host], store, ui,
                                                                      remotes), ui, rounds=1, require_newest=False)
                 continue
+            if _not_held(jobs[0], store, damaged, wanted, ui):
+                continue
             plan, jobs = plan_group_up(jobs, store, known, frozenset(damaged), wanted)
             if dry_run:
                 if newer is not None and wanted is None:
@@ -446,8 +475,10 @@ def unsaved_group_checkpoint(job: Job) -> Checkpoint | None:
 
 
 # -- evacuate ----------------------------------------------------------------------------------
-def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: bool = False) -> Report:
-    """Any failure becomes exit 6: the instance (or any node of the group) must not be destroyed."""
+def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: bool = False,
+             allow_empty: bool = False) -> Report:
+    """Any failure becomes exit 6: the instance (or any node of the group) must not be destroyed;
+    Ctrl-C stays an interruption (exit 130), which says the same."""
     specs = specs if isinstance(specs, list) else [specs]
     try:
         store = open_store(recipe)
@@ -458,8 +489,8 @@ def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: boo
             if stop:
                 _stop(jobs, executor, ui)
             with store.lock(ui):
-                return evacuate_jobs(jobs, remotes, store, executor, ui)
-    except UsageError:
+                return evacuate_jobs(jobs, remotes, store, executor, ui, allow_empty=allow_empty)
+    except (UsageError, Interrupted):
         raise
     except RelaunchError as exc:
         what = "the instance" if len(specs) == 1 else "any node of the group"
@@ -488,13 +519,15 @@ def evacuate_job(job: Job, remote: Remote, store: Store, executor: Executor, ui:
 
 
 def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, executor: Executor, ui: UI,
-                  rounds: int = 3, reverify: bool = True, require_newest: bool = True) -> Report:
+                  rounds: int = 3, reverify: bool = True, require_newest: bool = True,
+                  allow_empty: bool = False) -> Report:
     """Copy the newest `keep` complete checkpoints (newest first) until the newest is verified;
-    in a node group, each file from the node that holds it.
+    in a node group, each file from the node that holds it. Then the verdict, from what the store
+    holds at that moment (verdicts.py): `report.safe`.
 
-    Call with the store lock held. `evacuate` re-hashes what the store already holds and insists
-    that the newest checkpoint on the instance ends up verified; a `sync` round (reverify=False,
-    require_newest=False) only moves what is new and reports the lag instead.
+    Call with the store lock held. `evacuate` re-hashes on the instance what the store already
+    records and insists that the newest checkpoint on the instance ends up verified; a `sync` round
+    (reverify=False, require_newest=False) only moves what is new and reports the lag instead.
     """
     started = time.monotonic()
     job = jobs[0]
@@ -525,15 +558,22 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
                 "newest is not in the store yet", "stop training first (`relaunch evacuate --stop`), then "
                 "evacuate again")
         executor.run(plan_meta(job))
-        manifest = store.manifest
-        report.safe = report.verdict()
-        if require_newest and not report.safe:
-            raise EvacuationError(f"{job.host}: the newest checkpoint {report.newest} is not verified in the store")
-        if report.copied and manifest is not None:
+        if report.copied and store.manifest is not None:
             protect = frozenset(report.copied + report.already)
-            report.pruned = store.prune(manifest, keep, protect)
+            report.pruned = store.prune(store.manifest, keep, protect)
             for name in report.pruned:
                 ui.step(job.host, "evacuate", f"pruned {name} from the store (keep={keep})")
+        newest = listing[-1] if listing else None
+        if newest is not None and newest.name in report.copied + report.already:
+            _check_in_store(jobs, store, executor, newest, report, reverify)
+        empty = None
+        if newest is None and require_newest:
+            stored = store.manifest.newest() if store.manifest else None
+            empty = verdicts.nothing_to_copy(_progress(job, executor), stored.step if stored else None, allow_empty)
+        verdict = verdicts.evacuation(report.newest, report.verified_now, empty)
+        report.safe, report.why = verdict.ok, verdict.why
+        if require_newest and not report.safe:
+            raise EvacuationError(f"{job.host}: {verdict.why}")
     except OSError as exc:
         # a full or read-only disk on this machine: nothing is deleted to make room, and what
         # was being written stays in the store's staging folder, which is never trusted
@@ -544,6 +584,55 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
         report.stored, report.stored_step, report.stored_written_at = stored.name, stored.step, stored.written_at
     report.seconds = time.monotonic() - started
     return report
+
+
+def _check_in_store(jobs: list[Job], store: Store, executor: Executor, cp: Checkpoint, report: Report,
+                    reverify: bool) -> None:
+    """The verdict's evidence: the store holds cp now, byte for byte as the instance's record says.
+    A file missing or different is copied again (once), never taken on the manifest's word."""
+    for attempt in range(2):
+        record = store.manifest.checkpoints.get(cp.name) if store.manifest else None
+        problems = (["not in the store's manifest"] if record is None else
+                    verdicts.store_holds(record, executor.run_one(_observe_action(store, record))))
+        if not problems:
+            report.verified_now.append(cp.name)
+            return
+        executor.ui.warn(f"{jobs[0].host}: {cp.name}: the store {store.label} does not hold it as recorded: "
+                         f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                         + ("; copying it again" if attempt == 0 else ""))
+        if attempt:
+            break
+        for name in (report.copied, report.already, report.unchanged):
+            if cp.name in name:
+                name.remove(cp.name)
+        _evacuate_one(jobs, store, executor, cp, report, reverify, again=True)
+        if cp.name not in report.copied:
+            break
+
+
+def _observe_action(store: Store, record: CheckpointRecord) -> Action:
+    total = sum(f.size for f in record.files.values())
+    return Action("evacuate", f"what the store {store.label} holds of {record.name} now", where=LOCAL,
+                  call="store.observe", args={"record": record}, deadline=hash_deadline(total), fails_as="evacuate")
+
+
+def _progress(job: Job, executor: Executor) -> verdicts.Progress:
+    """What training did on an instance with nothing to copy: checkpoint.dir there or not, the
+    step its log shows, how long its session has been alive."""
+    q = shlex.quote
+    read = Action("evacuate", "what training has done (checkpoint.dir, the clock, the log's tail)",
+                  command=f"if [ -d {q(job.paths.ckpt_dir)} ]; then echo dir=1; else echo dir=0; fi; "
+                          f"echo now=$(date +%s); {tail_command(job.paths.log, LOG_TAIL_LINES)} || true",
+                  produces="progress", parse="text", fails_as="evacuate")
+    text = str(executor.run([read]).get("progress") or "")
+    head, lines = text.splitlines()[:2], text.splitlines()[2:]
+    words = dict(line.partition("=")[::2] for line in head)
+    host = job.facts.host
+    since, now = host.session_since, words.get("now", "")
+    age = float(now) - float(since) if since.isdigit() and now.isdigit() else None
+    return verdicts.Progress(ckpt_dir=str(job.recipe.checkpoint.dir), dir_exists=words.get("dir") == "1",
+                             log_step=newest_logged_step(lines, job.recipe.run.metrics.step),
+                             session_alive=host.session_alive, session_age=age, grace=job.recipe.run.grace)
 
 
 def relist(jobs: list[Job], remotes: dict[str, Remote]) -> None:
@@ -572,12 +661,15 @@ def parts_of(jobs: list[Job], cp: Checkpoint) -> list[tuple[Job, Checkpoint]]:
 
 
 def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpoint, report: Report,
-                  reverify: bool) -> None:
+                  reverify: bool, again: bool = False) -> None:
+    """Copy cp into the store, verified, unless the store holds it already: the manifest's record
+    of it matched by the instance's bytes (re-hashed there) and by what the store holds now.
+    `again`: the store was found not to hold it; set aside what differs and copy it."""
     job = jobs[0]
     known = store.manifest.checkpoints.get(cp.name) if store.manifest else None
     sizes = {e.path: e.size for e in cp.files}
     parts = parts_of(jobs, cp)
-    if known is not None:
+    if known is not None and not again:
         if not reverify and {p: f.size for p, f in known.files.items()} == sizes:
             report.already.append(cp.name)        # a sync round: same files, same sizes, verified before
             report.unchanged.append(cp.name)
@@ -590,13 +682,24 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
         if any(h.missing for h in hashes.values()):
             report.skipped.append(cp.name)
             return
-        if set(hashes) == set(known.files) and all(known.files[p].sha256 == h.hashes.get("sha256")
-                                                   for p, h in hashes.items()):
+        if set(hashes) != set(known.files) or any(known.files[p].sha256 != h.hashes.get("sha256")
+                                                  for p, h in hashes.items()):
+            raise EvacuationError(
+                f"{job.host}: {cp.name} on the instance differs from the verified copy in the store {store.label}",
+                "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right")
+        problems = verdicts.store_holds(known, executor.run_one(_observe_action(store, known)))
+        if not problems:
             report.already.append(cp.name)
             return
-        raise EvacuationError(
-            f"{job.host}: {cp.name} on the instance differs from the verified copy in the store {store.label}",
-            "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right")
+        executor.ui.warn(f"{job.host}: {cp.name} is in the store's manifest, but the store {store.label} does not "
+                         f"hold it: {problems[0]}; copying it again")
+        again = True
+    if again and known is not None:
+        seen = executor.run_one(_observe_action(store, known))
+        moved = store.set_aside(known, verdicts.differing(known, seen))
+        if moved:
+            executor.ui.step(job.host, "evacuate", f"{cp.name}: what the store held differently was set aside: {moved}")
+            report.set_aside.append(cp.name)
     about: dict[str, Any] = {"saved_with": job.facts.host.run or None}
     if len(jobs) > 1:
         about["held"] = {e.path: part_job.host for part_job, part in parts for e in part.files}

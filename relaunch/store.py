@@ -37,6 +37,7 @@ from relaunch.errors import CheckpointError, EvacuationError, UsageError
 META_DIR = ".relaunch"
 MANIFEST = "manifest.json"
 PARTIAL = "partial"
+DAMAGED = "damaged"          # store files that no longer matched their record, set aside (never deleted)
 FORMAT = 1  # manifest format version, written into the file for later migrations
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -69,14 +70,29 @@ def check_relpath(path: str, what: str = "path") -> str:
     return path
 
 
+# hashes a record keeps beside sha256: the store's own, so that what it holds can be checked
+# later without the instance (an rclone remote's md5, a Hub file's git blob id)
+EXTRA_HASHES = ("md5", "gitblob")
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One file as the store holds it now: its size and the hashes the store itself gives."""
+
+    size: int
+    hashes: dict[str, str] = field(default_factory=dict, hash=False)   # "sha256", "md5", "gitblob", ...
+
+
 @dataclass
 class FileRecord:
     size: int
     sha256: str
     node: str | None = None  # in a node group: the node that held it
+    extra: dict[str, str] = field(default_factory=dict)   # EXTRA_HASHES of the same bytes
 
     def as_dict(self) -> dict[str, Any]:
-        return {"size": self.size, "sha256": self.sha256, **({"node": self.node} if self.node else {})}
+        return {"size": self.size, "sha256": self.sha256, **({"node": self.node} if self.node else {}),
+                **{k: v for k, v in sorted(self.extra.items())}}
 
 
 @dataclass
@@ -204,7 +220,8 @@ class StoreManifest:
                 node = f.get("node")
                 if node is not None and not isinstance(node, str):
                     raise ValueError(f"{path}: node is not a string")
-                files[path] = FileRecord(size=size, sha256=f["sha256"], node=node)
+                extra = {k: f[k] for k in EXTRA_HASHES if isinstance(f.get(k), str)}
+                files[path] = FileRecord(size=size, sha256=f["sha256"], node=node, extra=extra)
             record = CheckpointRecord(
                 name=raw["name"],
                 step=step,
@@ -512,6 +529,43 @@ class LocalStore:
         for new in reversed(missing):
             new.mkdir()
             touched.add(new.parent)
+
+    # -- what it holds now -----------------------------------------------------------------
+
+    def observe(self, record: CheckpointRecord, size_only: bool = False) -> dict[str, Seen]:
+        """The record's regular files in the store now: size and (unless size_only) sha256 of the
+        bytes, read again; a missing file, a symlink or a folder in its place is left out."""
+        seen: dict[str, Seen] = {}
+        for path in sorted(record.files):
+            try:
+                check_relpath(path, "file path")
+                self._check_parents(path)
+                st = os.lstat(self.root / path)
+            except (OSError, ValueError, EvacuationError):
+                continue
+            if stat.S_ISREG(st.st_mode):
+                seen[path] = Seen(st.st_size, {} if size_only else {"sha256": self.hash_file(self.root / path)})
+        return seen
+
+    def set_aside(self, name: str, paths: list[str]) -> str:
+        """Move the named store files (found damaged) to `.relaunch/damaged/<name>.<time>/`, so a new
+        copy can take their place: relaunch never deletes or overwrites a file it did not verify now."""
+        folder = self.meta / DAMAGED / f"{name}.{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}"
+        moved = 0
+        for path in paths:
+            try:
+                check_relpath(path, "file path")
+                self._check_parents(path)
+            except (ValueError, EvacuationError):
+                continue
+            src = self.root / path
+            if not os.path.lexists(src):
+                continue
+            dst = folder / path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+            moved += 1
+        return f"{moved} file(s) moved to {folder}" if moved else ""
 
     # -- pruning ---------------------------------------------------------------------------
 

@@ -54,6 +54,9 @@ def sync(recipe: Recipe, spec: HostSpec | list[HostSpec], ui: UI, every: float, 
                 raise
             raise EvacuationError(f"{exc.message}\nsync round NOT verified", exc.hint) from exc
         _show(ui, report, emit)
+        if not report.safe:
+            raise EvacuationError(f"{report.why}\nsync round NOT verified",
+                                  "rerun, or `relaunch evacuate` (it insists on the newest checkpoint)")
         return
     # after the first attempt, do not sit through all of ssh.wait on every outage
     brief = recipe.model_copy(update={"ssh": recipe.ssh.model_copy(update={"wait": min(recipe.ssh.wait, RETRY_WAIT)})})

@@ -38,14 +38,12 @@ class Report(Lag):
     skipped: list[str] = field(default_factory=list)      # rotated away mid-copy
     damaged: list[str] = field(default_factory=list)      # "name: why" (a save that did not finish)
     pruned: list[str] = field(default_factory=list)
+    set_aside: list[str] = field(default_factory=list)    # the store held them differently from their record
+    verified_now: list[str] = field(default_factory=list)  # checked in the store after the copy
     bytes_copied: int = 0
     seconds: float = 0.0
-    safe: bool = False                                    # the verdict: decides exit 0 vs 6
-
-    def verdict(self) -> bool:
-        """Safe to destroy: the instance's newest complete checkpoint is verified in the store
-        (copied now, or re-verified now against the store's record), or it has none."""
-        return self.newest is None or self.newest in self.copied or self.newest in self.already
+    safe: bool = False                                    # the verdict (verdicts.evacuation): exit 0 vs 6
+    why: str = ""                                         # what decided it, in words
 
 
 def hash_action(job: Job, store: Store, cp: Checkpoint, beside: bool = False) -> Action:

@@ -26,7 +26,7 @@ from ..layouts import Checkpoint
 from ..paths import state_dir
 from ..plan import LOCAL, Action, Ref
 from ..host.hashing import FileHash
-from ..store import CheckpointRecord, FileRecord, StoreManifest, utc_now
+from ..store import Seen, EXTRA_HASHES, CheckpointRecord, FileRecord, StoreManifest, utc_now
 from ..ui import UI
 
 if TYPE_CHECKING:
@@ -89,7 +89,8 @@ def expected_record(cp: Checkpoint, hashes: Hashes, host: str, about: dict[str, 
             raise Vanished(cp.name)
         if got.problem:
             raise Damaged(f"{entry.path}: {got.problem}")
-        files[entry.path] = FileRecord(size=got.size, sha256=got.hashes["sha256"], node=held.get(entry.path))
+        files[entry.path] = FileRecord(size=got.size, sha256=got.hashes["sha256"], node=held.get(entry.path),
+                                       extra={k: v for k, v in got.hashes.items() if k in EXTRA_HASHES})
     return CheckpointRecord(name=cp.name, step=cp.step, files=files, verified_at=utc_now(), host=host,
                             written_at=max((e.mtime for e in cp.files), default=None),
                             saved_with=about.get("saved_with") or None)
@@ -171,6 +172,17 @@ class Store(ABC):
     def accept(self, cp: Checkpoint, hashes: Hashes, host: str, about: dict[str, Any] | None = None) -> str:
         """Verify, commit and record cp; return what was compared with what, in words."""
         raise NotImplementedError(f"{type(self).__name__} plans its own acceptance")
+
+    # -- what the store holds now ---------------------------------------------------------------
+    @abstractmethod
+    def observe(self, record: CheckpointRecord, size_only: bool = False) -> dict[str, Seen]:
+        """The record's files as the store holds them now (absent ones left out), with the hashes
+        the store itself gives; `size_only`: presence and size, which costs no reading of bytes."""
+
+    def set_aside(self, record: CheckpointRecord, paths: list[str]) -> str:
+        """Move files of a record that the store no longer holds as recorded out of the way of a new
+        copy (never deleted, never overwritten); where they went, in words."""
+        return ""
 
     # -- one writer at a time -----------------------------------------------------------------
     @contextmanager

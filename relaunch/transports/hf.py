@@ -62,7 +62,7 @@ from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
 from ..recipe import Recipe
 from ..retry import retrying
-from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest, check_relpath, \
+from ..store import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest, check_relpath, \
     utc_now
 from ..ui import UI, human, redact
 from . import rsync
@@ -527,6 +527,21 @@ class HfStore(Store):
         done = self._against_head(attempt, "deleting pruned checkpoints")
         if done is not None and done[1] == self._revision:
             self._revision = done[0]            # the same manifest as the commit before it
+
+    # -- what it holds now ---------------------------------------------------------------------------
+    def observe(self, record: CheckpointRecord, size_only: bool = False) -> dict[str, Seen]:
+        """The record's files at the head now: an LFS file's sha256, a regular file's git blob id."""
+        sha = self._head()
+        if sha is None:
+            return {}
+        snap = self._snapshot(sha)
+        return {path: Seen(got.size, {"sha256": got.sha256} if got.sha256 else {"gitblob": got.blob_id})
+                for path in record.files if (got := snap.files.get(path)) is not None}
+
+    def own_hashes(self, name: str) -> dict[str, dict[str, str]]:
+        """The git blob ids of a checkpoint's regular (non-LFS) files as verified at its upload's
+        commit: the Hub's own hash of them, for the record."""
+        return {p: {"gitblob": f.blob_id} for p, f in self._verified.get(name, {}).items() if f.sha256 is None}
 
     # -- verifying ---------------------------------------------------------------------------------
     def _compare(self, snap: Snapshot, expected: dict[str, FileRecord],

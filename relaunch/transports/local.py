@@ -21,7 +21,7 @@ from ..job import Job, StoreState
 from ..layouts import Checkpoint
 from ..paths import known_hosts_file
 from ..plan import LOCAL, Action, Ref
-from ..store import CheckpointRecord, LocalStore, StoreManifest
+from ..store import Seen, CheckpointRecord, LocalStore, StoreManifest
 from ..ui import human
 from . import rsync
 from .base import Hashes, Mismatch, Store, expected_record, incoming_ready
@@ -222,6 +222,12 @@ class LocalPathStore(Store):
 
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         return self.fs.prune(manifest, keep, protect)
+
+    def observe(self, record: CheckpointRecord, size_only: bool = False) -> dict[str, Seen]:
+        return self.fs.observe(record, size_only)
+
+    def set_aside(self, record: CheckpointRecord, paths: list[str]) -> str:
+        return self.fs.set_aside(record.name, paths)
 
     def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
         source = self.root / record.name

@@ -21,6 +21,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from ..job import Job, StoreState
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action
 from ..recipe import Recipe
-from ..store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest
+from ..store import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest
 from ..retry import retrying
 from ..ui import UI, human, redact
 from . import rsync
@@ -268,6 +269,19 @@ class RcloneStore(Store):
             got[name] = digest
         return [f"{p}: sha256 differs" for p in files if got.get(p) != expected[p].sha256], \
             "sha256 of the instance's bytes = sha256 of the remote's bytes, downloaded again"
+
+    def observe(self, record: CheckpointRecord, size_only: bool = False) -> dict[str, Seen]:
+        """The remote's listing of the record's files: size and the remote's own hashes."""
+        return {path: Seen(int(entry["Size"]), {k.lower(): str(v) for k, v in (entry.get("Hashes") or {}).items()})
+                for path, entry in self.remote_listing(sorted(record.files)).items()}
+
+    def set_aside(self, record: CheckpointRecord, paths: list[str]) -> str:
+        folder = f"{META_DIR}/damaged/{record.name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        for path in paths:
+            result = self.run("moveto", self._path(path), self._path(f"{folder}/{path}"))
+            if result.status != 0:
+                raise self.fail(result, f"setting {path} aside", EvacuationError)
+        return f"{len(paths)} file(s) moved to {self._path(folder)}" if paths else ""
 
     def accept(self, cp: Checkpoint, hashes: Hashes, host: str, about: dict[str, Any] | None = None) -> str:
         record = expected_record(cp, hashes, host, about)

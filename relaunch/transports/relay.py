@@ -20,7 +20,7 @@ from ..host.hashing import FileHash
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
-from ..store import CheckpointRecord, LocalStore, StoreManifest
+from ..store import Seen, EXTRA_HASHES, CheckpointRecord, LocalStore, StoreManifest
 from ..ui import UI, human
 from .base import Hashes, Mismatch, Store, expected_record, hash_ref_names
 from .hf import HfStore
@@ -70,6 +70,12 @@ class Relay(Store):
 
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         return self.remote.prune(manifest, keep, protect)
+
+    def observe(self, record: CheckpointRecord, size_only: bool = False) -> dict[str, Seen]:
+        return self.remote.observe(record, size_only)
+
+    def set_aside(self, record: CheckpointRecord, paths: list[str]) -> str:
+        return self.remote.set_aside(record, paths)
 
     # -- evacuation ---------------------------------------------------------------------------
     def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
@@ -137,6 +143,12 @@ class Relay(Store):
                about: dict[str, Any] | None = None) -> str:
         record = expected_record(cp, hashes, host, about)
         compared = self.remote.check_uploaded(record, self.cache.staging_path(cp.name), landed)
+        # the remote's own hashes of these bytes (an md5, a git blob id): what it holds can be checked later
+        own = self.remote.own_hashes(cp.name) if isinstance(self.remote, HfStore) else {}
+        for path, want in record.files.items():
+            got = landed.get(path)
+            want.extra.update({k: v for k, v in (got.hashes if got else {}).items() if k in EXTRA_HASHES})
+            want.extra.update(own.get(path, {}))
         self.record(record)
         self.cache.drop_staging(record.name)
         return f"sha256 of the instance's bytes = sha256 of the copy here; then {compared}"

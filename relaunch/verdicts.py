@@ -1,0 +1,126 @@
+"""Every promise relaunch makes, in one place: each verdict is a pure function of what was
+observed at the moment it is given (the bytes in the store, the instance's listing and log, what
+the executor's actions returned), never of relaunch's own bookkeeping.
+
+The manifest chooses what to copy and what to restore; it is never the evidence. A record says
+what the store should hold; `store_holds` compares it with what the store holds *now* (a local
+store: the size and sha256 of its bytes; an rclone remote: the listing's size and the remote's own
+hash; a Hub repo: the head's file list with its LFS sha256 or git blob id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .store import CheckpointRecord, FileRecord, Seen
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    why: str                         # in words, for the user: what was seen that decided it
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def expected_hashes(want: FileRecord) -> dict[str, str]:
+    """Every hash the record knows for a file: its sha256, and the store's own (md5, git blob id)."""
+    return {"sha256": want.sha256, **want.extra}
+
+
+def file_problem(path: str, want: FileRecord, seen: Seen | None, size_only: bool = False) -> str | None:
+    """What is wrong with one file of a record as the store holds it now; None when it holds it."""
+    if seen is None:
+        return f"{path}: missing from the store"
+    if seen.size != want.size:
+        return f"{path}: size {seen.size} in the store, recorded {want.size}"
+    if size_only:
+        return None
+    expected = expected_hashes(want)
+    common = [kind for kind in seen.hashes if kind in expected]
+    if not common:
+        return (f"{path}: the store gives no hash the record knows (it gives "
+                f"{', '.join(sorted(seen.hashes)) or 'none'}); not proven")
+    for kind in common:
+        if seen.hashes[kind] != expected[kind]:
+            return f"{path}: {kind} {seen.hashes[kind]} in the store, recorded {expected[kind]}"
+    return None
+
+
+def store_holds(record: CheckpointRecord, seen: dict[str, Seen], size_only: bool = False) -> list[str]:
+    """What keeps the store from holding `record` now (missing, different size or hash); [] = it does.
+
+    `size_only`: presence and size (for choosing a checkpoint to restore, whose bytes are
+    verified again where they land)."""
+    return [problem for path, want in sorted(record.files.items())
+            if (problem := file_problem(path, want, seen.get(path), size_only)) is not None]
+
+
+def differing(record: CheckpointRecord, seen: dict[str, Seen]) -> list[str]:
+    """The record's files the store holds with other bytes than recorded (not merely missing, nor
+    unproven for want of a common hash): what a new copy must not overwrite."""
+    out = []
+    for path, want in sorted(record.files.items()):
+        got = seen.get(path)
+        if got is None:
+            continue
+        expected = expected_hashes(want)
+        if got.size != want.size or any(got.hashes[k] != expected[k] for k in got.hashes if k in expected):
+            out.append(path)
+    return out
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the training on an instance has done, as seen there (for an instance with nothing to copy)."""
+
+    ckpt_dir: str
+    dir_exists: bool
+    log_step: int | None             # the newest step its log shows (run.metrics.step), None if none
+    session_alive: bool
+    session_age: float | None        # seconds the tmux session has been alive
+    grace: float                     # run.grace
+
+
+def nothing_to_copy(progress: Progress, stored_step: int | None, allow_empty: bool) -> Verdict:
+    """An instance with no complete checkpoint: safe only when destroying it loses no training.
+
+    Training made progress when its log shows a step beyond the store's newest, or (no step in
+    its log) its session has been alive for longer than run.grace."""
+    where = (f"{progress.ckpt_dir} does not exist" if not progress.dir_exists
+             else f"{progress.ckpt_dir} holds no complete checkpoint")
+    lost: str | None = None
+    if progress.log_step is not None and progress.log_step > (stored_step or 0):
+        steps = progress.log_step - (stored_step or 0)
+        lost = f"the log says step {progress.log_step}; {where}: destroying loses {steps} steps"
+    elif progress.log_step is None and progress.session_alive and progress.session_age is not None \
+            and progress.session_age > progress.grace:
+        lost = (f"training has run for {progress.session_age:.0f}s (longer than run.grace, "
+                f"{progress.grace:g}s); {where}: destroying loses all of it")
+    if lost is None:
+        return Verdict(True, f"{where}, and training has made no progress beyond the store's newest checkpoint")
+    if allow_empty:
+        return Verdict(True, f"{lost} (accepted with --allow-empty)")
+    return Verdict(False, lost)
+
+
+def evacuation(newest: str | None, verified_now: list[str], empty: Verdict | None) -> Verdict:
+    """`safe to destroy`: the instance's newest complete checkpoint is in the store now (its bytes
+    checked after the copy, `verified_now`), or it has none and destroying loses nothing (`empty`)."""
+    if newest is None:
+        return empty if empty is not None else Verdict(True, "no checkpoint on the instance")
+    if newest in verified_now:
+        return Verdict(True, f"{newest} is in the store, checked after the copy")
+    return Verdict(False, f"the newest checkpoint on the instance, {newest}, is not verified in the store")
+
+
+def launched(state: str | None) -> Verdict:
+    """`up` exit 0: the command is running (its ready line seen, or alive after run.grace) or finished."""
+    if state == "ready":
+        return Verdict(True, "its log printed the ready line")
+    if state == "alive":
+        return Verdict(True, "alive after run.grace")
+    if state == "finished":
+        return Verdict(True, "the command already finished (exit 0)")
+    return Verdict(False, "the command died at start")

@@ -1,0 +1,166 @@
+"""Verdicts checked against the world, end to end: `safe to destroy`, `sync --once`'s exit 0 and
+what `up` restores come from the bytes in the store and what the instance shows at that moment,
+never from the manifest alone. Each test has the fault that made a verdict false before.
+
+Real sandbox instances, the real CLI, real rsync and tmux; a local store on this machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+
+from e2e import plain_recipe, run_cli, start_cli, wait_for
+from test_faults import plant, records
+
+
+def sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_checkpoint_deleted_from_the_store_is_copied_again_not_taken_on_the_manifests_word(
+        tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    inst = sandbox()
+    recipe = plain_recipe(tmp_path, name="gone", key=ssh_key)
+    store = tmp_path / "store"
+    older, newest = plant(ssh, inst, 10), plant(ssh, inst, 20)
+    assert run_cli("evacuate", str(recipe), inst.host, home=home).returncode == 0
+    (store / "ckpt-00000020.pt").unlink()                 # a cleanup by hand, a lifecycle rule
+
+    again = run_cli("evacuate", str(recipe), inst.host, "--json", home=home)
+    assert again.returncode == 0, again.stderr
+    assert "ckpt-00000020.pt is in the store's manifest, but the store" in again.stderr
+    assert "missing from the store; copying it again" in again.stderr
+    report = json.loads(again.stdout)
+    assert report["copied"] == ["ckpt-00000020.pt"] and report["verified_now"] == ["ckpt-00000020.pt"]
+    assert sha(store / "ckpt-00000020.pt") == newest
+    assert sha(store / "ckpt-00000010.pt") == older
+
+
+def test_a_flipped_byte_in_the_store_is_set_aside_and_copied_again(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    inst = sandbox()
+    recipe = plain_recipe(tmp_path, name="flipped", key=ssh_key)
+    store = tmp_path / "store"
+    newest = plant(ssh, inst, 20)
+    assert run_cli("evacuate", str(recipe), inst.host, home=home).returncode == 0
+    damaged = bytearray((store / "ckpt-00000020.pt").read_bytes())
+    damaged[7] ^= 0xFF                                    # a disk fault: same size, other bytes
+    (store / "ckpt-00000020.pt").write_bytes(bytes(damaged))
+
+    again = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert again.returncode == 0, again.stderr
+    assert "does not hold it: ckpt-00000020.pt: sha256" in again.stderr
+    assert "safe to destroy" in again.stderr
+    assert sha(store / "ckpt-00000020.pt") == newest
+    # the damaged bytes are kept aside, never deleted, and never where a later run would trust them
+    aside = list((store / ".relaunch" / "damaged").rglob("ckpt-00000020.pt"))
+    assert len(aside) == 1 and aside[0].read_bytes() == bytes(damaged)
+    assert records(store)["ckpt-00000020.pt"]["files"]["ckpt-00000020.pt"]["sha256"] == newest
+
+
+def test_up_does_not_restore_a_listed_checkpoint_the_store_no_longer_holds(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    first, second = sandbox(), sandbox()
+    recipe = plain_recipe(tmp_path, name="listed", key=ssh_key, command='echo "resume {{ checkpoint }}"; sleep 600')
+    store = tmp_path / "store"
+    older = plant(ssh, first, 10)
+    plant(ssh, first, 20)
+    assert run_cli("evacuate", str(recipe), first.host, home=home).returncode == 0
+    (store / "ckpt-00000020.pt").unlink()
+
+    up = run_cli("up", str(recipe), second.host, home=home)
+    assert up.returncode == 0, up.stderr
+    assert "ckpt-00000020.pt is in the store's manifest, but the store" in up.stderr
+    assert "falling back to the next verified checkpoint" in up.stderr
+    assert "restored ckpt-00000010.pt" in up.stderr
+    assert ssh(second, "sha256sum ~/ckpt/ckpt-00000010.pt").stdout.split()[0] == older
+    log = wait_for("the command", lambda: ssh(second, "cat ~/listed.log 2>/dev/null", check=False).stdout)
+    assert f"resume {second.home}/ckpt/ckpt-00000010.pt" in log
+
+    asked = run_cli("up", str(recipe), sandbox().host, "--checkpoint", "ckpt-00000020.pt", home=home)
+    assert asked.returncode == 5, asked.stderr
+    assert "does not hold it: ckpt-00000020.pt: missing from the store" in asked.stderr
+
+
+def test_nothing_to_copy_while_the_log_shows_progress_is_not_safe(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    inst = sandbox()
+    # training that saves somewhere else than checkpoint.dir
+    recipe = plain_recipe(tmp_path, name="elsewhere", key=ssh_key,
+                          command='i=0; while true; do i=$((i+1)); echo "step $i loss 1.0"; sleep 0.2; done',
+                          checkpoint={"dir": "~/checkpoints"})
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    wait_for("step 10 in the log", lambda: "step 10 " in ssh(inst, "cat ~/elsewhere.log", check=False).stdout)
+
+    evac = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert evac.returncode == 6, evac.stderr
+    assert "the log says step" in evac.stderr
+    assert "~/checkpoints does not exist: destroying loses" in evac.stderr
+    assert "DO NOT destroy" in evac.stderr and "safe to destroy" not in evac.stderr
+
+    allowed = run_cli("evacuate", str(recipe), inst.host, "--allow-empty", home=home)
+    assert allowed.returncode == 0, allowed.stderr
+    assert "accepted with --allow-empty" in allowed.stderr and "safe to destroy" in allowed.stderr
+
+
+def test_nothing_to_copy_after_run_grace_without_step_lines_is_not_safe(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    inst = sandbox()
+    recipe = plain_recipe(tmp_path, name="quiet", key=ssh_key, command="sleep 600")     # run.grace: 3
+    fresh = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert fresh.returncode == 0, fresh.stderr           # nothing ran there: nothing to lose
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    wait_for("the session to outlive run.grace", lambda: int(ssh(
+        inst, "echo $(( $(date +%s) - $(tmux display-message -p -t '=quiet:' '#{session_created}') ))").stdout) > 4)
+
+    evac = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert evac.returncode == 6, evac.stderr
+    assert "training has run for" in evac.stderr and "longer than run.grace" in evac.stderr
+
+
+def test_sync_once_exits_6_when_the_newest_checkpoint_is_not_verified(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    inst = sandbox(rate="8mbit")
+    recipe = plain_recipe(tmp_path, name="behind", key=ssh_key)
+    store = tmp_path / "store"
+    plant(ssh, inst, 10, size=4_000_000)
+    proc = start_cli("sync", str(recipe), inst.host, "--once", home=home, err=tmp_path / "sync.err")
+    try:
+        staged = store / ".relaunch" / "partial"
+        wait_for("the copy to start", lambda: staged.is_dir() and any(p.is_file() for p in staged.rglob("*")),
+                 timeout=120, every=0.1)
+        plant(ssh, inst, 20, size=1000)                  # training saves again while the round copies
+        status = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    err = (tmp_path / "sync.err").read_text()
+    assert status == 6, err
+    assert "ckpt-00000020.pt, is not verified in the store" in err and "sync round NOT verified" in err
+    assert "ckpt-00000010.pt" in records(store)          # what it did copy is verified and kept
+
+
+def test_ctrl_c_during_evacuate_exits_130_and_says_do_not_destroy(tmp_path, sandbox, ssh, ssh_key):
+    home = tmp_path / "state"
+    inst = sandbox(rate="8mbit")
+    recipe = plain_recipe(tmp_path, name="ctrlc-evac", key=ssh_key)
+    store = tmp_path / "store"
+    want = plant(ssh, inst, 10, size=6_000_000)
+    proc = start_cli("evacuate", str(recipe), inst.host, home=home, err=tmp_path / "evac.err")
+    try:
+        staged = store / ".relaunch" / "partial"
+        wait_for("the copy to start", lambda: staged.is_dir() and any(p.is_file() for p in staged.rglob("*")),
+                 timeout=120, every=0.1)
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    err = (tmp_path / "evac.err").read_text()
+    assert status == 130, err
+    assert "DO NOT destroy" in err and "safe to destroy" not in err.replace("NOT destroy", "")
+    assert records(store) == {}
+    rerun = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert rerun.returncode == 0, rerun.stderr
+    assert sha(store / "ckpt-00000010.pt") == want
