@@ -348,7 +348,7 @@ def _not_held(job: Job, store: Store, damaged: set[str], wanted: str | None, ui:
     problems = verdicts.store_holds(record, store.observe(record, size_only=True), size_only=True)
     if not problems:
         return False
-    said = f"{record.name} is in the store's manifest, but the store {store.label} does not hold it: {problems[0]}"
+    said = _lost(record.name, store, problems)
     if wanted is not None:
         raise CheckpointError(said, "choose another with --checkpoint, or none for the newest that the store holds")
     damaged.add(record.name)
@@ -541,7 +541,8 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
         for _ in range(rounds):
             for cp in reversed(listing[-keep:]):
                 if cp.name not in report.copied + report.already + report.skipped + _names(report.damaged):
-                    _evacuate_one(jobs, store, executor, cp, report, reverify)
+                    # the newest is checked in the store once, for the verdict, after everything else
+                    _evacuate_one(jobs, store, executor, cp, report, reverify, check_store=cp is not listing[-1])
             relist(jobs, remotes)
             listing = [cp for cp in instance_checkpoints(job) if cp.name not in _names(report.damaged)]
             newest = listing[-1] if listing else None
@@ -586,6 +587,11 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
     return report
 
 
+def _lost(name: str, store: Store, problems: list[str]) -> str:
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return f"{name} is in the store's manifest, but the store {store.label} does not hold it: {problems[0]}{more}"
+
+
 def _check_in_store(jobs: list[Job], store: Store, executor: Executor, cp: Checkpoint, report: Report,
                     reverify: bool) -> None:
     """The verdict's evidence: the store holds cp now, byte for byte as the instance's record says.
@@ -597,8 +603,8 @@ def _check_in_store(jobs: list[Job], store: Store, executor: Executor, cp: Check
         if not problems:
             report.verified_now.append(cp.name)
             return
-        executor.ui.warn(f"{jobs[0].host}: {cp.name}: the store {store.label} does not hold it as recorded: "
-                         f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+        executor.ui.warn(f"{jobs[0].host}: " + (_lost(cp.name, store, problems) if record else
+                                                f"{cp.name} is not in the store {store.label}'s manifest after its copy")
                          + ("; copying it again" if attempt == 0 else ""))
         if attempt:
             break
@@ -661,10 +667,10 @@ def parts_of(jobs: list[Job], cp: Checkpoint) -> list[tuple[Job, Checkpoint]]:
 
 
 def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpoint, report: Report,
-                  reverify: bool, again: bool = False) -> None:
+                  reverify: bool, again: bool = False, check_store: bool = True) -> None:
     """Copy cp into the store, verified, unless the store holds it already: the manifest's record
-    of it matched by the instance's bytes (re-hashed there) and by what the store holds now.
-    `again`: the store was found not to hold it; set aside what differs and copy it."""
+    of it matched by the instance's bytes (re-hashed there) and (`check_store`) by what the store
+    holds now. `again`: the store was found not to hold it; set aside what differs and copy it."""
     job = jobs[0]
     known = store.manifest.checkpoints.get(cp.name) if store.manifest else None
     sizes = {e.path: e.size for e in cp.files}
@@ -687,12 +693,11 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
             raise EvacuationError(
                 f"{job.host}: {cp.name} on the instance differs from the verified copy in the store {store.label}",
                 "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right")
-        problems = verdicts.store_holds(known, executor.run_one(_observe_action(store, known)))
+        problems = verdicts.store_holds(known, executor.run_one(_observe_action(store, known))) if check_store else []
         if not problems:
             report.already.append(cp.name)
             return
-        executor.ui.warn(f"{job.host}: {cp.name} is in the store's manifest, but the store {store.label} does not "
-                         f"hold it: {problems[0]}; copying it again")
+        executor.ui.warn(f"{job.host}: {_lost(cp.name, store, problems)}; copying it again")
         again = True
     if again and known is not None:
         seen = executor.run_one(_observe_action(store, known))

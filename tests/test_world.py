@@ -11,6 +11,8 @@ import hashlib
 import json
 import signal
 
+import pytest
+from conftest import host_side_address
 from e2e import plain_recipe, run_cli, start_cli, wait_for
 from test_faults import plant, records
 
@@ -164,3 +166,47 @@ def test_ctrl_c_during_evacuate_exits_130_and_says_do_not_destroy(tmp_path, sand
     rerun = run_cli("evacuate", str(recipe), inst.host, home=home)
     assert rerun.returncode == 0, rerun.stderr
     assert sha(store / "ckpt-00000010.pt") == want
+
+
+@pytest.mark.parametrize("kind,via", [("rclone", "local"), ("rclone", "instance"), ("hf", "local"),
+                                      ("hf", "instance")])
+def test_a_checkpoint_the_remote_lost_is_copied_again(kind, via, tmp_path, sandbox, ssh, ssh_key, package_index,
+                                                      s3_remote, hf_hub):
+    """An S3 bucket's lifecycle rule, a file deleted from a Hub repo: the next evacuation sees it in
+    the remote's own listing (rclone: size and hash; the Hub: the head's file list), not in the
+    manifest, and copies it again."""
+    inst = sandbox(index_dir=package_index)
+    home = tmp_path / "state"
+    if kind == "rclone":
+        server = s3_remote(bind=host_side_address(inst))
+        env, remote = server.env, f"rclone:{server.name}:{server.bucket}/runs/a"
+        secrets = sorted(env)
+    else:
+        server = hf_hub(bind=host_side_address(inst), lfs_threshold=1000)
+        env, remote = server.env(tmp_path / "hfhome"), "hf:acme/ckpts/run1"
+        secrets = ["HF_TOKEN"]
+    recipe = plain_recipe(tmp_path, name=f"lost-{kind}-{via}", key=ssh_key,
+                          env={"index_url": inst.index_url, "secrets": secrets},
+                          checkpoint={"remote": remote, "via": via})
+    plant(ssh, inst, 10)
+    newest = plant(ssh, inst, 20)
+    first = run_cli("evacuate", str(recipe), inst.host, home=home, env=env)
+    assert first.returncode == 0, first.stderr
+
+    if kind == "rclone":
+        (server.bucket_dir / "runs/a/ckpt-00000020.pt").unlink()
+    else:
+        from huggingface_hub import HfApi
+
+        HfApi(endpoint=server.url, token=server.token).delete_file("run1/ckpt-00000020.pt", "acme/ckpts")
+
+    again = run_cli("evacuate", str(recipe), inst.host, "--json", home=home, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "ckpt-00000020.pt is in the store's manifest, but the store" in again.stderr
+    assert "missing from the store; copying it again" in again.stderr
+    assert json.loads(again.stdout)["verified_now"] == ["ckpt-00000020.pt"]
+    if kind == "rclone":
+        held = (server.bucket_dir / "runs/a/ckpt-00000020.pt").read_bytes()
+    else:
+        held = server.read_files("acme/ckpts")["run1/ckpt-00000020.pt"]
+    assert hashlib.sha256(held).hexdigest() == newest
