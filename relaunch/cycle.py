@@ -603,9 +603,9 @@ def _check_in_store(jobs: list[Job], store: Store, executor: Executor, cp: Check
         if not problems:
             report.verified_now.append(cp.name)
             return
-        executor.ui.warn(f"{jobs[0].host}: " + (_lost(cp.name, store, problems) if record else
-                                                f"{cp.name} is not in the store {store.label}'s manifest after its copy")
-                         + ("; copying it again" if attempt == 0 else ""))
+        said = (_lost(cp.name, store, problems) if record else
+                f"{cp.name} is not in the store {store.label}'s manifest after its copy")
+        executor.ui.warn(f"{jobs[0].host}: {said}" + ("; copying it again" if attempt == 0 else ""))
         if attempt:
             break
         for name in (report.copied, report.already, report.unchanged):
@@ -616,10 +616,11 @@ def _check_in_store(jobs: list[Job], store: Store, executor: Executor, cp: Check
             break
 
 
-def _observe_action(store: Store, record: CheckpointRecord) -> Action:
+def _observe_action(store: Store, record: CheckpointRecord, size_only: bool = False) -> Action:
     total = sum(f.size for f in record.files.values())
     return Action("evacuate", f"what the store {store.label} holds of {record.name} now", where=LOCAL,
-                  call="store.observe", args={"record": record}, deadline=hash_deadline(total), fails_as="evacuate")
+                  call="store.observe", args={"record": record, "size_only": size_only},
+                  deadline=hash_deadline(0 if size_only else total), fails_as="evacuate")
 
 
 def _progress(job: Job, executor: Executor) -> verdicts.Progress:
@@ -677,9 +678,17 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
     parts = parts_of(jobs, cp)
     if known is not None and not again:
         if not reverify and {p: f.size for p, f in known.files.items()} == sizes:
-            report.already.append(cp.name)        # a sync round: same files, same sizes, verified before
-            report.unchanged.append(cp.name)
-            return
+            # a sync round: same files, same sizes, verified before; and the store still holds them
+            # as recorded, as far as a cheap look shows (sizes; a remote's listing gives its hashes too)
+            seen = executor.run_one(_observe_action(store, known, size_only=True))
+            cheap = verdicts.store_holds(known, seen, size_only=not any(s.hashes for s in seen.values()))
+            if not cheap:
+                report.already.append(cp.name)
+                report.unchanged.append(cp.name)
+                return
+            executor.ui.warn(f"{job.host}: {_lost(cp.name, store, cheap)}; copying it again")
+            again = True
+    if known is not None and not again:
         hashes: dict[str, Any] = {}
         for part_job, part in parts:
             found = executor.run_one(tag([hash_action(part_job, store, part)], part_job)[0]

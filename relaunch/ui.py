@@ -53,10 +53,10 @@ class UI:
         self._progress: Progress | None = None     # the bars shown now (one display for all)
         self._live = 0
 
-    def _print(self, text: str, style: str | None = None) -> None:
+    def _print(self, text: str, style: str | None = None, always: bool = False) -> None:
         text = redact(text)
         log.info(text)
-        if not self.quiet:
+        if always or not self.quiet:
             with self._lock:
                 self.console.print(escape(text), style=style)
 
@@ -70,7 +70,9 @@ class UI:
         self._print(text, "bold green")
 
     def warn(self, text: str) -> None:
-        self._print(f"warning: {text}", "yellow")
+        # shown also where the steps' own lines are not (a sync round's one line): a warning is
+        # something the user must see, such as a store that lost a checkpoint
+        self._print(f"warning: {text}", "yellow", always=True)
 
     def detail(self, text: str) -> None:
         log.debug(redact(text))

@@ -210,3 +210,55 @@ def test_a_checkpoint_the_remote_lost_is_copied_again(kind, via, tmp_path, sandb
     else:
         held = server.read_files("acme/ckpts")["run1/ckpt-00000020.pt"]
     assert hashlib.sha256(held).hexdigest() == newest
+
+
+def test_a_sync_round_does_not_call_unchanged_what_the_remote_holds_differently(tmp_path, sandbox, ssh, ssh_key,
+                                                                                  s3_remote):
+    """A sync round skips a checkpoint whose sizes match its record, but only after the remote's
+    listing (sizes and the remote's own hash, free with the listing) agrees: a byte flipped in the
+    bucket is seen there and copied again. Found by the chaos test (schedule 5)."""
+    home = tmp_path / "state"
+    inst = sandbox()
+    server = s3_remote()
+    recipe = plain_recipe(tmp_path, name="flipsync", key=ssh_key,
+                          checkpoint={"remote": f"rclone:{server.name}:{server.bucket}/runs/a"})
+    older, _ = plant(ssh, inst, 10), plant(ssh, inst, 20)
+    assert run_cli("evacuate", str(recipe), inst.host, home=home, env=server.env).returncode == 0
+    path = server.bucket_dir / "runs/a/ckpt-00000010.pt"
+    damaged = bytearray(path.read_bytes())
+    damaged[3] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+
+    sync = run_cli("sync", str(recipe), inst.host, "--once", "--json", home=home, env=server.env)
+    assert sync.returncode == 0, sync.stderr
+    assert "ckpt-00000010.pt is in the store's manifest, but the store" in sync.stderr
+    report = json.loads(sync.stdout)
+    assert "ckpt-00000010.pt" not in report["unchanged"] and "ckpt-00000010.pt" in report["copied"]
+    assert sha(path) == older
+    aside = list((server.bucket_dir / "runs/a/.relaunch/damaged").rglob("ckpt-00000010.pt"))
+    assert len(aside) == 1 and aside[0].read_bytes() == bytes(damaged)
+
+
+def test_store_credentials_do_not_outlive_a_copy_whose_relaunch_was_killed(tmp_path, sandbox, ssh, ssh_key,
+                                                                            package_index, s3_remote):
+    """kill -9 of relaunch while the instance uploads: relaunch cannot run its cleanup, so the copy
+    itself removes the credentials file as soon as it has read it."""
+    from test_faults import in_instance
+
+    home = tmp_path / "state"
+    anchor = sandbox()
+    server = s3_remote(bind=host_side_address(anchor))
+    inst = sandbox(rate="8mbit", index_dir=package_index)
+    recipe = plain_recipe(tmp_path, name="killed-creds", key=ssh_key, env={"index_url": inst.index_url},
+                          checkpoint={"remote": f"rclone:{server.name}:{server.bucket}/c", "via": "instance"})
+    plant(ssh, inst, 10, size=8_000_000)
+    proc = start_cli("evacuate", str(recipe), inst.host, home=home, env=server.env, err=tmp_path / "evac.err")
+    try:
+        wait_for("the instance's upload to run", lambda: in_instance(inst, "copy --immutable"),
+                 timeout=180, every=0.1)
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    left = ssh(inst, f"grep -rl -- {server.secret_key} ~ /tmp 2>/dev/null; true").stdout.split()
+    assert left == [], (tmp_path / "evac.err").read_text()

@@ -75,4 +75,6 @@ def credential_actions(job: Job, step: str, values: dict[str, str], fails_as: st
                    command=upload_command(path, 0o600), stdin=export_lines(values).encode(),
                    secret=tuple(sorted(values)), fails_as=fails_as)
     remove = Action(step, f"remove {path}", command=f"rm -f -- {shlex.quote(path)}", always=True, fails_as=fails_as)
-    return write, f". {shlex.quote(path)} && ", remove
+    # the copy removes the file as soon as it has read it: a relaunch killed (kill -9) mid-copy
+    # cannot run `remove`, and the file must not outlive the copy on the instance's disk
+    return write, f". {shlex.quote(path)} && rm -f -- {shlex.quote(path)} && ", remove

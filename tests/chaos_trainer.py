@@ -1,0 +1,61 @@
+"""The chaos test's trainer (stdlib only): a step every 0.1 s, a checkpoint every 30 steps, written
+as careful trainers do (temp name, then rename), the newest 3 kept; a save on SIGTERM.
+
+A checkpoint's bytes depend only on its step, so the test knows what every checkpoint must hold
+wherever it was copied. Every start appends one line to ~/starts.log: `resumed NAME SHA256 STEP`
+(the hash of the bytes it read) or `fresh`.
+"""
+
+import hashlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+SIZE, EVERY, KEEP = 200_000, 30, 3
+
+
+def content(step: int) -> bytes:
+    return f"step={step}\n".encode() + hashlib.sha256(str(step).encode()).digest() * (SIZE // 32)
+
+
+def main() -> None:
+    out = Path.home() / "ckpt"
+    out.mkdir(exist_ok=True)
+    resume = sys.argv[1] if len(sys.argv) > 1 else ""
+    step = 0
+    if resume:
+        data = Path(resume).read_bytes()
+        step = int(data.split(b"\n", 1)[0].split(b"=")[1])
+        line = f"resumed {os.path.basename(resume)} {hashlib.sha256(data).hexdigest()} {step}"
+    else:
+        line = "fresh"
+    with open(Path.home() / "starts.log", "a") as log:
+        log.write(line + "\n")
+    print(line, flush=True)
+
+    def save() -> None:
+        name = out / f"ckpt-{step:08d}.pt"
+        tmp = out / f"{name.name}.tmp"
+        tmp.write_bytes(content(step))
+        os.replace(tmp, name)
+        for old in sorted(out.glob("ckpt-*.pt"))[:-KEEP]:
+            old.unlink()
+
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    saved = step
+    while not stopping:
+        time.sleep(0.1)
+        step += 1
+        print(f"step {step} loss 1.0", flush=True)
+        if step % EVERY == 0:
+            save()
+            saved = step
+    if saved != step:
+        save()
+
+
+if __name__ == "__main__":
+    main()
