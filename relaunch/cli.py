@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -550,10 +551,17 @@ def sandbox_list(as_json: bool) -> None:
         click.echo(f"{inst.name:<14} {inst.host:<24} {inst.host_key_fingerprint}")
 
 
+_unwinding = threading.Event()
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    """Ctrl-C or a SIGTERM: every wait in relaunch ends (CANCEL), then the main thread unwinds."""
+    """Ctrl-C or a SIGTERM: every wait in relaunch ends (CANCEL), then the main thread unwinds.
+    Only once: a second Ctrl-C must not cut short the cleanup (credentials removed, the exit code
+    and its message) that the first one started."""
     processes.CANCEL.set()
-    raise KeyboardInterrupt
+    if not _unwinding.is_set():
+        _unwinding.set()
+        raise KeyboardInterrupt
 
 
 def wants_json(argv: list[str]) -> bool:
@@ -588,8 +596,17 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(str(debug_log_file()))
     except OSError:
         pass
+    _unwinding.clear()
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _main(argv)
+    finally:
+        # the work and its exit code are decided: a Ctrl-C now must not turn them into a kill by signal
+        _unwinding.set()
+
+
+def _main(argv: list[str] | None) -> int:
     args = list(argv if argv is not None else sys.argv[1:])
     command = args[:1]
     as_json = wants_json(args)

@@ -191,6 +191,22 @@ def test_set_link_outage_and_recovery(sandbox, ssh) -> None:
     _eventually("ssh after link up", lambda: ssh(inst, "true", check=False).returncode == 0)
 
 
+def test_after_an_outage_the_instance_reaches_services_on_other_links_again(sandbox, ssh) -> None:
+    """A test S3 server listens on another instance's host-side address: the way back to it (a
+    route the kernel drops with the link) is there again once the link is up."""
+    inst, other = sandbox(), sandbox()
+    server = socket.create_server((other.address.rsplit(".", 1)[0] + ".1", 0))
+    try:
+        host, port = server.getsockname()
+        reach = f"python3 -c 'import socket; socket.create_connection((\"{host}\", {port}), timeout=5)'"
+        ssh(inst, reach)
+        sb.set_link(inst.name, up=False)
+        sb.set_link(inst.name, up=True)
+        assert ssh(inst, reach, check=False).returncode == 0
+    finally:
+        server.close()
+
+
 def test_rate_shapes_both_ends_of_the_link_to_this_machine_only(sandbox) -> None:
     inst = sandbox(rate="8mbit")
     host_dev, inst_dev = _meta(inst.name)["veth"]

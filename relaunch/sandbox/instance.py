@@ -685,7 +685,8 @@ def commands(name: str) -> list[str]:
 def set_link(name: str, up: bool) -> None:
     """Take the instance's link down (an outage: packets vanish, connections time out) or up again."""
     inst = get(name)
-    network.set_link_state(name, int((_folder(name) / "slot").read_text()), up)
+    meta = json.loads((_folder(name) / "instance.json").read_text())
+    network.set_link_state(name, int(meta["slot"]), up, IPv4Network(meta["range"]) if meta.get("range") else None)
     if up:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

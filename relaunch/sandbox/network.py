@@ -282,10 +282,13 @@ def shape(name: str, slot: int, rate: str) -> None:
                 raise UsageError(f"bad rate {rate!r}: {proc.stderr.strip()}", hint="use a tc rate like 20mbit")
 
 
-def set_link_state(name: str, slot: int, up: bool) -> None:
-    """Take the instance's side of the link down (packets vanish) or up again."""
+def set_link_state(name: str, slot: int, up: bool, net: IPv4Network | None = None) -> None:
+    """Take the instance's side of the link down (packets vanish) or up again; `net`, the range,
+    to restore its route to the other instances' links (the kernel drops it with the link)."""
     host_dev, inst_dev = veths(slot)
     run(["ip", "netns", "exec", netns(name), "ip", "link", "set", inst_dev, "up" if up else "down"])
+    if up and net is not None:
+        run(["ip", "netns", "exec", netns(name), "ip", "route", "replace", str(net), "via", addresses(slot, net)[0]])
     if up:
         # neighbour entries that failed during the outage would answer "no route to host" for a
         # while; a recovered link should work at once, like a recovered instance
