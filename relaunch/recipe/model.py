@@ -123,7 +123,8 @@ class Env(_Section):
                           ["tmux", "rsync"], list)
     files: dict[Path, str] = _key("Local file (relative to the recipe file) -> instance path, uploaded before setup.",
                                   {"train.py": "~/work/train.py"}, dict)
-    setup: list[str] = _key("Shell lines run in the venv after install, in run.workdir; once per lock.",
+    setup: list[str] = _key("Shell lines run in the venv after install, in run.workdir, fail-fast like a CI step "
+                            "(a failing line stops the setup: exit 4); once per lock, counted only once all succeeded.",
                             ["pip install -e ."], list)
     vars: dict[str, str] = _key("Environment variables for setup and command; also template variables.",
                                 {"WANDB_MODE": "offline"}, dict)

@@ -87,14 +87,21 @@ def plan_env(job: Job) -> list[Action]:
         setup = scripts.render("setup.sh.j2", name=recipe.name, setup=lines, workdir=paths.workdir,
                                venv=paths.venv, secrets_file=paths.secrets_file, exports=exports(job, env),
                                templates=recipe.templates)
-        guarded = (f"marker={q(paths.setup_marker)}\n"
+        # set -e: a failing setup exits with its status (exit 4, its line named by checks.setup_failure)
+        # before the marker is written, so the next `up` runs the whole setup again
+        guarded = ("set -e\n"
+                   f"marker={q(paths.setup_marker)}\n"
                    f"if [ \"$(cat \"$marker\" 2>/dev/null)\" = {digest} ]; then "
                    "echo 'setup already ran for this lock'; exit 0; fi\n"
+                   "rm -f \"$marker\"\n"
                    f"mkdir -p {q(paths.workdir)}\n"
                    f"bash -s <<'RELAUNCH_SETUP'\n{setup}RELAUNCH_SETUP\n"
                    f"echo {digest} > \"$marker\"\n")
         actions.append(act("env.setup", command="bash -s", stdin=guarded.encode(), deadline=INSTALL_DEADLINE,
-                           say=f"running env.setup ({len(lines)} lines)", progress="time"))
+                           say=f"running env.setup ({len(lines)} lines)", progress="time",
+                           explain="checks.setup_failure",
+                           hint="fix that line (or the instance), then rerun `relaunch up`: the setup runs again "
+                                "from its first line"))
 
     if lock:
         actions += [act("pip freeze of the venv", command=f"{q(paths.venv)}/bin/python -c {q(FREEZE_PY)}",
