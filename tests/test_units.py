@@ -79,3 +79,16 @@ def test_drift_and_pins() -> None:
 def test_apt_command_uses_sudo_only_when_not_root() -> None:
     assert apt_command(["tmux"], root=True).startswith("env DEBIAN_FRONTEND")
     assert "sudo -n env" in apt_command(["tmux", "rsync"], root=False)
+
+
+def test_url_userinfo_is_redacted_wherever_it_is_shown() -> None:
+    from relaunch.ui import Redactor
+
+    redact = Redactor()
+    redact.add_urls(["https://__token__:pypi-SECRETa@pypi.example/simple",
+                     "https://TOKENb42@other.example/simple/", "https://plain.example/simple"])
+    text = ("Looking in indexes: https://__token__:pypi-SECRETa@pypi.example/simple, https://TOKENb42@other.example/x "
+            "401 for user __token__ with pypi-SECRETa; token TOKENb42; https://plain.example/simple; root@10.0.0.2:/ckpt")
+    assert redact(text) == ("Looking in indexes: https://***@pypi.example/simple, https://***@other.example/x "
+                            "401 for user __token__ with ***; token ***; https://plain.example/simple; "
+                            "root@10.0.0.2:/ckpt")

@@ -10,7 +10,7 @@ from ..host.connection import upload_command
 from ..host.facts import FREEZE_PY
 from ..job import Job, drift
 from ..plan import LOCAL, Action, Ref
-from ..transports.tools import index_args, tool_action
+from ..transports.tools import index_exports, tool_action
 
 LANE = "env"
 INSTALL_DEADLINE = 3600.0
@@ -51,10 +51,11 @@ def plan_env(job: Job) -> list[Action]:
     elif installed is not None and not lock:
         actions.append(act("venv", skip=f"venv {paths.venv} exists and there is no env.lock"))
     else:
-        script = scripts.render("env.sh.j2", name=recipe.name, venv=paths.venv, python=facts.host.python,
-                                lock=paths.lock if lock else "", installer=recipe.env.installer,
-                                index_args=index_args(job), system_site_packages=recipe.env.system_site_packages,
-                                templates=recipe.templates)
+        # the indexes above the script, so that a team's own env.sh.j2 gets them too
+        script = index_exports(job) + scripts.render(
+            "env.sh.j2", name=recipe.name, venv=paths.venv, python=facts.host.python, lock=paths.lock if lock else "",
+            installer=recipe.env.installer, system_site_packages=recipe.env.system_site_packages,
+            templates=recipe.templates)
         if lock:
             actions.append(act(f"upload {recipe.env.lock} -> {paths.lock}", command=upload_command(paths.lock, 0o600),
                                stdin=recipe.env.lock))
