@@ -10,10 +10,18 @@ from ..host.connection import upload_command
 from ..host.facts import FREEZE_PY
 from ..job import Job, drift
 from ..plan import LOCAL, Action, Ref
+from ..transports import rsync
 from ..transports.tools import index_exports, tool_action
 
 LANE = "env"
 INSTALL_DEADLINE = 3600.0
+UPLOAD_DEADLINE = 60.0
+
+
+def upload_deadline(size: int) -> float:
+    """A minute, plus as long as `size` bytes take on the slowest link relaunch plans for (the
+    rate rsync's copies get): a big env.files file (a tokenizer, a shard) is not ended halfway."""
+    return float(round(UPLOAD_DEADLINE + rsync.DEADLINE_PER_GIB * size / 1024**3))
 
 
 def exports(job: Job, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -74,6 +82,7 @@ def plan_env(job: Job) -> list[Action]:
         dest = job.expand(str(remote_path))
         mode = facts.modes.get(str(local), 0o644)
         actions.append(act(f"upload {local} -> {dest}", command=upload_command(dest, mode), stdin=local,
+                           deadline=upload_deadline(facts.sizes.get(str(local), 0)),
                            done=f"uploaded {local.name} -> {dest}"))
 
     if facts.secrets:
