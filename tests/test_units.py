@@ -87,11 +87,12 @@ def test_url_userinfo_is_redacted_wherever_it_is_shown() -> None:
     redact = Redactor()
     redact.add_urls(["https://__token__:pypi-SECRETa@pypi.example/simple",
                      "https://TOKENb42@other.example/simple/", "https://plain.example/simple"])
-    text = ("Looking in indexes: https://__token__:pypi-SECRETa@pypi.example/simple, https://TOKENb42@other.example/x "
-            "401 for user __token__ with pypi-SECRETa; token TOKENb42; https://plain.example/simple; root@10.0.0.2:/ckpt")
-    assert redact(text) == ("Looking in indexes: https://***@pypi.example/simple, https://***@other.example/x "
-                            "401 for user __token__ with ***; token ***; https://plain.example/simple; "
-                            "root@10.0.0.2:/ckpt")
+    text = ("Looking in indexes: https://__token__:pypi-SECRETa@pypi.example/simple, "
+            "https://TOKENb42@other.example/x 401 for user __token__ with pypi-SECRETa; token TOKENb42; "
+            "https://plain.example/simple; root@10.0.0.2:/ckpt")
+    assert redact(text) == ("Looking in indexes: https://***@pypi.example/simple, "
+                            "https://***@other.example/x 401 for user __token__ with ***; token ***; "
+                            "https://plain.example/simple; root@10.0.0.2:/ckpt")
 
 
 def test_env_files_uploads_get_a_deadline_that_grows_with_their_size(tmp_path) -> None:
