@@ -66,7 +66,7 @@ def tool_script(job: Job, tool: str) -> str:
         command = f"[ -x {venv}/bin/{tool} ] || {fetch} || {pip}"
     # stdin is this script: nothing it runs may read it (pip asking for a password would)
     return (index_exports(job) + "export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1\n"
-            + f"{command} </dev/null\n")
+            + f"{{ {command}; }} </dev/null\n")
 
 
 def tool_action(job: Job, tool: str, step: str, fails_as: str) -> Action:
