@@ -59,12 +59,13 @@ def load(recipe_path: str, overrides: tuple[str, ...]) -> Any:
     check_recipe(recipe)        # templates too: a typo is exit 2 before any host is contacted
     # secret values never reach the screen or the debug log, whatever prints them
     redact.add(os.environ.get(name, "") for name in recipe.env.secrets)
+    redact.add_urls([u for u in (recipe.env.index_url, *recipe.env.extra_index_urls) if u])
     return recipe
 
 
 def emit(as_json: bool, data: Any) -> None:
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        click.echo(redact(json.dumps(data, indent=2)))
 
 
 def show_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
@@ -301,7 +302,7 @@ def check(recipe: str, explain: bool, overrides: tuple[str, ...], as_json: bool,
     for note in notes:
         click.echo(f"note: {note}", err=True)
     if explain and not as_json:
-        click.echo(explain_text(r), nl=False)
+        click.echo(redact(explain_text(r)), nl=False)
     click.echo(f"{recipe}: ok (recipe {r.name})", err=as_json or explain)
     result: dict[str, Any] = {"ok": True, "name": r.name, "notes": notes}
     if explain:

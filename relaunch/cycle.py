@@ -153,11 +153,33 @@ _INSTALL_ERRORS = (re.compile(r"Because (.+?)(?:, we can conclude.*)?$", re.M), 
                    re.compile(r"^(?:ERROR|error): (.+)$", re.M))
 
 
+# templates/setup.sh.j2 announces each env.setup line before it runs it
+_SETUP_LINE = re.compile(r"^relaunch-setup-line (\d+)$", re.M)
+SETUP_TAIL_LINES = 15
+
+
 class Checks:
     """In-process checks that plans call (`checks.x`): they say what they found."""
 
-    def __init__(self, ui: UI, host: str) -> None:
-        self.ui, self.host = ui, host
+    def __init__(self, ui: UI, host: str, recipe: Recipe | None = None) -> None:
+        self.ui, self.host, self.recipe = ui, host, recipe
+
+    def setup_failure(self, status: int | None, output: str) -> RelaunchError | None:
+        """The env.setup line that failed, where the recipe wrote it, and the last lines it printed
+        (None leaves the usual failure block: a timeout, or a team's setup.sh.j2 without the
+        announcements)."""
+        starts = list(_SETUP_LINE.finditer(output))
+        if status is None or not starts or self.recipe is None:
+            return None
+        last = starts[-1]
+        key = f"env.setup.{last.group(1)}"
+        where = self.recipe.origin(tuple(key.split(".")))
+        printed = [ln for ln in redact(output[last.end():]).splitlines() if ln.strip()][-SETUP_TAIL_LINES:]
+        message = (f"{self.host}: env.setup failed (exit {status}) at {where}: {key}: "
+                   f"{shorten(redact(str(self.recipe.value(key))))}")
+        message += "".join(f"\n  | {ln}" for ln in printed) if printed else "\n  (it printed nothing)"
+        return EnvError(message, "fix that line (or the instance), then rerun `relaunch up`: the setup runs "
+                                 "again from its first line; the full output is in the debug log")
 
     def install_failure(self, status: int | None, output: str) -> RelaunchError | None:
         """The installer's own words for the package it could not install, as the error line."""
@@ -198,7 +220,7 @@ class Fanout:
 
 def executor_for(job: Job, remote: Remote, store: Store | None, ui: UI,
                  remotes: dict[str, Remote] | None = None) -> Executor:
-    handlers: dict[str, Any] = {"checks": Checks(ui, job.host), "fanout": Fanout()}
+    handlers: dict[str, Any] = {"checks": Checks(ui, job.host, job.recipe), "fanout": Fanout()}
     if store is not None:
         handlers.update(store.handlers())
     return Executor(ui, job.host, remote, handlers, remotes)

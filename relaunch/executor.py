@@ -353,11 +353,12 @@ def _groups(actions: Sequence[Action]) -> list[dict[str, list[Action]]]:
     return groups
 
 
-_PROGRESS_LINE = re.compile(rb"^relaunch-read \d+\n?", re.M)
+_PROGRESS_LINE = re.compile(rb"^relaunch-(?:read|setup-line) \d+\n?", re.M)
 
 
 def _quiet(data: bytes) -> bytes:
-    """Output without the hasher's progress lines (they feed a bar, not a message)."""
+    """Output without the hasher's progress lines (they feed a bar, not a message) and env.setup's
+    line announcements (they name a failing line, see Checks.setup_failure)."""
     return _PROGRESS_LINE.sub(b"", data)
 
 

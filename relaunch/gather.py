@@ -110,8 +110,14 @@ def gather(remote: Remote, recipe: Recipe, node: Node, store: Store | None = Non
     # the store's own credentials go to the instance only for a copy, never into training's file
     facts.withheld = [n for n in recipe.env.secrets if store is not None and store.is_credential(n)]
     facts.secrets = environ_secrets([n for n in recipe.env.secrets if n not in facts.withheld])
-    facts.modes = {str(p): os.stat(p).st_mode & 0o777 for p in recipe.env.files if p.exists()}
+    facts.modes, facts.sizes = env_files(recipe)
     return job
+
+
+def env_files(recipe: Recipe) -> tuple[dict[str, int], dict[str, int]]:
+    """The mode (kept on the instance) and size (the upload's deadline) of each env.files file here."""
+    found = {str(p): os.stat(p) for p in recipe.env.files if p.exists()}
+    return {p: s.st_mode & 0o777 for p, s in found.items()}, {p: s.st_size for p, s in found.items()}
 
 
 def read_required(remotes: dict[str, Remote], job: Job, holders: dict[str, list[str]]) -> dict[str, list[str]]:

@@ -57,6 +57,7 @@ class Facts:
     lock: list[str] = field(default_factory=list)          # the recipe's lock file, here
     secrets: dict[str, str] = field(default_factory=dict)  # env.secrets set on this machine
     modes: dict[str, int] = field(default_factory=dict)    # env.files here: local path -> mode
+    sizes: dict[str, int] = field(default_factory=dict)    # env.files here: local path -> bytes
     withheld: list[str] = field(default_factory=list)      # env.secrets that are the store's credentials
     damaged: dict[str, str] = field(default_factory=dict)  # instance checkpoint -> why its save did not finish
     # a node group: which nodes hold each path of the merged listing (None: one node holds all)
@@ -71,7 +72,8 @@ class Facts:
             "store": None if self.store is None else {
                 "label": self.store.label, "empty": self.store.empty,
                 "manifest": None if self.store.manifest is None else self.store.manifest.to_dict()},
-            "lock": self.lock, "secrets": self.secrets, "modes": self.modes, "reads": self.reads,
+            "lock": self.lock, "secrets": self.secrets, "modes": self.modes, "sizes": self.sizes,
+            "reads": self.reads,
             "withheld": self.withheld, "damaged": self.damaged, "holders": self.holders,
             "required": self.required,
         }
@@ -87,6 +89,7 @@ class Facts:
                 store["label"], store["empty"],
                 None if store.get("manifest") is None else StoreManifest.from_dict(store["manifest"], "fixture")),
             lock=list(data.get("lock", [])), secrets=dict(data.get("secrets", {})), modes=dict(data.get("modes", {})),
+            sizes=dict(data.get("sizes", {})),
             reads=list(data.get("reads", [])), withheld=list(data.get("withheld", [])),
             damaged=dict(data.get("damaged", {})), holders=data.get("holders"),
             required={k: list(v) for k, v in data.get("required", {}).items()},

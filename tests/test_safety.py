@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from e2e import plain_recipe, run_cli, wait_for
 
 from relaunch import sandbox as sb
@@ -176,7 +178,8 @@ def test_plan_shows_exact_commands_and_changes_nothing(tmp_path, sandbox, ssh, s
     result = run_cli("plan", str(recipe), inst.host, home=tmp_path / "state")
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "-m pip install --progress-bar off --index-url http://127.0.0.1:8765/simple/ -r" in out
+    assert "export PIP_INDEX_URL=http://127.0.0.1:8765/simple/" in out
+    assert '-m pip install --progress-bar off -r "$lock"' in out
     assert "tmux new-session -d -s planned" in out
     assert "empty: fresh start" in out
     assert "GPUs: none (fine for a CPU run)" in result.stderr
@@ -214,3 +217,45 @@ def test_up_on_several_hosts_gives_each_its_rank(tmp_path, sandbox, ssh, ssh_key
     for rank, inst in enumerate(hosts):
         text = wait_for("the rank file", lambda inst=inst: ssh(inst, "cat ~/rank.txt 2>/dev/null", check=False).stdout)
         assert text.strip() == f"{rank}/2 {hosts[0].address}"
+
+
+@pytest.mark.parametrize("installer", ["uv", "pip"])
+def test_an_index_token_is_never_on_a_command_line_in_plan_output_or_in_readable_files(
+        tmp_path, sandbox, ssh, ssh_key, package_index, installer):
+    """env.index_url may carry a token (`https://user:token@host/simple`): pip and uv get it
+    through their environment, never as an argument any user of the instance can read in `ps`,
+    and relaunch shows it as `https://***@host/simple`."""
+    home = tmp_path / "state"
+    inst = sandbox(index_dir=package_index)
+    token = "SECRET123"
+    # the sandbox's index ignores userinfo, so the install works with it as with a real one's token
+    url = inst.index_url.replace("http://", f"http://tok:{token}@")
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("mpmath==1.3.0\n")
+    recipe = plain_recipe(tmp_path, name="tokenindex", key=ssh_key,
+                          env={"lock": str(lock), "index_url": url, "installer": installer})
+
+    shown = [run_cli("plan", str(recipe), inst.host, *extra, home=home) for extra in ((), ("--json",))]
+    assert all(p.returncode == 0 for p in shown), shown[0].stderr + shown[1].stderr
+    assert "http://***@127.0.0.1" in shown[0].stdout
+
+    # every command line on the machine (the instance shares its process table) while `up` runs
+    recorder = ssh(inst, "nohup bash -c 'while :; do ps -eo args >> /tmp/ps.log; sleep 0.1; done' "
+                         ">/dev/null 2>&1 & echo $!").stdout.strip()
+    try:
+        wait_for("the recorder", lambda: ssh(inst, "test -s /tmp/ps.log", check=False).returncode == 0, timeout=30)
+        up = run_cli("up", str(recipe), inst.host, "-v", home=home)
+    finally:
+        ssh(inst, f"kill {recorder}")
+    assert up.returncode == 0, up.stderr
+    assert ssh(inst, "~/venvs/plain/bin/python -c 'import mpmath; print(mpmath.__version__)'").stdout.strip() == "1.3.0"
+    recorded = ssh(inst, "cat /tmp/ps.log").stdout
+    assert "relaunch.cli up" in recorded                     # it recorded while `up` ran
+    assert token not in recorded
+    for out in (*shown, up):
+        assert token not in out.stdout + out.stderr
+    readable = [p for p in home.rglob("*") if p.is_file() and p.stat().st_mode & 0o004 and
+                token.encode() in p.read_bytes()]
+    assert not readable
+    on_instance = ssh(inst, f"find ~/.relaunch -type f -perm -o=r -exec grep -l {token} {{}} + || true").stdout
+    assert not on_instance.strip()

@@ -79,3 +79,48 @@ def test_drift_and_pins() -> None:
 def test_apt_command_uses_sudo_only_when_not_root() -> None:
     assert apt_command(["tmux"], root=True).startswith("env DEBIAN_FRONTEND")
     assert "sudo -n env" in apt_command(["tmux", "rsync"], root=False)
+
+
+def test_url_userinfo_is_redacted_wherever_it_is_shown() -> None:
+    from relaunch.ui import Redactor
+
+    redact = Redactor()
+    redact.add_urls(["https://__token__:pypi-SECRETa@pypi.example/simple",
+                     "https://TOKENb42@other.example/simple/", "https://plain.example/simple"])
+    text = ("Looking in indexes: https://__token__:pypi-SECRETa@pypi.example/simple, "
+            "https://TOKENb42@other.example/x 401 for user __token__ with pypi-SECRETa; token TOKENb42; "
+            "https://plain.example/simple; root@10.0.0.2:/ckpt")
+    assert redact(text) == ("Looking in indexes: https://***@pypi.example/simple, "
+                            "https://***@other.example/x 401 for user __token__ with ***; token ***; "
+                            "https://plain.example/simple; root@10.0.0.2:/ckpt")
+
+
+def test_env_files_uploads_get_a_deadline_that_grows_with_their_size(tmp_path) -> None:
+    """A fixed deadline ends the upload of a big file (a tokenizer, a dataset shard) on a slow
+    link; each upload gets as long as the slowest link relaunch plans for (rsync's rate) needs."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from relaunch.gather import env_files
+    from relaunch.host.spec import Target
+    from relaunch.job import Facts, Job, Node
+    from relaunch.recipe import load_recipe
+    from relaunch.steps.env import plan_env
+    from relaunch.transports.rsync import DEADLINE_PER_GIB
+
+    (tmp_path / "small.py").write_bytes(b"x" * 1024)
+    with open(tmp_path / "big.bin", "wb") as big:
+        big.truncate(500 * 1024**2)                     # sparse: 500 MB to stat, none written
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({
+        "name": "files", "env": {"python": "3.11", "files": {"small.py": "~/small.py", "big.bin": "~/big.bin"}},
+        "checkpoint": {"dir": "~/ckpt", "remote": str(tmp_path / "store")}, "run": {"command": "sleep 600"}}))
+    recipe = load_recipe(tmp_path / "recipe.yaml", [])
+    fixture = Path(__file__).parent / "fixtures" / "plans" / "facts-root.json"
+    facts = Facts.from_dict(json.loads(fixture.read_text()))
+    facts.modes, facts.sizes = env_files(recipe)
+    job = Job(recipe, Node(Target(address="203.0.113.7", user="root", port=22, key=None)), facts)
+    deadlines = {Path(a.title.split()[1]).name: a.deadline for a in plan_env(job) if a.title.startswith("upload ")}
+    assert deadlines["small.py"] <= 60                          # a small file: a hang still ends soon
+    assert deadlines["big.bin"] >= 500 / 1024 * DEADLINE_PER_GIB  # 500 MB at the slowest planned rate

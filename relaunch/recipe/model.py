@@ -114,7 +114,9 @@ class Env(_Section):
                                            "pip", "uv")
     lock: Path | None = _key("A pinned `pip freeze` (relative to the recipe file); `relaunch freeze` writes it.",
                              "requirements.lock", None)
-    index_url: str | None = _key("Package index for the lock (a freeze does not record indexes).",
+    index_url: str | None = _key("Package index for the lock (a freeze does not record indexes); a token in it "
+                                 "(https://user:token@host/simple) reaches pip and uv through their environment, "
+                                 "never a command line, and is shown as https://***@host/simple.",
                                  "https://download.pytorch.org/whl/cu124", None)
     extra_index_urls: list[str] = _key("More package indexes.", ["https://pypi.org/simple"], list)
     system_site_packages: bool = _key("Let the venv see the image's preinstalled packages (torch, CUDA).",
@@ -123,7 +125,8 @@ class Env(_Section):
                           ["tmux", "rsync"], list)
     files: dict[Path, str] = _key("Local file (relative to the recipe file) -> instance path, uploaded before setup.",
                                   {"train.py": "~/work/train.py"}, dict)
-    setup: list[str] = _key("Shell lines run in the venv after install, in run.workdir; once per lock.",
+    setup: list[str] = _key("Shell lines run in the venv after install, in run.workdir, fail-fast like a CI step "
+                            "(a failing line stops the setup: exit 4); once per lock, counted only once all succeeded.",
                             ["pip install -e ."], list)
     vars: dict[str, str] = _key("Environment variables for setup and command; also template variables.",
                                 {"WANDB_MODE": "offline"}, dict)

@@ -10,10 +10,18 @@ from ..host.connection import upload_command
 from ..host.facts import FREEZE_PY
 from ..job import Job, drift
 from ..plan import LOCAL, Action, Ref
-from ..transports.tools import index_args, tool_action
+from ..transports import rsync
+from ..transports.tools import index_exports, tool_action
 
 LANE = "env"
 INSTALL_DEADLINE = 3600.0
+UPLOAD_DEADLINE = 60.0
+
+
+def upload_deadline(size: int) -> float:
+    """A minute, plus as long as `size` bytes take on the slowest link relaunch plans for (the
+    rate rsync's copies get): a big env.files file (a tokenizer, a shard) is not ended halfway."""
+    return float(round(UPLOAD_DEADLINE + rsync.DEADLINE_PER_GIB * size / 1024**3))
 
 
 def exports(job: Job, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -51,10 +59,11 @@ def plan_env(job: Job) -> list[Action]:
     elif installed is not None and not lock:
         actions.append(act("venv", skip=f"venv {paths.venv} exists and there is no env.lock"))
     else:
-        script = scripts.render("env.sh.j2", name=recipe.name, venv=paths.venv, python=facts.host.python,
-                                lock=paths.lock if lock else "", installer=recipe.env.installer,
-                                index_args=index_args(job), system_site_packages=recipe.env.system_site_packages,
-                                templates=recipe.templates)
+        # the indexes above the script, so that a team's own env.sh.j2 gets them too
+        script = index_exports(job) + scripts.render(
+            "env.sh.j2", name=recipe.name, venv=paths.venv, python=facts.host.python, lock=paths.lock if lock else "",
+            installer=recipe.env.installer, system_site_packages=recipe.env.system_site_packages,
+            templates=recipe.templates)
         if lock:
             actions.append(act(f"upload {recipe.env.lock} -> {paths.lock}", command=upload_command(paths.lock, 0o600),
                                stdin=recipe.env.lock))
@@ -73,6 +82,7 @@ def plan_env(job: Job) -> list[Action]:
         dest = job.expand(str(remote_path))
         mode = facts.modes.get(str(local), 0o644)
         actions.append(act(f"upload {local} -> {dest}", command=upload_command(dest, mode), stdin=local,
+                           deadline=upload_deadline(facts.sizes.get(str(local), 0)),
                            done=f"uploaded {local.name} -> {dest}"))
 
     if facts.secrets:
@@ -87,14 +97,21 @@ def plan_env(job: Job) -> list[Action]:
         setup = scripts.render("setup.sh.j2", name=recipe.name, setup=lines, workdir=paths.workdir,
                                venv=paths.venv, secrets_file=paths.secrets_file, exports=exports(job, env),
                                templates=recipe.templates)
-        guarded = (f"marker={q(paths.setup_marker)}\n"
+        # set -e: a failing setup exits with its status (exit 4, its line named by checks.setup_failure)
+        # before the marker is written, so the next `up` runs the whole setup again
+        guarded = ("set -e\n"
+                   f"marker={q(paths.setup_marker)}\n"
                    f"if [ \"$(cat \"$marker\" 2>/dev/null)\" = {digest} ]; then "
                    "echo 'setup already ran for this lock'; exit 0; fi\n"
+                   "rm -f \"$marker\"\n"
                    f"mkdir -p {q(paths.workdir)}\n"
                    f"bash -s <<'RELAUNCH_SETUP'\n{setup}RELAUNCH_SETUP\n"
                    f"echo {digest} > \"$marker\"\n")
         actions.append(act("env.setup", command="bash -s", stdin=guarded.encode(), deadline=INSTALL_DEADLINE,
-                           say=f"running env.setup ({len(lines)} lines)", progress="time"))
+                           say=f"running env.setup ({len(lines)} lines)", progress="time",
+                           explain="checks.setup_failure",
+                           hint="fix that line (or the instance), then rerun `relaunch up`: the setup runs again "
+                                "from its first line"))
 
     if lock:
         actions += [act("pip freeze of the venv", command=f"{q(paths.venv)}/bin/python -c {q(FREEZE_PY)}",

