@@ -27,7 +27,7 @@ from .host.hashing import parse_hashes
 from .plan import LOCAL, Action, Ref
 from .retry import retrying
 from .transports.base import Vanished
-from .transports.rsync import MEANING as RSYNC_MEANING
+from .transports import rsync
 from .ui import UI, redact
 
 log = logging.getLogger("relaunch.executor")
@@ -35,7 +35,7 @@ log = logging.getLogger("relaunch.executor")
 ERRORS: dict[str, type[RelaunchError]] = {
     "connect": ConnectError, "env": EnvError, "checkpoint": CheckpointError, "evacuate": EvacuationError,
 }
-MEANINGS = {"rsync": RSYNC_MEANING}
+MEANINGS = {"rsync": rsync.MEANING}
 NO_SPACE = "No space left on device"
 CLEANUP_DEADLINE = 15.0
 
@@ -269,6 +269,12 @@ class Executor:
                 outcome = value
         if NO_SPACE in output:
             outcome = "full"
+        if outcome == "partial":   # rsync's 23: only files that were gone are the trainer's rotation
+            if rsync.only_vanished(output):
+                outcome = "vanished"
+            else:
+                output = "\n".join(rsync.error_lines(output)) or output   # its reasons, not its progress
+                outcome = None
         if outcome == "vanished":
             raise Vanished(action.title)
         if outcome == "full":
