@@ -69,7 +69,13 @@ class Executor:
     def run(self, actions: Sequence[Action]) -> dict[str, Any]:
         """Run actions in order; neighbours in different lanes at the same time. Returns the results.
 
-        After a failure, the `always` actions still ahead (cleanups) run before it is raised."""
+        After a failure, the `always` actions still ahead (cleanups) run before it is raised.
+        The results these actions produce start unknown: a plan run again (a re-copy after a
+        mismatch) names its results as the first run did, and what that run left must not stand in
+        for them (a lane would start on the first attempt's staging, or verify its hashes)."""
+        with self._produced:
+            for action in actions:
+                self.results.pop(action.produces, None)
         groups = _groups(actions)
         for n, group in enumerate(groups):
             try:
