@@ -27,7 +27,6 @@ from .errors import CheckpointError, EnvError, EvacuationError, Interrupted, Rel
 from .executor import Executor, HashMismatch
 from .gather import gather, gather_group, read_listing, share_listings
 from .host.connection import Remote, connect
-from .host.hashing import hash_deadline
 from .host.spec import HostSpec, Target
 from .host.sshconfig import Layer, resolve
 from .job import Job, Node, drift
@@ -45,6 +44,7 @@ from .steps.launch import attach_command, plan_launch, tail_command
 from .steps.preflight import plan_preflight, summary
 from .steps.stop import STILL_RUNNING, plan_stop
 from .transports import Damaged, Mismatch, Store, Vanished, open_store
+from .transports.base import store_deadline
 from .ui import UI, redact
 
 log = logging.getLogger("relaunch")
@@ -603,9 +603,9 @@ def _check_in_store(jobs: list[Job], store: Store, executor: Executor, cp: Check
         if not problems:
             report.verified_now.append(cp.name)
             return
-        executor.ui.warn(f"{jobs[0].host}: " + (_lost(cp.name, store, problems) if record else
-                                                f"{cp.name} is not in the store {store.label}'s manifest after its copy")
-                         + ("; copying it again" if attempt == 0 else ""))
+        lost = (_lost(cp.name, store, problems) if record else
+                f"{cp.name} is not in the store {store.label}'s manifest after its copy")
+        executor.ui.warn(f"{jobs[0].host}: {lost}" + ("; copying it again" if attempt == 0 else ""))
         if attempt:
             break
         for name in (report.copied, report.already, report.unchanged):
@@ -619,7 +619,7 @@ def _check_in_store(jobs: list[Job], store: Store, executor: Executor, cp: Check
 def _observe_action(store: Store, record: CheckpointRecord) -> Action:
     total = sum(f.size for f in record.files.values())
     return Action("evacuate", f"what the store {store.label} holds of {record.name} now", where=LOCAL,
-                  call="store.observe", args={"record": record}, deadline=hash_deadline(total), fails_as="evacuate")
+                  call="store.observe", args={"record": record}, deadline=store_deadline(total), fails_as="evacuate")
 
 
 def _progress(job: Job, executor: Executor) -> verdicts.Progress:

@@ -238,7 +238,11 @@ class Executor:
         # with its lane: it asks for the UI and the cancel check by naming them
         wanted = inspect.signature(func).parameters
         args.update({k: v for k, v in (("ui", self.ui), ("cancelled", self._cancelled)) if k in wanted})
-        return func(**args)
+        # what it waits on (the Hub's API, rclone) ends at the action's deadline and with its lane
+        deadline, cancelled = ((action.deadline, self._cancelled) if check
+                               else (min(action.deadline, CLEANUP_DEADLINE), lambda: False))
+        with processes.budget(deadline, cancelled):
+            return func(**args)
 
     def _run_program(self, action: Action) -> Any:
         status: int | None
