@@ -263,8 +263,11 @@ class Executor:
             status, stdout, stderr, timed_out = result.status, result.stdout, _quiet(result.stderr), result.timed_out
             program = ""
             if status is None and not timed_out and not remote.alive:
+                why = (_last_line(stderr.decode(errors="replace")).removeprefix("the SSH connection was lost").strip()
+                       if stderr.strip() else "")
                 raise _Transient(ConnectError(
-                    f"{self._label(action)}: {action.step}: the SSH connection was lost during: {action.title}",
+                    f"{self._label(action)}: {action.step}: the SSH connection was lost during: {action.title}"
+                    + (f": {why}" if why else ""),
                     "the instance went away or its network dropped; nothing half-done is trusted: rerun"))
         output = (stdout + b"\n" + stderr).decode(errors="replace")
         if status != 0:

@@ -8,15 +8,21 @@ test's guard against a hang is a subprocess timeout or a bounded wait, never a t
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from e2e import plain_recipe, run_cli
+from e2e import plain_recipe, run_cli, start_cli, wait_for
 from test_faults import plant
 
 from relaunch import processes
+from relaunch import sandbox as sb
 from relaunch.errors import CheckpointError, Interrupted
 from relaunch.transports.hf import HfStore
 
@@ -75,3 +81,52 @@ def test_a_hub_call_in_an_action_ends_at_the_actions_deadline_and_with_its_lane(
     threading.Timer(0.5, sibling_failed.set).start()
     with processes.budget(600.0, sibling_failed.is_set), pytest.raises(Interrupted):
         store.read()
+
+
+def _sessions(inst) -> dict[int, bool]:
+    """The instance's SSH session processes (`sshd: USER@notty`): pid -> whether an rsync runs
+    under it. Sandbox instances share this machine's PID namespace; counted by network namespace."""
+    ns = sb.run_in(inst.name, ["readlink", "/proc/self/ns/net"], capture_output=True, text=True).stdout.strip()
+    found: dict[int, bool] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/ns/net") != ns or not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(
+                    f"sshd: {inst.user}@notty".encode()):
+                continue
+            children = subprocess.run(["pgrep", "-a", "-P", pid], capture_output=True, text=True).stdout
+            found[int(pid)] = "rsync" in children
+        except OSError:
+            continue
+    return found
+
+
+def test_a_host_that_stops_answering_after_connect_ends_evacuate_with_the_connection_error(
+        tmp_path, sandbox, ssh, ssh_key):
+    """relaunch's own SSH connection stops answering (its sshd session stopped: TCP still
+    acknowledged, so no TCP timeout helps) while rsync copies over another one; the next channel
+    relaunch opens on it must end, not wait an hour."""
+    home = tmp_path / "state"
+    inst = sandbox(rate="8mbit")
+    recipe = plain_recipe(tmp_path, name="stalled", key=ssh_key)
+    size = 6_000_000
+    plant(ssh, inst, 10, size=size)
+    staged = tmp_path / "store" / ".relaunch" / "partial"
+    err = tmp_path / "evacuate.err"
+    stopped: list[int] = []
+    proc = start_cli("evacuate", str(recipe), inst.host, home=home, err=err)
+    try:
+        wait_for("a sixth of the copy", lambda: sum(p.stat().st_size for p in staged.rglob("*") if p.is_file())
+                 > size // 6, timeout=120, every=0.1)
+        stopped = [pid for pid, copying in _sessions(inst).items() if not copying]
+        assert len(stopped) == 1, _sessions(inst)          # relaunch's connection, idle while rsync copies
+        os.kill(stopped[0], signal.SIGSTOP)
+        proc.wait(timeout=180)                             # the guard: without a deadline it waits an hour
+    finally:
+        proc.kill()
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    text = err.read_text()
+    assert proc.returncode == 6, text
+    assert "the SSH connection was lost" in text and "did not answer opening an SSH channel" in text, text
+    assert "safe to destroy" not in text.replace("NOT safe to destroy", "")
