@@ -27,7 +27,6 @@ from .errors import CheckpointError, EnvError, EvacuationError, Interrupted, Rel
 from .executor import Executor, HashMismatch
 from .gather import gather, gather_group, read_listing, share_listings
 from .host.connection import Remote, connect
-from .host.hashing import hash_deadline
 from .host.spec import HostSpec, Target
 from .host.sshconfig import Layer, resolve
 from .job import Job, Node, drift
@@ -45,6 +44,7 @@ from .steps.launch import attach_command, plan_launch, tail_command
 from .steps.preflight import plan_preflight, summary
 from .steps.stop import STILL_RUNNING, plan_stop
 from .transports import Damaged, Mismatch, Store, Vanished, open_store
+from .transports.base import store_deadline
 from .ui import UI, redact
 
 log = logging.getLogger("relaunch")
@@ -642,7 +642,7 @@ def _observe_action(store: Store, record: CheckpointRecord, size_only: bool = Fa
     total = sum(f.size for f in record.files.values())
     return Action("evacuate", f"what the store {store.label} holds of {record.name} now", where=LOCAL,
                   call="store.observe", args={"record": record, "size_only": size_only},
-                  deadline=hash_deadline(0 if size_only else total), fails_as="evacuate")
+                  deadline=store_deadline(0 if size_only else total), fails_as="evacuate")
 
 
 def _progress(job: Job, executor: Executor) -> verdicts.Progress:

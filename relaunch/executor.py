@@ -27,7 +27,7 @@ from .host.hashing import parse_hashes
 from .plan import LOCAL, Action, Ref
 from .retry import retrying
 from .transports.base import Vanished
-from .transports.rsync import MEANING as RSYNC_MEANING
+from .transports import rsync
 from .ui import UI, redact
 
 log = logging.getLogger("relaunch.executor")
@@ -35,7 +35,7 @@ log = logging.getLogger("relaunch.executor")
 ERRORS: dict[str, type[RelaunchError]] = {
     "connect": ConnectError, "env": EnvError, "checkpoint": CheckpointError, "evacuate": EvacuationError,
 }
-MEANINGS = {"rsync": RSYNC_MEANING}
+MEANINGS = {"rsync": rsync.MEANING}
 NO_SPACE = "No space left on device"
 CLEANUP_DEADLINE = 15.0
 
@@ -69,7 +69,13 @@ class Executor:
     def run(self, actions: Sequence[Action]) -> dict[str, Any]:
         """Run actions in order; neighbours in different lanes at the same time. Returns the results.
 
-        After a failure, the `always` actions still ahead (cleanups) run before it is raised."""
+        After a failure, the `always` actions still ahead (cleanups) run before it is raised.
+        The results these actions produce start unknown: a plan run again (a re-copy after a
+        mismatch) names its results as the first run did, and what that run left must not stand in
+        for them (a lane would start on the first attempt's staging, or verify its hashes)."""
+        with self._produced:
+            for action in actions:
+                self.results.pop(action.produces, None)
         groups = _groups(actions)
         for n, group in enumerate(groups):
             try:
@@ -232,7 +238,11 @@ class Executor:
         # with its lane: it asks for the UI and the cancel check by naming them
         wanted = inspect.signature(func).parameters
         args.update({k: v for k, v in (("ui", self.ui), ("cancelled", self._cancelled)) if k in wanted})
-        return func(**args)
+        # what it waits on (the Hub's API, rclone) ends at the action's deadline and with its lane
+        deadline, cancelled = ((action.deadline, self._cancelled) if check
+                               else (min(action.deadline, CLEANUP_DEADLINE), lambda: False))
+        with processes.budget(deadline, cancelled):
+            return func(**args)
 
     def _run_program(self, action: Action) -> Any:
         status: int | None
@@ -253,8 +263,11 @@ class Executor:
             status, stdout, stderr, timed_out = result.status, result.stdout, _quiet(result.stderr), result.timed_out
             program = ""
             if status is None and not timed_out and not remote.alive:
+                why = (_last_line(stderr.decode(errors="replace")).removeprefix("the SSH connection was lost").strip()
+                       if stderr.strip() else "")
                 raise _Transient(ConnectError(
-                    f"{self._label(action)}: {action.step}: the SSH connection was lost during: {action.title}",
+                    f"{self._label(action)}: {action.step}: the SSH connection was lost during: {action.title}"
+                    + (f": {why}" if why else ""),
                     "the instance went away or its network dropped; nothing half-done is trusted: rerun"))
         output = (stdout + b"\n" + stderr).decode(errors="replace")
         if status != 0:
@@ -269,6 +282,12 @@ class Executor:
                 outcome = value
         if NO_SPACE in output:
             outcome = "full"
+        if outcome == "partial":   # rsync's 23: only files that were gone are the trainer's rotation
+            if rsync.only_vanished(output):
+                outcome = "vanished"
+            else:
+                output = "\n".join(rsync.error_lines(output)) or output   # its reasons, not its progress
+                outcome = None
         if outcome == "vanished":
             raise Vanished(action.title)
         if outcome == "full":

@@ -56,7 +56,7 @@ class Action:
                                     # "time": one that only shows it is still going
     size: int = 0                   # bytes it moves (for the bar)
     always: bool = False            # also runs after an earlier action of its lane failed (cleanup)
-    # exit status (or "re:REGEX" on the output) -> transient | vanished | full
+    # exit status (or "re:REGEX" on the output) -> transient | vanished | full | partial (rsync 23)
     outcomes: dict[int | str, str] = field(default_factory=dict, hash=False)
     explain: str = ""               # "store.<method>(status, output)": the store's words for a failure
     room: str = ""                  # where "no space left" means no room ("in the store ...")

@@ -18,9 +18,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from .errors import Interrupted
 
@@ -37,6 +40,72 @@ _DIE_WITH_US = (["setpriv", "--pdeathsig", "TERM", "--"]
 def check_cancel() -> None:
     if CANCEL.is_set():
         raise Interrupted("interrupted")
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What an in-process call (a `call` action) may take: until `end` (monotonic), and it stops
+    when `cancelled()` turns true (its lane's sibling failed, Ctrl-C)."""
+
+    end: float
+    cancelled: Callable[[], bool]
+
+
+_BUDGET: ContextVar[Budget | None] = ContextVar("relaunch_budget", default=None)
+
+
+@contextmanager
+def budget(deadline: float, cancelled: Callable[[], bool]) -> Iterator[None]:
+    """Within this block (this thread), waits on the store take this deadline and cancellation."""
+    token = _BUDGET.set(Budget(time.monotonic() + deadline, cancelled))
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
+def deadline_here(default: float) -> float:
+    """Seconds a wait may take now: what is left of the running action's deadline, else `default`."""
+    b = _BUDGET.get()
+    return max(b.end - time.monotonic(), 0.0) if b is not None else default
+
+
+def cancelled_here() -> bool:
+    b = _BUDGET.get()
+    return CANCEL.is_set() or (b is not None and b.cancelled())
+
+
+def bounded(func: Callable[[], T], deadline: float, what: str) -> T:
+    """func() (a blocking network call that has no deadline of its own) within `deadline_here
+    (deadline)`, ended early by cancellation: TimeoutError / Interrupted then. The call itself
+    goes on in a daemon thread until its socket gives up; nothing waits for it."""
+    seconds = deadline_here(deadline)
+    cancelled = cancelled_here
+    done = threading.Event()
+    results: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(func())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
+            errors.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"bounded {what}", daemon=True).start()
+    end = time.monotonic() + seconds
+    while not done.wait(min(0.2, max(end - time.monotonic(), 0))):
+        if cancelled():
+            raise Interrupted("interrupted")
+        if time.monotonic() >= end:
+            raise TimeoutError(f"{what}: no answer within {seconds:.0f}s")
+    if errors:
+        raise errors[0]
+    return results[0]
 
 
 def sleep(seconds: float) -> None:
@@ -83,7 +152,7 @@ def end_group(proc: subprocess.Popen[bytes]) -> None:
 def run(argv: Sequence[str], *, deadline: float, stdin: bytes | Path | None = None,
         on_stdout: Callable[[bytes], None] | None = None, on_stderr: Callable[[bytes], None] | None = None,
         env: dict[str, str] | None = None, cwd: str | Path | None = None,
-        cancelled: Callable[[], bool] = CANCEL.is_set) -> Completed:
+        cancelled: Callable[[], bool] = cancelled_here) -> Completed:
     """Run argv in its own process group; end it at `deadline` seconds or on cancel.
 
     Output is collected (and passed to the callbacks as it arrives). Cancellation raises

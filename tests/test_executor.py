@@ -14,7 +14,7 @@ from rich.console import Console
 
 from relaunch.errors import CheckpointError, RelaunchError
 from relaunch.executor import Executor
-from relaunch.plan import LOCAL, Action
+from relaunch.plan import LOCAL, Action, Ref
 from relaunch.ui import UI
 
 
@@ -85,3 +85,39 @@ def test_concurrent_phases_share_one_display_on_a_terminal(tmp_path):
     install = [line for line in shown.splitlines() if "installing 10 pinned packages" in line]
     assert copy and "0.5/1.0 GiB" in copy[-1]
     assert install and re.search(r"0:00:0\d\s*$", install[-1]) and "GiB" not in install[-1]
+
+
+class Attempts:
+    """A copy's two attempts: `prepare` makes this attempt's staging (its result), `use` reads it."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.used = threading.Event()
+
+    def prepare(self, attempt: int) -> int:
+        if attempt > 1:
+            # the second attempt's staging is slow to come: a lane that does not wait for it gets
+            # there first (bounded: with the wait in place, nothing sets this)
+            self.used.wait(2)
+        return attempt
+
+    def use(self, staging: int) -> None:
+        self.seen.append(staging)
+        self.used.set()
+
+
+def test_a_second_attempt_of_a_plan_waits_for_its_own_results_not_the_firsts():
+    """A re-copy after a mismatch runs the same plan again on the same executor: the names it
+    produces are the same, and the first attempt's results must not stand in for them."""
+    attempts = Attempts()
+    executor = Executor(UI(quiet=True), "test", handlers={"calls": attempts})
+
+    def plan(attempt: int) -> list[Action]:
+        return [call("prepare the staging", "prepare", "copy", args={"attempt": attempt}, produces="staging:ckpt"),
+                call("hash it as it lands", "use", "hash-here", args={"staging": Ref("staging:ckpt")},
+                     needs=("staging:ckpt",))]
+
+    executor.run(plan(1))
+    attempts.used.clear()
+    executor.run(plan(2))
+    assert attempts.seen == [1, 2]

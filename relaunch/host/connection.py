@@ -19,6 +19,7 @@ import re
 import select
 import shlex
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,11 @@ TCP_USER_TIMEOUT_MS = 30_000
 # cloud-init installs the key a few seconds after sshd starts; a key that is still refused after
 # this long is the wrong key or user, and the user hears so at once instead of after ssh.wait
 AUTH_GRACE = 20.0
+# paramiko waits an hour for a channel to open and forever for the answer to its exec request:
+# a host that accepted TCP and then stopped answering (sshd stopped or wedged, a jump host that
+# stopped relaying) keeps acknowledging packets, so TCP_USER_TIMEOUT never fires. A healthy sshd
+# answers in milliseconds; past this the connection is closed.
+CHANNEL_DEADLINE = 30.0
 PGID_LINE = re.compile(rb"relaunch-pgid (\d+)\n")
 HOME_COMMAND = 'printf %s "$HOME"'
 
@@ -163,8 +169,9 @@ class Remote:
             return ExecResult(command, None, b"", b"the SSH connection was lost")
         log.debug("exec on %s: %s", self.label, command)
         try:
-            chan = transport.open_session()
-            chan.exec_command(wire(command))
+            chan = self._channel(transport, wire(command), min(deadline, CHANNEL_DEADLINE))
+        except _Unanswered as exc:
+            return ExecResult(command, None, b"", str(exc).encode())
         except (paramiko.SSHException, OSError, EOFError) as exc:
             return ExecResult(command, None, b"", f"the SSH connection was lost ({_describe(exc)})".encode())
         out, err = bytearray(), bytearray()
@@ -229,6 +236,31 @@ class Remote:
             feeding.close()
             chan.close()
 
+    def _channel(self, transport: paramiko.Transport, line: str, deadline: float) -> paramiko.Channel:
+        """A session channel running `line`, opened and answered within `deadline` seconds, else
+        _Unanswered with the connection closed (the host answers nothing on it any more)."""
+        fired: list[bool] = []
+
+        def give_up() -> None:
+            fired.append(True)
+            transport.close()
+
+        timer = threading.Timer(deadline, give_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            chan = transport.open_session(timeout=deadline + 5)     # the timer decides first
+            chan.exec_command(line)
+            return chan
+        except (paramiko.SSHException, OSError, EOFError):
+            if fired:
+                via = f" through the jump host {self.target.jump.label}" if self.target.jump else ""
+                raise _Unanswered(f"connected{via}, but the host did not answer opening an SSH channel within "
+                                  f"{deadline:g}s (sshd hung or stopped?); the connection was closed") from None
+            raise
+        finally:
+            timer.cancel()
+
     def _end_group(self, pgid: int | None) -> None:
         """TERM, then KILL, to a command's process group on the instance (bounded: a few seconds)."""
         if pgid is None or not self.alive:
@@ -237,9 +269,8 @@ class Remote:
                   f"for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do "
                   f"kill -0 -- -{pgid} 2>/dev/null || exit 0; sleep 0.1; done; kill -KILL -- -{pgid} 2>/dev/null; true")
         try:
-            chan = self.conn.transport.open_session()  # type: ignore[union-attr]
+            chan = self._channel(self.conn.transport, script, 5)  # type: ignore[arg-type]
             chan.settimeout(5)
-            chan.exec_command(script)
             deadline = time.monotonic() + 5
             while not chan.exit_status_ready() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -249,6 +280,10 @@ class Remote:
 
     def expand(self, path: str) -> str:
         return expand_home(path, self.home)
+
+
+class _Unanswered(Exception):
+    """The host did not answer opening a channel within its deadline; the connection is closed."""
 
 
 class _Feeder:

@@ -20,7 +20,7 @@ from ..job import Job, Lag
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
 from ..transports import Store
-from ..transports.base import hash_ref_names
+from ..transports.base import hash_ref_names, store_deadline
 from ..ui import human
 from .launch import tail_command
 
@@ -95,15 +95,16 @@ def plan_meta(job: Job) -> list[Action]:
                       parse="text", fails_as="evacuate"),
                Action("evacuate", "write .relaunch/versions.json", where=LOCAL, call="store.write_meta",
                       args={"filename": "versions.json", "text": json.dumps(versions, indent=2) + "\n"},
-                      fails_as="evacuate"),
+                      deadline=store_deadline(), fails_as="evacuate"),
                Action("evacuate", "write .relaunch/log-tail.txt", where=LOCAL, call="store.write_meta",
-                      args={"filename": "log-tail.txt", "text": Ref("log-tail")}, fails_as="evacuate")]
+                      args={"filename": "log-tail.txt", "text": Ref("log-tail")}, deadline=store_deadline(),
+                      fails_as="evacuate")]
     actions.append(Action("evacuate", "write .relaunch/manifest.json (with the metadata)", where=LOCAL,
-                          call="store.flush", fails_as="evacuate"))
+                          call="store.flush", deadline=store_deadline(), fails_as="evacuate"))
     if facts.venv_freeze is not None:
         actions.insert(1, Action("evacuate", "write .relaunch/freeze.txt", where=LOCAL, call="store.write_meta",
                                  args={"filename": "freeze.txt", "text": "\n".join(facts.venv_freeze) + "\n"},
-                                 fails_as="evacuate"))
+                                 deadline=store_deadline(), fails_as="evacuate"))
     return actions
 
 

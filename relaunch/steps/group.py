@@ -25,6 +25,9 @@ from ..transports.rsync import deadline_for
 from ..ui import human
 
 MARK = "relaunch-fanout"       # comment on the key relaunch adds to authorized_keys, and removes
+# sed: delete a line only when all of it is a key relaunch added (`restrict TYPE KEY MARK`), never
+# a user's line that merely ends with the mark
+MARKED_LINE = rf"\|^restrict ssh-ed25519 [A-Za-z0-9+/]*=* {MARK}$|d"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +164,10 @@ def plan_fanout(jobs: Sequence[Job], record: CheckpointRecord, known_hosts: str,
             Action("checkpoint", f"the group's host keys -> {known}", command=upload_command(known, 0o600),
                    stdin=known_hosts.encode(), fails_as="checkpoint"),
             Action("checkpoint", f"let the copy key in: {auth}",
-                   command=f"umask 077 && mkdir -p -- {q(job.paths.home + '/.ssh')} && cat >> {q(auth)}",
+                   # a file whose last line has no newline would take the key into that line
+                   command=f"umask 077 && mkdir -p -- {q(job.paths.home + '/.ssh')} && "
+                           f"if [ -s {q(auth)} ] && [ -n \"$(tail -c 1 -- {q(auth)})\" ]; then echo >> {q(auth)}; fi"
+                           f" && cat >> {q(auth)}",
                    stdin=Ref("fanout-key", "authorized"), fails_as="checkpoint", produces=f"keys@{job.host}"),
         ]
         if k == 0:
@@ -187,7 +193,7 @@ def plan_fanout(jobs: Sequence[Job], record: CheckpointRecord, known_hosts: str,
         lanes += tag([*keys, *copy, dataclasses.replace(moves[k], needs=everyone)], job, lane=lane)
         cleanup += tag([Action("checkpoint", f"remove the copy key from {job.host}", always=True,
                                command=f"rm -f -- {q(key)} {q(known)}; "
-                                       f"if [ -f {q(auth)} ]; then sed -i '/ {MARK}$/d' {q(auth)}; fi",
+                                       f"if [ -f {q(auth)} ]; then sed -i {q(MARKED_LINE)} {q(auth)}; fi",
                                fails_as="checkpoint")], job, lane="")
     return keypair, lanes, cleanup
 

@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 
 # seconds a writer waits for another one before it gives up and says who (RELAUNCH_LOCK_WAIT)
 LOCK_WAIT = 900.0
+# seconds an in-process store call (its `call` action) may wait on the remote for metadata (the
+# Hub's API, rclone listings, a manifest commit with its retries); calls that move or read a
+# checkpoint's bytes get the time a copy of that size may take on top (`store_deadline`)
+STORE_CALL_DEADLINE = 300.0
+STORE_WAIT = 120.0     # the same outside any action: a read that gets no answer (RELAUNCH_STORE_WAIT)
 
 
 class Vanished(Exception):
@@ -167,7 +172,7 @@ class Store(ABC):
         return [Action("evacuate", f"verify {cp.name} against the instance's hashes and record it in the store",
                        where=LOCAL, call="store.accept", args={"cp": cp, "hashes": hashes, "host": job.host,
                                                                **({"about": about} if about else {})},
-                       produces=f"verified:{cp.name}", fails_as="evacuate")]
+                       deadline=store_deadline(cp_bytes(cp)), produces=f"verified:{cp.name}", fails_as="evacuate")]
 
     def accept(self, cp: Checkpoint, hashes: Hashes, host: str, about: dict[str, Any] | None = None) -> str:
         """Verify, commit and record cp; return what was compared with what, in words."""
@@ -234,3 +239,22 @@ def _holder(path: os.PathLike[str]) -> str:
         return f"`{info['command']}` (pid {info['pid']}, since {info['since']})"
     except (OSError, ValueError, KeyError, TypeError):
         return "another relaunch"
+
+
+def store_wait() -> float:
+    """Seconds a store call made outside any action (reading the manifest first thing) waits for
+    the remote to answer (RELAUNCH_STORE_WAIT, default STORE_WAIT)."""
+    return float(os.environ.get("RELAUNCH_STORE_WAIT") or STORE_WAIT)
+
+
+def cp_bytes(cp: Checkpoint) -> int:
+    return sum(e.size for e in cp.files)
+
+
+def store_deadline(total: int = 0) -> float:
+    """The deadline of an in-process store call that handles `total` bytes of a checkpoint
+    (downloads, uploads, hashing what the store holds): metadata, plus a copy and a read of them."""
+    from ..host.hashing import hash_deadline
+    from .rsync import deadline_for
+
+    return STORE_CALL_DEADLINE + (deadline_for(total) + hash_deadline(total) if total else 0.0)

@@ -48,6 +48,7 @@ import os
 import re
 import shlex
 import tempfile
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ from ..store import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, Loca
     utc_now
 from ..ui import UI, human, redact
 from . import rsync
-from .base import Hashes, Store, expected_record, merged
+from .base import Hashes, Store, cp_bytes, expected_record, merged, store_deadline, store_wait
 from .tools import credential_actions, tool_action, tool_path
 
 # Not secret: handed to the instance's `hf` on its command line when set on this machine.
@@ -159,6 +160,38 @@ class RemoteFile:
     sha256: str | None          # LFS files only
 
 
+# huggingface_hub's client waits forever by default (timeout=None): a request that gets no byte
+# for this long fails, so that a call relaunch stopped waiting for (_Bounded) ends too
+STALL_SECONDS = 300.0
+
+
+class _Bounded:
+    """HfApi whose every call ends at the running action's deadline (else store_wait()) and
+    with its lane, with a TimeoutError naming the endpoint: a Hub that accepted the connection
+    and never answers must not hang relaunch. A listing comes back whole (the paging happens
+    within the deadline)."""
+
+    def __init__(self, api: Any, endpoint: str) -> None:
+        self._api, self._endpoint = api, endpoint
+        from huggingface_hub import get_session
+
+        session = get_session()
+        if session.timeout.read is None:
+            session.timeout = type(session.timeout)(STALL_SECONDS)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._api, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            def whole() -> Any:
+                result = method(*args, **kwargs)
+                return list(result) if isinstance(result, types.GeneratorType) else result
+            return processes.bounded(whole, store_wait(), f"the Hub at {self._endpoint} ({name})")
+        return call
+
+
 @dataclass
 class Snapshot:
     """The store's files at one commit, paths relative to the store (the subfolder)."""
@@ -212,7 +245,8 @@ class HfStore(Store):
                              "pip install 'relaunch[hf]'") from None
 
         # token=False when there is none: never anonymous by accident of some other default
-        return HfApi(endpoint=self.endpoint, token=self.token or False, library_name="relaunch")
+        return _Bounded(HfApi(endpoint=self.endpoint, token=self.token or False, library_name="relaunch"),
+                        self.endpoint or "https://huggingface.co")
 
     def _rp(self, rel: str) -> str:
         """A store path as a path in the repo."""
@@ -265,6 +299,8 @@ class HfStore(Store):
             return str(self._api().repo_info(self.repo_id).sha)
         except RepositoryNotFoundError:
             return None
+        except RelaunchError:       # Interrupted: the lane or the user stopped the wait
+            raise
         except Exception as exc:  # httpx/OSError/HfHubHTTPError: one line of ours
             raise self._fail(exc, "reading the repo") from None
 
@@ -384,6 +420,8 @@ class HfStore(Store):
             if getattr(exc.response, "status_code", None) == 412:
                 raise HeadMoved(parent) from None
             raise self._fail(exc, what, EvacuationError) from None
+        except RelaunchError:
+            raise
         except Exception as exc:  # httpx/OSError: one line of ours
             raise self._fail(exc, what, EvacuationError) from None
         return str(info.oid)
@@ -597,7 +635,7 @@ class HfStore(Store):
                         parse="text", explain="store.explain", outcomes={"re:No such file": "vanished"},
                         say=f"the instance uploads {cp.name} to {self.label}", progress="time")
         return [Action("evacuate", f"create the repo {self.repo_id} (private) unless it exists", where=LOCAL,
-                       call="store.ensure_repo", fails_as="evacuate"),
+                       call="store.ensure_repo", deadline=store_deadline(), fails_as="evacuate"),
                 tool_action(job, "hf", "evacuate", "evacuate"), *write, upload, *remove]
 
     def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref | list[Ref],
@@ -605,6 +643,7 @@ class HfStore(Store):
         # a node group's parts upload one after another: the last upload's commit holds them all
         return [Action("evacuate", f"verify {cp.name} in the repo at the commit its upload made, record it",
                        where=LOCAL, call="store.accept_upload", fails_as="evacuate", produces=f"verified:{cp.name}",
+                       deadline=store_deadline(cp_bytes(cp)),
                        args={"cp": cp, "hashes": hashes, "upload": Ref(f"upload:{cp.name}"), "host": job.host,
                              **({"about": about} if about else {})})]
 
@@ -709,7 +748,7 @@ class HfStore(Store):
         total = sum(f.size for f in record.files.values())
         return [Action("checkpoint", f"{record.name} ({human(total)}) from {self.label} to this machine",
                        where=LOCAL, call="remote.download_to", args={"record": record, "dest": dest},
-                       fails_as="checkpoint")]
+                       deadline=store_deadline(total), fails_as="checkpoint")]
 
     def download_to(self, record: CheckpointRecord, dest: Path) -> None:
         sha = self._revision or self._head()

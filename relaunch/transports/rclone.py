@@ -36,7 +36,7 @@ from ..store import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, Loca
 from ..retry import retrying
 from ..ui import UI, human, redact
 from . import rsync
-from .base import Hashes, Store, expected_record, merged
+from .base import Hashes, Store, expected_record, merged, store_wait
 from .tools import credential_actions, tool_action, tool_path
 
 AUTH = re.compile(r"AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId|403 Forbidden|401 Unauthorized|"
@@ -133,8 +133,10 @@ class RcloneStore(Store):
         # fail in seconds, not after rclone's default minutes of retries, when the remote is gone
         return (rclone_binary(), "--contimeout", "10s", "--low-level-retries", "3", "--retries", "2", *args)
 
-    def run(self, *args: str, stdin: bytes | None = None, deadline: float = READ_DEADLINE) -> processes.Completed:
-        done = processes.run(self.argv(*args), deadline=deadline, stdin=stdin)
+    def run(self, *args: str, stdin: bytes | None = None, deadline: float | None = None) -> processes.Completed:
+        """rclone here, within what is left of the running action's deadline (else `deadline`,
+        else store_wait()), stopped with the action's lane."""
+        done = processes.run(self.argv(*args), deadline=processes.deadline_here(deadline or store_wait()), stdin=stdin)
         done.stderr = redact(done.err).encode()
         return done
 

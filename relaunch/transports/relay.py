@@ -22,7 +22,7 @@ from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
 from ..store import Seen, EXTRA_HASHES, CheckpointRecord, LocalStore, StoreManifest
 from ..ui import UI, human
-from .base import Hashes, Mismatch, Store, expected_record, hash_ref_names
+from .base import Hashes, Mismatch, Store, cp_bytes, expected_record, hash_ref_names, store_deadline
 from .hf import HfStore
 from .local import StagingCalls, pull_actions, push_actions
 from .rclone import RcloneStore
@@ -95,6 +95,7 @@ class Relay(Store):
         upload = Action("evacuate", f"each file of {cp.name} from this machine to {self.label} once it verified here",
                         where=LOCAL, call="store.upload_landed", args={"cp": cp, "hashes": hashes, "host": hosts[0]},
                         lane=UPLOAD_LANE, needs=(f"staging:{cp.name}", *names), produces=f"landed:{cp.name}",
+                        deadline=store_deadline(total),
                         fails_as="evacuate", say=f"uploading {cp.name} ({len(cp.files)} file(s), {human(total)}) "
                                                  f"to {self.label} as its files arrive here")
         return [*pull, upload]
@@ -103,6 +104,7 @@ class Relay(Store):
                     about: dict[str, Any] | None = None) -> list[Action]:
         return [Action("evacuate", f"verify {cp.name} on {self.label}, record it, clear the cache", where=LOCAL,
                        call="store.finish", fails_as="evacuate", produces=f"verified:{cp.name}",
+                       deadline=store_deadline(cp_bytes(cp)),
                        args={"cp": cp, "hashes": hashes, "landed": Ref(f"landed:{cp.name}"), "host": job.host,
                              **({"about": about} if about else {})})]
 

@@ -13,12 +13,12 @@ from ..host.connection import rsync_rsh
 from ..host.spec import Target
 from ..store import RSYNC_PARTIAL
 
-# Exit codes worth another try: stream/timeout errors and ssh dropping out. 23/24: files
-# vanished on the sending side (a trainer rotating checkpoints). 11: I/O error, e.g. a full disk.
+# Exit codes worth another try: stream/timeout errors and ssh dropping out. 24: files vanished
+# on the sending side (a trainer rotating checkpoints). 23: a partial transfer, which is files
+# that were gone before they were sent (rotated too) or any other error on some file (permission
+# denied, an I/O error): rsync's own lines tell which (`partial`). 11: I/O error, e.g. a full disk.
 TRANSIENT = (10, 12, 30, 35, 255)
-VANISHED = (23, 24)
-OUTCOMES: dict[int | str, str] = {**{s: "transient" for s in TRANSIENT}, **{s: "vanished" for s in VANISHED},
-                                  11: "full"}
+OUTCOMES: dict[int | str, str] = {**{s: "transient" for s in TRANSIENT}, 24: "vanished", 23: "partial", 11: "full"}
 PUSH_OUTCOMES: dict[int | str, str] = {**{s: "transient" for s in TRANSIENT}, 11: "full"}
 MEANING = {
     1: "syntax or usage error", 2: "protocol incompatibility", 3: "errors selecting files",
@@ -27,6 +27,25 @@ MEANING = {
     23: "partial transfer", 24: "some source files vanished", 30: "timeout in data send/receive",
     35: "timeout waiting for daemon connection", 255: "ssh failed",
 }
+GONE = ("No such file or directory", "file has vanished")
+KNOCK_ON = ("Broken pipe", "connection unexpectedly closed")   # one side ended early because of it
+
+
+def error_lines(output: str) -> list[str]:
+    """rsync's own error lines (`rsync: [sender] send_files failed to open "...": Permission denied
+    (13)`), without its summary (`rsync error: some files/attrs were not transferred ...`)."""
+    return [ln.strip() for ln in output.splitlines()
+            if ln.startswith(("rsync: ", "file has vanished: ")) and not ln.startswith("rsync error:")]
+
+
+def only_vanished(output: str) -> bool:
+    """Whether a partial transfer (exit 23) lost only files that were gone on the sending side:
+    a trainer's rotation, not a copy that failed. No explanation at all is not that."""
+    lines = error_lines(output)
+    gone = [ln for ln in lines if any(g in ln for g in GONE) and "[receiver]" not in ln and "[generator]" not in ln]
+    return bool(gone) and all(ln in gone or any(k in ln for k in KNOCK_ON) for ln in lines)
+
+
 DEADLINE_PER_GIB = 600.0          # seconds per GiB: a 15 Mbit/s link, the slowest we plan for
 
 
