@@ -7,7 +7,8 @@
   are left out of the site, so that `mkdocs build --strict` passes, and the page is in the site,
   in its place, from the moment its file is there. Any other page that is missing fails the build.
 - A page's relative link to a file of the repository outside docs/ (`../benchmarks/speed.png`)
-  works as it is on GitHub; the site publishes that file under `repo/` and points the link there.
+  works as it is on GitHub; the site publishes that file under `repo/` and points the link there
+  (`../README.md` points at the home page; another .md file outside docs/ fails the build).
 - In a table row, a `|` inside backticks must be written `\\|` for GitHub; Python-Markdown would
   show the backslash, so the site gets a plain `|`.
 """
@@ -78,6 +79,8 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
     def link(m: re.Match[str]) -> str:
         url, _, anchor = m.group(1).partition("#")
         target = (docs / here / url).resolve()
+        if _relative(m.group(1)) and target == root / "README.md":  # the README is the home page
+            return f"]({posixpath.relpath('index.md', here or '.')}{'#' + anchor if anchor else ''})"
         if (not _relative(m.group(1)) or target.is_relative_to(docs) or not target.is_relative_to(root)
                 or not target.is_file() or target.suffix == ".md"):
             return m.group(0)

@@ -47,24 +47,44 @@ def written_pages() -> set[str]:
     return {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
 
 
-def test_the_site_builds_with_strict_offline(tmp_path: Path) -> None:
-    site = tmp_path / "site"
+def build(root: Path, site: Path) -> dict[str, str]:
+    """`mkdocs build --strict` of root/mkdocs.yml into site: {path: html} of every page built."""
     argv = [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)]
     if os.geteuid() == 0 and shutil.which("unshare"):
         argv = ["unshare", "--net", *argv]  # a network namespace with no route: whatever fetches fails
-    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300,
+    out = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
-    html = {p.relative_to(site).as_posix(): p.read_text() for p in site.rglob("*.html")}
+    return {p.relative_to(site).as_posix(): unescape(p.read_text()) for p in site.rglob("*.html")}
+
+
+def test_the_site_builds_with_strict_offline(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    html = build(REPO, site)
     for page in written_pages() | {"index.md"}:
         name = "index.html" if page == "index.md" else page.removesuffix(".md") + "/index.html"
         assert name in html, f"{page} is not in the built site"
     for name, text in html.items():
         assert not re.search(r"fonts\.(googleapis|gstatic)\.com", text), f"{name} loads Google Fonts"
         assert "\\|" not in "".join(re.findall(r"<code>.*?</code>", text)), f"{name}: a table shows `\\|`"
-    home = unescape(html["index.html"])
-    assert all(command in home for command in TRY_IT), "the home page is not the README"
+    assert all(command in html["index.html"] for command in TRY_IT), "the home page is not the README"
     assert (site / "repo" / "benchmarks" / "speed.png").read_bytes() == (REPO / "benchmarks" / "speed.png").read_bytes()
+
+
+def test_optional_pages_join_the_site_when_their_files_land(tmp_path: Path) -> None:
+    """A copy of the site with docs/trainers.md and docs/adopt.md written, as their branches will."""
+    root = tmp_path / "repo"
+    shutil.copytree(REPO, root, ignore=shutil.ignore_patterns(".git", ".*_cache", "__pycache__", "*.egg-info", "site"))
+    optional = hooks().OPTIONAL_PAGES
+    for page in optional:
+        (root / "docs" / page).write_text(f"# {page}\n\n[Try it](../README.md#try-it), "
+                                          "[the example](../recipes/example/recipe.yaml), [stores](stores.md)\n")
+    html = build(root, tmp_path / "site")
+    for page in optional:
+        built = html[page.removesuffix(".md") + "/index.html"]
+        assert 'href="../#try-it"' in built and 'href="../repo/recipes/example/recipe.yaml"' in built
+        assert f'href="{page.removesuffix(".md")}/"' in html["index.html"]   # in the nav and the README's list
+    assert (tmp_path / "site" / "repo" / "recipes" / "example" / "recipe.yaml").is_file()
 
 
 def test_every_page_is_in_the_nav_and_only_optional_pages_may_be_missing() -> None:
@@ -94,7 +114,7 @@ def test_the_readme_try_it_commands_are_what_ci_runs() -> None:
     assert (REPO / ".ci" / "run").read_text().rstrip().splitlines()[-1] == TRY_IT[1]
 
 
-def test_optional_pages_join_the_site_when_their_file_is_there(tmp_path: Path) -> None:
+def test_a_missing_optional_page_is_left_out_of_the_nav_and_the_home_page(tmp_path: Path) -> None:
     h = hooks()
     nav = [{"Home": "index.md"}, {"Running": [{"Stores": "stores.md"}, {"Trainers": "trainers.md"},
                                               {"Adopt": "adopt.md"}]}]
