@@ -22,8 +22,6 @@ import stat
 import subprocess
 import sys
 
-MODE = sys.argv[1] if len(sys.argv) > 1 else "scan"
-PARAMS = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
 ME = os.getpid()
 TEXT_LIMIT = 256 * 1024          # a file larger than this is not a "small text file"
 SOURCES_LIMIT = 300              # .py files read under an import root
@@ -41,7 +39,7 @@ TOKEN_PREFIX = re.compile(r"^(hf_|sk-|sk_|ghp_|gho_|ghs_|ghu_|github_pat_|glpat-
                           r"ASIA[0-9A-Z]{12}|AIza|ya29\.|eyJ)[A-Za-z0-9_.=+/-]{8,}$")
 TOKEN_LIKE = re.compile(r"^[A-Za-z0-9_+=/.-]{32,}$")
 URL_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@")
-ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)=(\"[^\"]*\"|'[^']*'|[^\s;&|'\"]+)")
+ASSIGNMENT = re.compile(r"(?<![^\s;&|(`'\"])([A-Za-z_][A-Za-z0-9_]*)=(\"[^\"]*\"|'[^']*'|[^\s;&|'\"]+)")
 PYTHON_EXE = re.compile(r"^(python|pypy)[0-9.]*$")
 CKPT_FILE = re.compile(r".*\d.*\.(pt|pth|ckpt|bin|safetensors|tar|pkl|npz|h5|msgpack|distcp)$|^last\.ckpt$|^last\.pt$")
 CKPT_DIR = re.compile(r"^(checkpoint-\d+|checkpoint_\d+|global_step\d+|step[-_]?\d+|epoch[-_=]?\d+.*|iter[-_]?\d+)$")
@@ -112,7 +110,7 @@ def scrub_argv(argv):
             secret_flag = None
             continue
         secret_flag = None
-        if arg.startswith("-") and secret_name(arg.split("=", 1)[0].lstrip("-")):
+        if arg.startswith("-") and secret_name(flag_env_name(arg.split("=", 1)[0])):
             if "=" in arg:
                 flag, value = arg.split("=", 1)
                 out.append(flag + "=" + marker(secrets.get(value, flag_env_name(flag))) if value else arg)
@@ -739,31 +737,32 @@ def output_lines(pane, log):
     return "", []
 
 
-def detail():
-    pid = int(PARAMS["pid"])
+def detail(params):
+    pid = int(params["pid"])
     note_env(dict(os.environ))
     env = environ(pid) or {}
     note_env(env)
-    for other in PARAMS.get("related", []):
+    for other in params.get("related", []):
         note_env(environ(int(other)) or {})
-    base = baseline(PARAMS.get("base") or {})
+    base = baseline(params.get("base") or {})
     note_env(base)
-    if (PARAMS.get("base") or {}).get("kind") == "tmux":
+    if (params.get("base") or {}).get("kind") == "tmux":
         tmux_servers()                       # the other sessions' secrets too, for scrubbing
-    prefix = PARAMS.get("prefix", "")
-    home = PARAMS.get("home", "")
-    found, capped = sources(PARAMS.get("import_roots", []))
-    origin, lines = output_lines(PARAMS.get("pane"), PARAMS.get("log"))
-    roots = [(r, 4) for r in PARAMS.get("named_dirs", [])] + [(r, int(d)) for r, d in PARAMS.get("scan_roots", [])]
+    prefix = params.get("prefix", "")
+    home = params.get("home", "")
+    found, capped = sources(params.get("import_roots", []))
+    origin, lines = output_lines(params.get("pane"), params.get("log"))
+    roots = [(r, 4) for r in params.get("named_dirs", [])] + [(r, int(d)) for r, d in params.get("scan_roots", [])]
     return {"pid": pid, "alive": os.path.isdir(f"/proc/{pid}"), "env": classify_env(env, base),
-            "base_kind": (PARAMS.get("base") or {}).get("kind", "login"),
-            "prefix": environment_root(prefix, PARAMS.get("sites", [])), "pip_config": pip_config(prefix, home, env),
-            "paths": [describe(p) for p in PARAMS.get("paths", [])], "sources": found, "sources_capped": capped,
+            "base_kind": (params.get("base") or {}).get("kind", "login"),
+            "prefix": environment_root(prefix, params.get("sites", [])), "pip_config": pip_config(prefix, home, env),
+            "paths": [describe(p) for p in params.get("paths", [])], "sources": found, "sources_capped": capped,
             "checkpoint_folders": checkpoint_folders(roots), "output": {"from": origin, "lines": lines},
             "secret_names": sorted(secret_names)}
 
 
 if __name__ == "__main__":
-    result = scan() if MODE == "scan" else detail()
+    mode = sys.argv[1] if len(sys.argv) > 1 else "scan"
+    result = scan() if mode == "scan" else detail(json.loads(sys.argv[2]))
     sys.stdout.write(json.dumps(result))
     sys.stdout.write("\n")

@@ -31,8 +31,8 @@ from ..ui import UI
 from .candidates import Candidate, candidates, matching, nothing_found, on_gpus
 from .commandline import invocation
 from .facts import DETAIL_DEADLINE, SCAN_DEADLINE, Detail, Scan, run_script, script_command
-from .reading import (Adoption, Context, Place, absolute, env_root, import_roots, plan_places, program_files,
-                      read, scanned_places, shown, system_sites)
+from .reading import (Adoption, Context, Place, absolute, accelerate_default_config, env_root, import_roots,
+                      plan_places, program_files, read, scanned_places, shown, system_sites)
 from .recipe_text import dotted_keys, merge, recipe_text
 
 __all__ = ["Result", "adopt", "render"]
@@ -135,6 +135,8 @@ def read_chosen(remote: Remote, scan: Scan, c: Candidate,
     words = [call.target, *call.args, *call.launcher_words]
     paths = sorted({absolute(v, cwd, home) for w in words for v in (w, w.split("=", 1)[1] if "=" in w else "")
                     if v and "\0" not in v and len(v) < 4096})[:400]
+    if accelerate_default_config(call, home):
+        paths.append(accelerate_default_config(call, home))
     named_first = [pl.path for pl in plan_places(scan, c, None, "", home)]
     if c.kind == "tmux" and c.pane is not None:
         base: dict[str, Any] = {"kind": "tmux", "socket": c.pane.socket, "session": c.session}

@@ -495,6 +495,10 @@ def program_files(call: Invocation, cwd: str, home: str, detail: Detail) -> Prog
             else:
                 warnings.append(f"the command names {value}, a data file?: not copied; add it to env.files if the "
                                 "job needs it on a new instance")
+    default = accelerate_default_config(call, home)
+    info = detail.paths.get(default) if default else None
+    if info is not None and info.kind == "f" and info.text is not None:
+        copy.append((default, "accelerate launch reads it (the command gives no --config_file)"))
     if detail.sources_capped:
         warnings.append(f"there are many Python files under {', '.join(roots)}: only some were read for imports")
     return ProgramFiles(script_path, script_text, roots, copy, warnings)
@@ -662,8 +666,8 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
         local = local_name(path, cwd, home)
         if local in files:
             continue
-        text = (detail.sources[path].text if path in detail.sources else None) or \
-            (detail.paths[path].text if path in detail.paths else None)
+        info = detail.sources.get(path) or detail.paths.get(path)
+        text = info.text if info is not None else None
         if text is None:
             continue
         files[local] = text
@@ -804,8 +808,10 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
                               "version_N+1; give ModelCheckpoint(dirpath=...) a fixed folder")
     else:
         if chosen is not None:
-            why = f"{chosen.why}; " + ("it holds no complete checkpoint yet" if chosen.listing
-                                       else "nothing is there yet")
+            info = detail.paths.get(chosen.path)
+            state = ("it does not exist yet" if info is not None and info.kind == "missing" else
+                     "it holds nothing yet" if not chosen.listing else "it holds no complete checkpoint yet")
+            why = f"{chosen.why}; {state}"
             b.put("checkpoint.dir", tilde(chosen.path, home), why, guess=True)
         else:
             b.put("checkpoint.dir", "~/ckpt", "nothing names a checkpoint folder and none was found on the disk: the "
@@ -857,14 +863,26 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
     elif c.kind != "tmux":
         b.warnings.append(f"the run is not in tmux ({c.label}): `relaunch status` on this instance cannot see it "
                           "alive; after `up`, training runs in tmux session " + name)
-    step_lines = [ln for ln in detail.output if re.search(r"step (\d+)", ln)]
-    if step_lines:
-        b.put("run.ready", r"step \d+", f"its last output lines ({detail.output_from}) say {shown(step_lines[-1])!r}",
-              guess=True)
+    for seen, ready in ((r"step (\d+)", r"step \d+"), (r"\{'loss': ", r"\{'loss': "), (r"Epoch \d+:", r"Epoch \d+")):
+        lines = [ln for ln in detail.output if re.search(seen, ln)]
+        if lines:
+            b.put("run.ready", ready, f"its last output lines ({detail.output_from}) say {shown(lines[-1])[:120]!r}",
+                  guess=True)
+            break
     if not detail.alive:
         b.warnings.append(f"pid {p.pid} ended while adopt read it")
-    return Adoption(name=name, data=b.data, notes=b.notes, facts=b.facts, lock=lock, files=files,
-                    warnings=b.warnings, newest=newest)
+    return Adoption(name=name, data=b.data, notes=b.notes, facts=sorted(b.facts, key=_fact_order), lock=lock,
+                    files=files, warnings=b.warnings, newest=newest)
+
+
+_SECTIONS = ["training", "name", "provider", "ssh", "run.command", "resume", "run.workdir", "env", "checkpoint",
+             "checkpoints", "run"]
+
+
+def _fact_order(fact: Fact) -> int:
+    """The report in the recipe's order: what runs, where, in which env, its checkpoints, the rest."""
+    ranks = [n for n, s in enumerate(_SECTIONS) if fact.key == s or fact.key.startswith(s + ".")]
+    return ranks[0] if ranks else len(_SECTIONS)
 
 
 def env_value(value: str, home: str) -> str:
@@ -874,6 +892,13 @@ def env_value(value: str, home: str) -> str:
     if home and home != "/":
         value = re.sub(rf"(^|[:=, ]){re.escape(home.rstrip('/'))}(?=/|$|:)", r"\1{{ home }}", value)
     return value
+
+
+def accelerate_default_config(call: Invocation, home: str) -> str:
+    """The config `accelerate launch` reads when the command names none (written by `accelerate config`)."""
+    if call.launcher != "accelerate" or flag_value(call.launcher_words, ("--config_file", "--config-file")):
+        return ""
+    return f"{home.rstrip('/')}/.cache/huggingface/accelerate/default_config.yaml" if home else ""
 
 
 def import_roots(call: Invocation, cwd: str, home: str) -> list[str]:
