@@ -293,9 +293,11 @@ def freeze(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: b
 @click.option("--name", default=None, help="The recipe's name (default: the tmux or screen session's name).")
 @click.option("--session", default=None, metavar="S",
               help="Which run, when several could be the training: a tmux or screen session name, or a pid.")
+@click.option("--accept-new-host-key", is_flag=True,
+              help="The address was reused by a new instance: forget its recorded host key and record the new one.")
 @common
-def adopt(host: str, output: str, name: str | None, session: str | None, overrides: tuple[str, ...], as_json: bool,
-          verbose: bool, yes: bool) -> None:
+def adopt(host: str, output: str, name: str | None, session: str | None, accept_new_host_key: bool,
+          overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
     """Turn a run started by hand on HOST (in tmux, screen, or on its own) into a recipe: its command,
     workdir, venv and pip freeze (the lock), checkpoint folder and layout, GPUs, environment variables
     (secrets by name only), SSH user; the program's files are copied beside the recipe. Every fact is
@@ -306,7 +308,7 @@ def adopt(host: str, output: str, name: str | None, session: str | None, overrid
     ui = UI(verbose=verbose)
     chooser = ask_which if sys.stdin.isatty() and not yes else None
     result = adopt_run(HostSpec.parse(host), ui, output=Path(output), name=name, session=session,
-                       overrides=overrides, choose=chooser)
+                       overrides=overrides, choose=chooser, accept_new_host_key=accept_new_host_key)
     if as_json:
         emit(True, result.as_dict())
         click.echo(render(result), err=True)

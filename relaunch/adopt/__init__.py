@@ -68,19 +68,27 @@ Chooser = Callable[[list[str]], int]
 
 
 def adopt(spec: HostSpec, ui: UI, *, output: Path, name: str | None = None, session: str | None = None,
-          overrides: tuple[str, ...] = (), choose: Chooser | None = None) -> Result:
+          overrides: tuple[str, ...] = (), choose: Chooser | None = None, accept_new_host_key: bool = False) -> Result:
     """Read the run on HOST and write its recipe at `output` (with the lock and the program's files
-    beside it). `choose` asks which training when there are several (None: fail listing them)."""
+    beside it). `choose` asks which training when there are several (None: fail listing them).
+    `--set` values go into the recipe, except ssh.host_key: a pin belongs to this instance only."""
+    extra = overrides_data(overrides)
+    if name is None and isinstance(extra.get("name"), str):
+        name = extra["name"]                       # `--set name=X` is --name X
     if name is not None and not NAME_RE.fullmatch(name):
         raise UsageError(f"--name {name!r}: use only letters, digits, _ and - (it names the tmux session and the "
                          "store)")
-    if output.exists():
+    if output.exists() or output.is_symlink():
         raise UsageError(f"{output} exists; not overwriting it", "give another path with -o, or remove the file")
-    if not output.parent.is_dir():
-        raise UsageError(f"{output.parent} is not a folder", "give -o a path in a folder that exists")
-    extra = overrides_data(overrides)
+    above = next((p for p in output.absolute().parents if p.exists()), None)
+    if above is None or not above.is_dir():
+        raise UsageError(f"{output.parent} is not a folder", "give -o a path in a folder")
     skeleton = load_data(dict(SKELETON), overrides, display="adopt")
-    node, remote = open_host(skeleton, spec, ui)
+    node, remote = open_host(skeleton, spec, ui, accept_new_host_key=accept_new_host_key)
+    if "host_key" in extra.get("ssh", {}):
+        del extra["ssh"]["host_key"]
+        if not extra["ssh"]:
+            del extra["ssh"]
     reads = [HOME_COMMAND]
     with remote:
         raw = run_script(remote, "scan", None, SCAN_DEADLINE)
@@ -192,12 +200,15 @@ def write(result: Result, extra: dict[str, Any]) -> None:
               "validates this file.")
     text = recipe_text(data, notes, header)
     created: list[Path] = []
+    made = [p for p in [folder, *folder.parents] if not p.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.adopt-{os.getpid()}")
     try:
         for path, content in planned.items():
             if path.exists():
                 result.kept.append(path)
                 continue
+            made += [p for p in [path.parent, *path.parent.parents] if not p.exists() and p not in made]
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("x", encoding="utf-8") as f:
                 f.write(content)
@@ -208,10 +219,10 @@ def write(result: Result, extra: dict[str, Any]) -> None:
         os.link(tmp, output)               # never over a file that appeared meanwhile
         created.append(output)
     except FileExistsError:
-        _remove(created)
+        _remove(created, made)
         raise UsageError(f"{output} (or a file beside it) appeared while adopt ran; nothing written") from None
     except RelaunchError as exc:
-        _remove(created)
+        _remove(created, made)
         raise RelaunchError(f"the recipe adopt wrote does not pass `relaunch check` (a bug in adopt): {exc.message}",
                             "nothing was written; please report it with the debug log") from exc
     finally:
@@ -227,10 +238,14 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _remove(paths: list[Path]) -> None:
+def _remove(paths: list[Path], folders: list[Path]) -> None:
+    """Undo a write that failed: the files it created, then the folders it made (innermost first)."""
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+    for path in sorted(folders, key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 # -- the report ---------------------------------------------------------------------------------------
@@ -246,10 +261,9 @@ def render(result: Result) -> str:
         lines.append(f"  {'':<{width}}    {'GUESS: ' if f.guess else 'from: '}{shown(f.evidence)}")
     if a.warnings:
         lines += ["", "check these:"] + [f"  - {shown(w)}" for w in a.warnings]
-    guesses = [f for f in a.guesses if f.key not in result.set_keys]
+    guesses = [key for key, (_, guess) in a.notes.items() if guess and key not in result.set_keys]
     if guesses:
-        lines += ["", f"{len(guesses)} guess(es), marked GUESS in {result.recipe.name}: "
-                  + ", ".join(dict.fromkeys(f.key for f in guesses))]
+        lines += ["", f"{len(guesses)} guess(es), marked GUESS in {result.recipe.name}: {', '.join(guesses)}"]
     wrote = ", ".join(str(p) for p in result.wrote)
     lines += ["", f"wrote {wrote}" + (f" (kept, same bytes: {', '.join(str(p) for p in result.kept)})"
                                       if result.kept else "")]

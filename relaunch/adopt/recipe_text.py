@@ -62,6 +62,8 @@ def _emit(data: dict[str, Any], notes: dict[str, tuple[str, bool]], path: str, d
     for key in _ordered(data, order):
         value = data[key]
         dotted = f"{path}.{key}" if path else key
+        if depth == 0 and isinstance(value, dict) and out and out[-1] != "":
+            out.append("")
         out += _comment(notes.get(dotted), indent)
         if isinstance(value, dict) and value:
             out.append(f"{indent}{key_text(key)}:")
