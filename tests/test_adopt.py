@@ -305,7 +305,7 @@ def test_an_instance_where_nothing_trains_is_a_clear_error_exit_2_and_unreachabl
 
 # -- 5: a secret in the training's environment -------------------------------------------------------------
 def test_a_secret_in_the_environment_becomes_a_name_in_env_secrets_its_value_nowhere(tmp_path, sandbox, ssh, ssh_key):
-    home, inst = tmp_path / "state", sandbox()
+    home, inst = tmp_path / "state", sandbox(command_log=True)
     token, key_value = "hf_adoptTestSecretValue0123456789", "wandbKeyThatMustNotLeave42"
     bare_venv(ssh, inst)
     # one secret given on the command line that starts the run, one in the tmux server's environment
@@ -314,15 +314,18 @@ def test_a_secret_in_the_environment_becomes_a_name_in_env_secrets_its_value_now
     wait_for("a checkpoint", lambda: has_checkpoint(ssh, inst, "~/ckpt", 2))
     out = tmp_path / "adopted" / "recipe.yaml"
     out.parent.mkdir()
+    sent_before = len(sb.commands(inst.name))
     result = adopt(inst.host, "-o", str(out), "--json", home=home, key=ssh_key)
     assert result.returncode == 0, result.stderr
+    sent = sb.commands(inst.name)[sent_before:]
     recipe = yaml.safe_load(out.read_text())
     assert {"HF_TOKEN", "WANDB_API_KEY"} <= set(recipe["env"]["secrets"])
     assert recipe["env"]["vars"] == {"WANDB_MODE": "offline"}
     assert "HF_TOKEN" in result.stdout
     written = [p for p in out.parent.rglob("*") if p.is_file()]
     assert {p.name for p in written} >= {"recipe.yaml", "requirements.lock", "train.py", "helpers.py"}
-    places = {"stdout": result.stdout, "stderr": result.stderr, "debug log": (home / "debug.log").read_text()}
+    places = {"stdout": result.stdout, "stderr": result.stderr, "debug log": (home / "debug.log").read_text(),
+              "adopt's commands on the instance": "\n".join(sent)}
     places |= {str(p): p.read_text(errors="replace") for p in written}
     for value in (token, key_value):
         leaked = [where for where, text in places.items() if value in text]

@@ -98,7 +98,7 @@ def adopt(spec: HostSpec, ui: UI, *, output: Path, name: str | None = None, sess
         ui.step(node.label, "adopt", f"the training: {shown(chosen.line(remote.home))}")
         detail, places, listings = read_chosen(remote, scan, chosen, reads)
     ctx = Context(host=node.label, user=scan.user or node.target.user, home=remote.home or scan.home, name=name,
-                  set_keys=frozenset(dotted_keys(extra)))
+                  port=node.target.port, set_keys=frozenset(dotted_keys(extra)))
     named, scanned = places
     adoption = read(scan, chosen, detail, listings, ctx, named, scanned)
     result = Result(node.label, chosen.line(ctx.home), adoption, output, reads=reads, set_keys=sorted(ctx.set_keys))

@@ -50,6 +50,9 @@ ML_PREFIXES = ("CUDA_", "NCCL_", "TORCH", "PYTORCH_", "OMP_NUM_THREADS", "MKL_",
 # small text files a command names that are part of the job (not data)
 CODE_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".toml", ".cfg", ".ini", ".sh", ".conf", ".jsonnet", ".txt")
 TOOLING = {"pip", "setuptools", "wheel", "distribute"}      # what `pip freeze` (and relaunch freeze) leave out
+# what an option like --out names when it is a file, not a checkpoint folder
+NOT_FOLDERS = (".json", ".jsonl", ".csv", ".txt", ".log", ".yaml", ".yml", ".pt", ".pth", ".ckpt", ".bin",
+               ".safetensors", ".pkl", ".npz", ".h5", ".png", ".html")
 _JINJA = re.compile(r"\{\{|\{%|\{#|\}\}|%\}|#\}")
 # places in the command's words that adopt fills with a template (never text from the instance)
 CKPT, RESUME, NPROC = "\x01ckpt", "\x01resume:", "\x01nproc:"
@@ -87,6 +90,7 @@ class Context:
     user: str                       # the login user
     home: str                       # the login's home
     name: str | None = None         # --name
+    port: int = 22                  # the port adopt connected on
     set_keys: frozenset[str] = frozenset()   # keys --set gives (adopt does not guess those)
 
 
@@ -644,6 +648,9 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
                           f"command as ssh.user ({p.user})")
     else:
         b.put("ssh.user", ctx.user, f"you logged in as {ctx.user}, and the training runs as {p.user or ctx.user}")
+    if ctx.port != 22:
+        b.fact("ssh.port", "not written", f"you connected on port {ctx.port}; a new instance's HOST gives its own "
+               "(USER@ADDRESS:PORT)")
     provider, evidence = guess_provider(scan, ctx.user)
     if provider:
         b.put("provider", provider, evidence, guess=True)
@@ -948,7 +955,8 @@ def plan_places(scan: Scan, c: Candidate, detail_paths: dict[str, Any] | None, s
     places: list[Place] = []
     seen: set[str] = set()
     for option in options(call.args):
-        if option.name in CKPT_OPTIONS and option.value and MARK not in option.value:
+        if option.name in CKPT_OPTIONS and option.value and MARK not in option.value \
+                and not option.value.lower().endswith(NOT_FOLDERS):
             path = absolute(option.value, cwd, home)
             info = (detail_paths or {}).get(path)
             if info is not None and info.kind == "f":
