@@ -35,6 +35,7 @@ p.add_argument("--save-every", type=int, default=5)
 p.add_argument("--sleep", type=float, default=0.2)
 p.add_argument("--config", default="")
 p.add_argument("--resume", default="", help="checkpoint to resume from")
+p.add_argument("--hub-token", default="")
 a = p.parse_args()
 os.makedirs(a.out, exist_ok=True)
 start = int(open(a.resume).read()) if a.resume else 0
@@ -308,9 +309,12 @@ def test_a_secret_in_the_environment_becomes_a_name_in_env_secrets_its_value_now
     home, inst = tmp_path / "state", sandbox(command_log=True)
     token, key_value = "hf_adoptTestSecretValue0123456789", "wandbKeyThatMustNotLeave42"
     bare_venv(ssh, inst)
-    # one secret given on the command line that starts the run, one in the tmux server's environment
+    ssh(inst, "cat > ~/work/private.yaml", input=f"hub_token: {token}\n")
+    # a secret in the training's environment (set by the command that starts it) and on its command line,
+    # another in the tmux server's environment, and a config file holding one
     start_in_tmux(ssh, inst, "secret", f"WANDB_MODE=offline HF_TOKEN={token} ~/venv/bin/python train.py "
-                                       "--out ~/ckpt --save-every 2", prefix=f"WANDB_API_KEY={key_value} ")
+                                       f"--out ~/ckpt --save-every 2 --config private.yaml --hub-token {token}",
+                  prefix=f"WANDB_API_KEY={key_value} ")
     wait_for("a checkpoint", lambda: has_checkpoint(ssh, inst, "~/ckpt", 2))
     out = tmp_path / "adopted" / "recipe.yaml"
     out.parent.mkdir()
@@ -321,11 +325,18 @@ def test_a_secret_in_the_environment_becomes_a_name_in_env_secrets_its_value_now
     recipe = yaml.safe_load(out.read_text())
     assert {"HF_TOKEN", "WANDB_API_KEY"} <= set(recipe["env"]["secrets"])
     assert recipe["env"]["vars"] == {"WANDB_MODE": "offline"}
-    assert "HF_TOKEN" in result.stdout
+    assert '--hub-token "${HF_TOKEN}"' in recipe["run"]["command"]       # the value, by the name it came under
+    assert "private.yaml" not in recipe["env"]["files"] and not (out.parent / "private.yaml").exists()
+    warnings = json.loads(result.stdout)["warnings"]
+    assert any("private.yaml" in w and "holds the value of HF_TOKEN" in w for w in warnings)
     written = [p for p in out.parent.rglob("*") if p.is_file()]
     assert {p.name for p in written} >= {"recipe.yaml", "requirements.lock", "train.py", "helpers.py"}
     places = {"stdout": result.stdout, "stderr": result.stderr, "debug log": (home / "debug.log").read_text(),
               "adopt's commands on the instance": "\n".join(sent)}
+    # and what the instance answered: each of adopt's reads again, its output as this machine received it
+    for n, command in enumerate(json.loads(result.stdout)["reads"]):
+        answer = ssh(inst, command)
+        places[f"the answer to read {n}"] = answer.stdout + answer.stderr
     places |= {str(p): p.read_text(errors="replace") for p in written}
     for value in (token, key_value):
         leaked = [where for where, text in places.items() if value in text]
