@@ -305,23 +305,29 @@ def fds(pid):
     return sorted(nvidia), targets
 
 
-def python_facts(pid, info):
+def is_python(pid, info):
     exe = link(f"/proc/{pid}/exe")
     if exe is None or not PYTHON_EXE.match(os.path.basename(exe).replace(" (deleted)", "")):
         return False
+    info["exe"] = exe
+    return True
+
+
+def python_facts(pid, info, root):
+    """What a Python process shows; the costly reads (its environment, mapped files) for a
+    process with no Python above it only: workers and data loaders are many, and alike."""
+    argv = argv_of(pid)
+    nvidia, targets = fds(pid)
+    info.update({"python": True, "nvidia": nvidia, "fd1": targets.get("1", ""), "fd2": targets.get("2", ""),
+                 "_argv": argv, "cwd": link(f"/proc/{pid}/cwd")})
+    if not root:
+        return
     env = environ(pid) or {}
     note_env(env)
-    cwd = link(f"/proc/{pid}/cwd")
-    argv = argv_of(pid)
-    argv0 = resolve_argv0(argv[0] if argv else "", cwd, env)
-    nvidia, targets = fds(pid)
-    info.update({
-        "python": True, "exe": exe, "cwd": cwd, "argv0": argv0, "argv0_root": env_root(argv0),
-        "virtual_env": env.get("VIRTUAL_ENV", ""), "conda_prefix": env.get("CONDA_PREFIX", ""),
-        "mapped": site_prefixes(pid), "nvidia": nvidia, "fd1": targets.get("1", ""), "fd2": targets.get("2", ""),
-        "home": env.get("HOME", ""), "_argv": argv,
-    })
-    return True
+    argv0 = resolve_argv0(argv[0] if argv else "", info["cwd"], env)
+    info.update({"argv0": argv0, "argv0_root": env_root(argv0), "virtual_env": env.get("VIRTUAL_ENV", ""),
+                 "conda_prefix": env.get("CONDA_PREFIX", ""), "mapped": site_prefixes(pid),
+                 "home": env.get("HOME", "")})
 
 
 # -- sessions --------------------------------------------------------------------------------
@@ -461,7 +467,16 @@ def scan():
         mine.add(pid)
         pid = procs[pid]["ppid"]
     note_env(dict(os.environ))
-    pythons = [p for p in procs if p not in mine and python_facts(p, procs[p])]
+    pythons = [p for p in procs if p not in mine and is_python(p, procs[p])]
+    python_set = set(pythons)
+    for p in pythons:
+        q, root = procs[p]["ppid"], True
+        while q in procs and q > 1:
+            if q in python_set:
+                root = False
+                break
+            q = procs[q]["ppid"]
+        python_facts(p, procs[p], root)
     servers = tmux_servers()
     screens = screen_sessions()
     keep = set(pythons)
