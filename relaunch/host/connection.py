@@ -561,13 +561,18 @@ def _connect(target: Target, known: KnownHosts, path: Path, agent: _Agent,
                 hop.close()
             raise
         remote = Remote(target, conn, path, jump=hop)
-        result = remote.exec(HOME_COMMAND, deadline=60)
-        if not result.ok or not result.text.startswith("/"):
-            remote.close()
-            raise ConnectError(f"{target.label}: connected, but could not run a command: "
-                               f"{shorten(result.output, 200)}")
-        remote.home = result.text
-        return remote
+        # a first command that comes back without its answer has been seen under heavy load: once more
+        for _ in range(2):
+            result = remote.exec(HOME_COMMAND, deadline=60)
+            if result.ok and result.text.startswith("/"):
+                remote.home = result.text
+                return remote
+            log.debug("%s: %s answered status %s, stdout %r, stderr %r", target.label, HOME_COMMAND,
+                      result.status, result.stdout[:200], result.stderr[:200])
+        remote.close()
+        status = "no exit status" if result.status is None else f"exit {result.status}"
+        raise ConnectError(f"{target.label}: connected, but could not run a command ({status}, its home "
+                           f"{result.text[:60]!r}): {shorten(result.output, 200) or 'no output'}")
 
     def auth_left(exc: BaseException) -> float | None:
         # cloud-init installs the key within a minute of sshd starting; a wrong key or user
