@@ -132,7 +132,7 @@ def open_group(recipe: Recipe, specs: list[HostSpec], ui: UI,
         spec, exc = failed[0]
         if isinstance(exc, RelaunchError):
             raise type(exc)(f"{len(failed)} of {len(specs)} nodes could not be reached; first, {spec}: {exc.message}",
-                            exc.hint)
+                            exc.hint, exc.refused)
         raise exc  # type: ignore[misc]
     return pairs  # type: ignore[return-value]
 
@@ -498,9 +498,11 @@ def unsaved_group_checkpoint(job: Job) -> Checkpoint | None:
 
 # -- evacuate ----------------------------------------------------------------------------------
 def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: bool = False,
-             allow_empty: bool = False) -> Report:
+             allow_empty: bool = False, newest_only: bool = False, reverify: bool = True) -> Report:
     """Any failure becomes exit 6: the instance (or any node of the group) must not be destroyed;
-    Ctrl-C stays an interruption (exit 130), which says the same."""
+    Ctrl-C stays an interruption (exit 130), which says the same. `newest_only`: after a reclaim
+    notice, only the newest checkpoint is copied (the others are either in the store already or
+    older than what the instance has left to give in its window)."""
     specs = specs if isinstance(specs, list) else [specs]
     try:
         store = open_store(recipe)
@@ -510,13 +512,30 @@ def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: boo
             executor = executor_for(jobs[0], remotes[jobs[0].host], store, ui, remotes)
             if stop:
                 _stop(jobs, executor, ui)
+                relist(jobs, remotes)            # the save the stop asked for
             with store.lock(ui):
-                return evacuate_jobs(jobs, remotes, store, executor, ui, allow_empty=allow_empty)
+                return evacuate_jobs(jobs, remotes, store, executor, ui, allow_empty=allow_empty,
+                                     newest_only=newest_only, reverify=reverify)
     except (UsageError, Interrupted):
         raise
     except RelaunchError as exc:
         what = "the instance" if len(specs) == 1 else "any node of the group"
-        raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy {what}", exc.hint) from exc
+        raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy {what}", exc.hint,
+                              exc.refused) from exc
+
+
+def stop_training(recipe: Recipe, specs: list[HostSpec], ui: UI) -> None:
+    """End the training (and its guard) on these nodes at once, without a save: nodes whose group
+    lost a node are stuck in a collective that never completes; a replaced instance that answers
+    again holds nothing the store lacks."""
+    session, guard = shlex.quote("=" + recipe.run.session), shlex.quote("=" + f"{recipe.run.session}-guard")
+    pairs = open_group(recipe, specs, ui)
+    with connected(pairs) as remotes:
+        for label, remote in remotes.items():
+            result = remote.exec(f"tmux kill-session -t {session} 2>/dev/null; tmux kill-session -t {guard} "
+                                 "2>/dev/null; true", deadline=30)
+            if not result.ok:
+                raise EvacuationError(f"{label}: could not end the training: {shorten(result.output, 200)}")
 
 
 def _stop(jobs: list[Job], executor: Executor, ui: UI) -> None:
@@ -534,15 +553,9 @@ def _stop(jobs: list[Job], executor: Executor, ui: UI) -> None:
             ui.step(job.host, "stop", f"training stopped (exit {outcome.split(' ', 1)[-1].strip() or '?'})")
 
 
-def evacuate_job(job: Job, remote: Remote, store: Store, executor: Executor, ui: UI, rounds: int = 3,
-                 reverify: bool = True, require_newest: bool = True) -> Report:
-    """One instance: see evacuate_jobs."""
-    return evacuate_jobs([job], {job.host: remote}, store, executor, ui, rounds, reverify, require_newest)
-
-
 def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, executor: Executor, ui: UI,
                   rounds: int = 3, reverify: bool = True, require_newest: bool = True,
-                  allow_empty: bool = False) -> Report:
+                  allow_empty: bool = False, newest_only: bool = False) -> Report:
     """Copy the newest `keep` complete checkpoints (newest first) until the newest is verified;
     in a node group, each file from the node that holds it. Then the verdict, from what the store
     holds at that moment (verdicts.py): `report.safe`.
@@ -561,7 +574,7 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
     listing = instance_checkpoints(job)
     try:
         for _ in range(rounds):
-            for cp in reversed(listing[-keep:]):
+            for cp in reversed(listing[-(1 if newest_only else keep):]):
                 if cp.name not in report.copied + report.already + report.skipped + _names(report.damaged):
                     # the newest is checked in the store once, for the verdict, after everything else
                     _evacuate_one(jobs, store, executor, cp, report, reverify, check_store=cp is not listing[-1])
@@ -601,7 +614,8 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
         # a full or read-only disk on this machine: nothing is deleted to make room, and what
         # was being written stays in the store's staging folder, which is never trusted
         raise EvacuationError(f"writing the store {store.label} failed: {exc.strerror or exc}",
-                              "free space on this machine (nothing was deleted to make room), then rerun") from exc
+                              "free space on this machine (nothing was deleted to make room), then rerun",
+                              refused=True) from exc
     stored = store.manifest.newest() if store.manifest else None
     if stored is not None:
         report.stored, report.stored_step, report.stored_written_at = stored.name, stored.step, stored.written_at
@@ -723,7 +737,8 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
                                                   for p, h in hashes.items()):
             raise EvacuationError(
                 f"{job.host}: {cp.name} on the instance differs from the verified copy in the store {store.label}",
-                "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right")
+                "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right",
+                refused=True)
         problems = verdicts.store_holds(known, executor.run_one(_observe_action(store, known))) if check_store else []
         if not problems:
             report.already.append(cp.name)
