@@ -52,8 +52,11 @@ class View:
     def host(self) -> str:
         return str(self.spec)
 
-    def silent_for(self, now: float) -> float:
-        return 0.0 if self.silent_since is None else now - self.silent_since
+    def silent_for(self, now: float, late: float) -> float:
+        """Seconds since its last answer, once it is silent: a look failed, or the one under way is
+        more than `late` seconds past the last answer (a connection that hangs)."""
+        quiet = now - self.answered_at
+        return quiet if self.silent_since is not None or quiet > late else 0.0
 
 
 class Looker:

@@ -50,7 +50,7 @@ from .rounds import Rounds, child_argv, clock
 RETRY_WAIT = 20.0          # ssh.wait for the watch's own connections once it runs
 SAVE_SLACK = 10.0          # seconds beyond run.stop.timeout to wait for the guard's save
 WRITE_BACK_DEADLINE = 15.0
-GHOST_EVERY = 30.0         # seconds between looks at a replaced instance
+GHOST_LOOKS = 5            # a replaced instance is looked at every GHOST_LOOKS x guard.every seconds
 ALIVE_AGAIN = 30.0         # seconds before recover.alive is asked again about the same host
 
 
@@ -85,6 +85,7 @@ class Watch:
         # one line per step: the building blocks' own messages only with -v
         self.inner = UI(verbose=ui.verbose, quiet=not ui.verbose)
         self.every = recipe.guard.every
+        self.late = max(3 * self.every, 5.0)     # a look this much past the last answer: silent
         self.wake = threading.Event()
         self.messages: queue.Queue[tuple[str, str]] = queue.Queue()
         self.rounds = Rounds(self._round_argv, lambda kind, text: self._post(kind, text))
@@ -256,7 +257,7 @@ class Watch:
             if all(v.silent_since is None and v.looks > self.waiting_looks.get(v.host, 0) for v in views):
                 self.came_back(views)
             return None
-        silent = [v for v in views if v.silent_for(now) >= self.recipe.recover.lost_after]
+        silent = [v for v in views if v.silent_for(now, self.late) >= self.recipe.recover.lost_after]
         if silent:
             lost = self.confirm_lost(silent)
             if lost:
@@ -275,12 +276,13 @@ class Watch:
 
     def say_silences(self, views: list[View], now: float) -> None:
         for view in views:
-            if view.silent_since is not None and view.host not in self.said_silent:
+            quiet = view.silent_for(now, self.late) > 0
+            if quiet and view.host not in self.said_silent:
                 self.said_silent.add(view.host)
                 self.warn(f"{view.host}: no answer ({view.why}); lost after {self.recipe.recover.lost_after:g}s "
                           "without one")
                 self.emit("unreachable", node=view.host, why=view.why)
-            elif view.silent_since is None and view.host in self.said_silent:
+            elif not quiet and view.host in self.said_silent:
                 self.said_silent.discard(view.host)
                 self.say(f"{view.host}: answers again")
 
@@ -359,7 +361,7 @@ class Watch:
             processes.sleep(0.5)
             now = looker.view()
             if now.look is None or now.silent_since is not None:
-                if now.silent_since is not None and time.monotonic() - now.silent_since > 2 * self.every + 5:
+                if now.silent_for(time.monotonic(), self.late) > 2 * self.every + 5:
                     break
                 continue
             look = now.look
@@ -449,7 +451,7 @@ class Watch:
             if self.alive_said.get(view.host) != answer.running:
                 self.alive_said[view.host] = answer.running
                 (self.say if answer.running else self.warn)(
-                    f"{view.host}: no answer for {view.silent_for(time.monotonic()):.0f}s, but {answer.said}: "
+                    f"{view.host}: no answer for {time.monotonic() - view.answered_at:.0f}s, but {answer.said}: "
                     + ("not lost; nothing is rented (this machine's network, or a passing outage)"
                        if answer.running else "nothing is rented until it can tell"))
                 self.emit("alive", node=view.host, running=answer.running, said=answer.said)
@@ -690,7 +692,8 @@ class Watch:
         for spec in specs:
             if self._taken(spec):
                 continue
-            looker = Looker(self.current(5), spec, GHOST_EVERY, self.wake, listing_every=0).start()
+            looker = Looker(self.current(5), spec, max(GHOST_LOOKS * self.every, 10.0), self.wake,
+                            listing_every=0).start()
             self.ghosts[str(spec)] = looker
             self.ghost_seen[str(spec)] = 0
 
