@@ -19,7 +19,8 @@ from pathlib import Path
 
 from e2e import EXAMPLE, plain_recipe, run_cli, wait_for
 from spot_trainer import content
-from test_guard import HISTORY, MANIFEST, events, guard_file, metadata_service, watching
+from test_guard import HISTORY, MANIFEST, guard_file, metadata_service, watching
+from test_guard import events as lines
 from test_watch import go_silent
 
 from relaunch import sandbox as sb
@@ -39,6 +40,11 @@ def spot_recipe(folder: Path, name: str, key: Path, *, size: int = 50_000, every
     return plain_recipe(folder, name=name, key=key, env=env,
                         command=f'python ~/spot_trainer.py "{{{{ checkpoint }}}}" --size {size} --every {every} '
                                 f'--keep {keep} --sleep {sleep}', **sections)
+
+
+def events(folder: Path) -> list[dict]:
+    """The watch's events (--json), without the error line a Ctrl-C or a failure ends it with."""
+    return [e for e in lines(folder) if "event" in e]
 
 
 def speak_again(inst: sb.Instance) -> None:
@@ -215,7 +221,7 @@ def test_this_machines_outage_longer_than_lost_after_rents_nothing_when_the_prov
     assert not runs.exists()                                      # nothing was rented
     assert "not lost; nothing is rented" in err and "is lost" not in err
     assert history(tmp_path / "store") == []
-    assert [e for e in events(tmp_path) if e["event"] in ("interruption", "recover", "up")] == []
+    assert [e for e in events(tmp_path) if e.get("event") in ("interruption", "recover", "up")] == []
     assert ssh(inst, "tmux has-session -t =outage", check=False).returncode == 0
     assert steps_on(ssh, inst, "outage") > before + 50            # it trained through the outage
     log = ssh(inst, "cat ~/outage.log").stdout
@@ -243,7 +249,8 @@ def test_a_replaced_instance_that_answers_again_has_its_training_ended_and_is_sa
             wait_for("training on a replacement", lambda: any(e["event"] == "up" for e in events(tmp_path)),
                      timeout=300)
             second = sb.get(rented.read_text().split()[0])
-            assert ssh(first, "tmux has-session -t =twice", check=False).returncode == 0   # both train now
+            inside = sb.run_in(first.name, ["tmux", "has-session", "-t", "=twice"], capture_output=True, timeout=30)
+            assert inside.returncode == 0                                 # both train now
             sb.set_link(first.name, up=True)
             wait_for("the first one's training ended", lambda: ssh(first, "tmux has-session -t =twice",
                                                                     check=False).returncode != 0, timeout=120)
@@ -317,11 +324,11 @@ def test_a_store_that_fails_once_is_tried_again_and_one_that_refuses_ends_the_wa
             _stop(server)
             wait_for("the failure said", lambda: "sync round failed" in err_of(tmp_path), timeout=120)
             time.sleep(8)                                         # a few more tries fail while it is away
-            status = run_cli("status", str(recipe), home=home, env=env)
-            assert "watch: running here" in status.stdout and "last error at" in status.stdout, status.stdout
             server = _serve_s3(served, port, keys, log)
             wait_for("the rounds to work again", lambda: "sync rounds work again after" in err_of(tmp_path),
                      timeout=300)
+            status = run_cli("status", str(recipe), home=home, env=env)
+            assert "watch: running here" in status.stdout and "last error at" in status.stdout, status.stdout
             copied = sum(e["event"] == "round" for e in events(tmp_path))
             wait_for("another round", lambda: sum(e["event"] == "round" for e in events(tmp_path)) > copied,
                      timeout=60)
@@ -405,3 +412,118 @@ def test_a_second_watch_of_the_same_recipe_says_who_holds_it_and_exits(tmp_path,
             taking.send_signal(signal.SIGINT)
             taking.wait(timeout=60)
         assert json.loads((tmp_path / "store" / ".relaunch" / "watch.json").read_text()) == {}   # given back
+
+
+# -- node groups ------------------------------------------------------------------------------------
+def test_a_group_that_loses_a_node_trains_on_the_one_left_and_grows_back_with_a_replacement(
+        tmp_path, sandbox, ssh, ssh_key, package_index):
+    """2 nodes x 2 processes (torchrun, gloo, DCP shards on each node's own disk); node 1 goes silent.
+    With recover.shrink the watch ends the stuck training on node 0 and resumes there at once (1 x 2,
+    grad_accum doubled, the global batch kept) from the newest checkpoint the store verified, rents a
+    replacement meanwhile, and when it answers the group saves and comes back on 2 nodes. The history
+    records both changes of shape. Every resumed step's loss matches the uninterrupted run's within the
+    tolerance of tests/test_groups.py."""
+    from test_groups import close, dist_recipe, losses, reference
+
+    from test_guard import set_keys
+
+    home = tmp_path / "state"
+    n0, n1 = sandbox(index_dir=package_index), sandbox(index_dir=package_index)
+    work = tmp_path / "work"
+    recipe = dist_recipe(work, ssh_key, n0.index_url, steps=100000, sleep=0.3)
+    shutil.copy(EXAMPLE / "rent-sandbox.sh", work / "rent-sandbox.sh")
+    rented = work / "rented.txt"
+    rented.write_text("")
+    set_keys(recipe, guard={"every": 1}, checkpoint={"every": 2},
+             recover={"command": "./rent-sandbox.sh", "shrink": True, "lost_after": 8, "attempts": 2,
+                      "timeout": 300})
+    store = work / "store" / "example-dist"
+    try:
+        assert run_cli("up", str(recipe), n0.host, n1.host, home=home).returncode == 0
+        with watching(recipe, home, tmp_path, n0.host, n1.host, env=sandbox_env(ssh_key, package_index)) as watch:
+            wait_for("a checkpoint of the group verified", lambda: any(c["step"] >= 20 for c in
+                                                                       manifest(store)["checkpoints"]), timeout=300)
+            go_silent(n1)
+            shrunk = wait_for("training on node 0 alone", lambda: next(
+                (e for e in events(tmp_path) if e["event"] == "up" and e.get("nodes") == [n0.host]), None),
+                timeout=300)
+            grown = wait_for("training on 2 nodes again", lambda: next(
+                (e for e in events(tmp_path) if e["event"] == "up" and len(e.get("nodes") or []) == 2), None),
+                timeout=600)
+            third = sb.get(rented.read_text().split()[0])
+            assert grown["nodes"] == [n0.host, third.host]
+            wait_for("5 steps on the grown group", lambda: f"step {grown['step'] + 5} " in
+                     ssh(n0, "cat ~/example-dist.log").stdout, timeout=300)
+            watch.send_signal(signal.SIGINT)
+            watch.wait(timeout=60)
+        err = err_of(tmp_path)
+        assert watch.returncode == 130, err
+        assert "1 of 2 nodes lost" in err and "recover.shrink: training goes on on the 1 node(s) left now" in err
+        assert "growing back to 2 nodes" in err
+        log = ssh(n0, "cat ~/example-dist.log").stdout
+        assert f"at step {shrunk['step']} (world size 2, grad_accum 4)" in log
+        assert f"at step {grown['step']} (world size 4, grad_accum 2)" in log
+        assert grown["step"] > shrunk["step"]
+        # the history: the loss of a node (2 -> 1) and the grow back (1 -> 2), each with its steps lost
+        shapes = [(h["cause"], h["nodes_before"], h["nodes_after"]) for h in history(store)]
+        assert shapes == [("lost", 2, 1), ("grow", 1, 2)], history(store)
+        assert all(h["steps_lost"] is not None and h["time_to_resume"] > 0 for h in history(store))
+        # every step trained after each resume is what the uninterrupted run trained at that step
+        runs = log.split("=== relaunch: start ")
+        ref = reference(tmp_path, grown["step"] + 5)
+        for text in runs[-2:]:
+            for step, (loss, grad) in losses(text).items():
+                if step in ref:
+                    assert close(loss, ref[step][0]) and close(grad, ref[step][1]), (step, loss, ref[step])
+    finally:
+        for name in rented.read_text().split():
+            sb.destroy(name)
+
+
+def test_a_notice_on_one_node_saves_the_whole_group_and_a_replacement_brings_it_back_at_full_size(
+        tmp_path, sandbox, ssh, ssh_key, package_index):
+    """A reclaim notice on node 1 of 2: the group saves (every node's training is asked to stop, every
+    rank saves the same step), that checkpoint is evacuated from both nodes and verified; without
+    recover.shrink a replacement is rented for node 1 and the group comes back at full size on node 0
+    and the replacement, resumed from that save: no step lost."""
+    from test_groups import dist_recipe
+
+    from test_guard import set_keys
+
+    home = tmp_path / "state"
+    n0, n1 = sandbox(index_dir=package_index), sandbox(index_dir=package_index)
+    work = tmp_path / "work"
+    recipe = dist_recipe(work, ssh_key, n0.index_url, steps=100000, sleep=0.3)
+    shutil.copy(EXAMPLE / "rent-sandbox.sh", work / "rent-sandbox.sh")
+    rented = work / "rented.txt"
+    rented.write_text("")
+    set_keys(recipe, guard={"sources": ["file:~/RECLAIM"], "every": 1}, checkpoint={"every": 2},
+             recover={"command": "./rent-sandbox.sh", "lost_after": 60, "attempts": 2, "timeout": 300})
+    store = work / "store" / "example-dist"
+    try:
+        assert run_cli("up", str(recipe), n0.host, n1.host, home=home).returncode == 0
+        with watching(recipe, home, tmp_path, n0.host, n1.host, env=sandbox_env(ssh_key, package_index)) as watch:
+            wait_for("a checkpoint of the group verified", lambda: manifest(store)["checkpoints"], timeout=300)
+            ssh(n1, "echo '{\"seconds\": 120}' > ~/RECLAIM")
+            up = wait_for("the group back at full size", lambda: next(
+                (e for e in events(tmp_path) if e["event"] == "up"), None), timeout=600)
+            watch.send_signal(signal.SIGINT)
+            watch.wait(timeout=60)
+        err = err_of(tmp_path)
+        third = sb.get(rented.read_text().split()[0])
+        assert up["nodes"] == [n0.host, third.host], up
+        assert f"{n1.host} (node 1): reclaim notice from file:/root/RECLAIM" in err
+        assert "evacuating every node now" in err and "before the deadline" in err
+        log = ssh(n0, "cat ~/example-dist.log").stdout
+        stopped = int(log.split("stopped at step ")[1].split()[0])
+        saved = manifest(store)["checkpoints"][-1]
+        assert saved["step"] == stopped and saved["saved_with"]["world_size"] == 4
+        assert {Path(p).name for p in saved["files"]} == {".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                           "__2_0.distcp", "__3_0.distcp"}
+        assert up["step"] == stopped and f"at step {stopped} (world size 4, grad_accum 2)" in log
+        entry = history(store)[-1]
+        assert (entry["cause"], entry["steps_lost"], entry["made_deadline"]) == ("notice", 0, True)
+        assert (entry["nodes_before"], entry["nodes_after"]) == (2, 2)
+    finally:
+        for name in rented.read_text().split():
+            sb.destroy(name)

@@ -97,6 +97,9 @@ class Watch:
         self.ghost_seen: dict[str, int] = {}       # their looks when they were replaced
         self.ending: Future[Any] | None = None     # a replaced instance's training being ended
         self.renting: Future[list[rent.Rented]] | None = None   # shrink: replacements being rented
+        self.spares: list[rent.Rented] | None = None             # ... rented, waiting for the next checkpoint
+        self.grow_after = 0                                      # the step the shrunk group resumed from
+        self.last_stored: int | None = None                      # the newest verified, as the last round saw
         self.renewing: Future[Any] | None = None
         self.asking: dict[str, Future[rent.Alive]] = {}         # recover.alive in flight, by host
         self.alive_after: dict[str, float] = {}                 # ... and when to ask it again
@@ -234,6 +237,7 @@ class Watch:
 
     def after_round(self, report: Report) -> None:
         self.next_round = time.monotonic() + self.recipe.checkpoint.every
+        self.last_stored = report.stored_step
         for looker in self.lookers.values():
             looker.answered()               # a round that worked heard from every node
         self.ui.ok(round_line(report))
@@ -276,12 +280,13 @@ class Watch:
 
     def say_silences(self, views: list[View], now: float) -> None:
         for view in views:
-            quiet = view.silent_for(now, self.late) > 0
+            quiet = view.silent_for(now, self.late)
             if quiet and view.host not in self.said_silent:
                 self.said_silent.add(view.host)
-                self.warn(f"{view.host}: no answer ({view.why}); lost after {self.recipe.recover.lost_after:g}s "
+                why = view.why or f"the look under way has had no answer for {quiet:.0f}s"
+                self.warn(f"{view.host}: no answer ({why}); lost after {self.recipe.recover.lost_after:g}s "
                           "without one")
-                self.emit("unreachable", node=view.host, why=view.why)
+                self.emit("unreachable", node=view.host, why=why)
             elif not quiet and view.host in self.said_silent:
                 self.said_silent.discard(view.host)
                 self.say(f"{view.host}: answers again")
@@ -561,6 +566,7 @@ class Watch:
                      + (f"; replacements for {len(gone)} are rented meanwhile" if self.recipe.recover.command else ""))
             cycle.stop_training(self.current(), left, self.inner)
             results = self.bring_up(left)
+            self.grow_after = results[0].step
             if self.recipe.recover.command:
                 self.renting = self.chores.submit(self.rent_many, entry, len(gone))
         else:
@@ -649,18 +655,24 @@ class Watch:
         return results
 
     def grow_back(self) -> None:
-        """recover.shrink: once the replacements answer, the group saves, is evacuated and comes
-        back at full size."""
+        """recover.shrink: once the replacements answer and the shrunk group's next checkpoint is
+        verified in the store, the group saves (run.stop), is evacuated and comes back at full size."""
         if self.renting is None or not self.renting.done():
             return
-        future, self.renting = self.renting, None
-        self.drain_messages()
-        try:
-            spares = future.result()
-        except RelaunchError as exc:
-            self.warn(f"recover: no replacement to grow back with: {_first_line(exc)}; training goes on on "
-                      f"{len(self.specs)} node(s)")
+        if self.spares is None:
+            try:
+                self.spares = self.renting.result()
+            except RelaunchError as exc:
+                self.renting = None
+                self.warn(f"recover: no replacement to grow back with: {_first_line(exc)}; training goes on on "
+                          f"{len(self.specs)} node(s)")
+                return
+            self.say(f"replacement{'s' if len(self.spares) > 1 else ''} ready: "
+                     f"{' '.join(str(r.spec) for r in self.spares)}; growing back at the next checkpoint verified "
+                     f"in the store (after step {self.grow_after})")
+        if (self.last_stored or 0) <= self.grow_after:
             return
+        spares, self.spares, self.renting = self.spares, None, None
         before, old = len(self.specs), self.host
         entry = history.Interruption.start(old, "grow", f"{before} -> {before + len(spares)} nodes: replacements "
                                            f"{' '.join(str(r.spec) for r in spares)} are there", time.time(),
@@ -668,11 +680,21 @@ class Watch:
         self.say(f"growing back to {before + len(spares)} nodes: asking training to save (run.stop), evacuating, "
                  "then `up` on the whole group")
         self.rounds.abort()
-        report = cycle.evacuate(self.current(), self.specs, self.inner, stop=True, newest_only=True, reverify=False)
-        entry.newest_verified_step = report.stored_step
-        seen = max([s for s in (entry.newest_seen_step, report.newest_step) if s is not None], default=None)
+        try:
+            report = cycle.evacuate(self.current(), self.specs, self.inner, stop=True, newest_only=True,
+                                    reverify=False)
+            entry.newest_verified_step = report.stored_step
+            seen = max([s for s in (entry.newest_seen_step, report.newest_step) if s is not None], default=None)
+        except (Interrupted, UsageError):
+            raise
+        except RelaunchError as exc:
+            # stopped, but its save not verified: the grown group resumes from the store's newest
+            self.warn(f"growing back: the save was NOT verified ({_first_line(exc)}); the group comes back from the "
+                      "newest checkpoint the store holds")
+            entry.newest_verified_step = self.store_newest()
+            seen = entry.newest_seen_step
         entry.newest_seen_step = seen
-        entry.steps_lost = None if seen is None else max(seen - (report.stored_step or 0), 0)
+        entry.steps_lost = None if seen is None else max(seen - (entry.newest_verified_step or 0), 0)
         entry.nodes_before = before
         results = self.bring_up(self.specs + [r.spec for r in spares])
         entry.resumed(self.host, time.time())
