@@ -42,7 +42,7 @@ from .steps.evacuate import LOG_TAIL_LINES, Report, hash_action, plan_copy, plan
 from .steps.guard import newest_logged_step
 from .steps.launch import attach_command, plan_launch, tail_command
 from .steps.preflight import plan_preflight, summary
-from .steps.stop import STILL_RUNNING, plan_stop
+from .steps.stop import STILL_RUNNING, end_command, plan_stop, signal_command
 from .transports import Damaged, Mismatch, Store, Vanished, open_store
 from .transports.base import store_deadline
 from .ui import UI, redact
@@ -524,18 +524,34 @@ def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: boo
                               exc.refused) from exc
 
 
+def _on_every_node(recipe: Recipe, specs: list[HostSpec], ui: UI, command: Any, what: str) -> None:
+    """command(job) on every node at the same time (a fresh connection each)."""
+    from .host.facts import HostFacts
+    from .job import Facts
+
+    pairs = open_group(recipe, specs, ui)
+    with connected(pairs), ThreadPoolExecutor(max_workers=len(pairs)) as pool:
+        def one(pair: tuple[Node, Remote]) -> None:
+            node, remote = pair
+            job = Job(recipe, node, Facts(host=HostFacts(home=remote.home)))
+            result = remote.exec(command(job), deadline=30)
+            if not result.ok:
+                raise EvacuationError(f"{node.label}: could not {what}: {shorten(result.output, 200)}")
+        for future in [pool.submit(one, pair) for pair in pairs]:
+            future.result()
+
+
 def stop_training(recipe: Recipe, specs: list[HostSpec], ui: UI) -> None:
     """End the training (and its guard) on these nodes at once, without a save: nodes whose group
     lost a node are stuck in a collective that never completes; a replaced instance that answers
     again holds nothing the store lacks."""
-    session, guard = shlex.quote("=" + recipe.run.session), shlex.quote("=" + f"{recipe.run.session}-guard")
-    pairs = open_group(recipe, specs, ui)
-    with connected(pairs) as remotes:
-        for label, remote in remotes.items():
-            result = remote.exec(f"tmux kill-session -t {session} 2>/dev/null; tmux kill-session -t {guard} "
-                                 "2>/dev/null; true", deadline=30)
-            if not result.ok:
-                raise EvacuationError(f"{label}: could not end the training: {shorten(result.output, 200)}")
+    _on_every_node(recipe, specs, ui, end_command, "end the training")
+
+
+def ask_to_stop(recipe: Recipe, specs: list[HostSpec], ui: UI) -> None:
+    """run.stop.signal to the training on every node at once, without waiting: a node group saves
+    together (every rank of every node stops at the same step), as after a notice on one node."""
+    _on_every_node(recipe, specs, ui, lambda job: f"{signal_command(job)} 2>/dev/null; true", "signal the training")
 
 
 def _stop(jobs: list[Job], executor: Executor, ui: UI) -> None:

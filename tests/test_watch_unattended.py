@@ -507,6 +507,8 @@ def test_a_notice_on_one_node_saves_the_whole_group_and_a_replacement_brings_it_
             ssh(n1, "echo '{\"seconds\": 120}' > ~/RECLAIM")
             up = wait_for("the group back at full size", lambda: next(
                 (e for e in events(tmp_path) if e["event"] == "up"), None), timeout=600)
+            wait_for("the resumed run's first line", lambda: f"at step {up['step']} (world size 4" in
+                     ssh(n0, "cat ~/example-dist.log").stdout, timeout=120)
             watch.send_signal(signal.SIGINT)
             watch.wait(timeout=60)
         err = err_of(tmp_path)

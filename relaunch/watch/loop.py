@@ -303,6 +303,15 @@ class Watch:
         self.warn(f"{where}reclaim notice from {source}: {detail}; deadline {clock(deadline)} "
                   f"({deadline - time.time():.0f}s left, from {notice.get('deadline_from', '?')})")
         self.emit("notice", node=view.host, notice=notice)
+        if self.group:
+            # every node at once: the ranks of every node stop at the same step and save together
+            try:
+                cycle.ask_to_stop(self.current(5), self.specs, self.inner)
+                self.say(f"asked the training on every node to save and stop (SIG{self.recipe.run.stop.signal})")
+            except (Interrupted, UsageError):
+                raise
+            except RelaunchError as exc:
+                self.warn(f"could not ask every node to save: {_first_line(exc)}")
         if self.rounds.busy:
             self.rounds.abort()
             self.say("the sync round copying meanwhile was ended: the save after the notice goes first (its partial "
@@ -314,13 +323,20 @@ class Watch:
         started = time.time()
         report: Report | None = None
         try:
-            report = cycle.evacuate(self.current(), self.specs, self.inner, stop=self.group, newest_only=True,
-                                    reverify=False)
+            report = cycle.evacuate(self.current(), self.specs, self.inner, newest_only=True, reverify=False)
         except (Interrupted, UsageError):
             raise
         except RelaunchError as exc:
             self.warn(f"{where}evacuation after the notice NOT verified: {_first_line(exc)}")
         finished = time.time()
+        if self.group:
+            # a rank that did not stop (a launcher waiting on the node that is going) holds nothing more
+            try:
+                cycle.stop_training(self.current(5), self.specs, self.inner)
+            except (Interrupted, UsageError):
+                raise
+            except RelaunchError as exc:
+                self.warn(f"could not end what is left of the training: {_first_line(exc)}")
         verified = report is not None and report.safe
         made = verified and finished <= deadline
         if report is not None and verified:
@@ -359,10 +375,17 @@ class Watch:
         return None
 
     def wait_for_save(self, view: View, notice: dict[str, Any], deadline: float) -> dict[str, Any]:
-        """The notice record once the guard says how the save went, training is gone, or the time is up."""
+        """The notice record once the guard says how the save went, training is gone, or the time is
+        up; in a node group, also until the training is gone on every node (they save together)."""
         until = min(deadline, time.time() + self.recipe.run.stop.timeout + SAVE_SLACK)
         looker = self.lookers[view.host]
-        while (notice.get("save") or {}).get("state") in (None, "asking") and time.time() < until:
+
+        def others_running() -> bool:
+            return any(v.look is not None and v.look.training and v.silent_since is None
+                       for v in self.views() if v.host != view.host)
+
+        while ((notice.get("save") or {}).get("state") in (None, "asking") or others_running()) \
+                and time.time() < until:
             processes.sleep(0.5)
             now = looker.view()
             if now.look is None or now.silent_since is not None:
