@@ -291,6 +291,44 @@ def freeze(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: b
 
 
 @cli.command()
+@click.argument("host")
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default="recipe.yaml", show_default=True,
+              help="Where to write the recipe; the lock and the program's files go beside it (never over other bytes).")
+@click.option("--name", default=None, help="The recipe's name (default: the tmux or screen session's name).")
+@click.option("--session", default=None, metavar="S",
+              help="Which run, when several could be the training: a tmux or screen session name, or a pid.")
+@click.option("--accept-new-host-key", is_flag=True,
+              help="The address was reused by a new instance: forget its recorded host key and record the new one.")
+@common
+def adopt(host: str, output: str, name: str | None, session: str | None, accept_new_host_key: bool,
+          overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
+    """Turn a run started by hand on HOST (in tmux, screen, or on its own) into a recipe: its command,
+    workdir, venv and pip freeze (the lock), checkpoint folder and layout, GPUs, environment variables
+    (secrets by name only), SSH user; the program's files are copied beside the recipe. Every fact is
+    printed with its evidence, every guess marked. Read-only on the instance. --set values go into the
+    recipe (e.g. --set ssh.key=KEY, --set checkpoint.remote=rclone:...)."""
+    from .adopt import adopt as adopt_run, render
+
+    ui = UI(verbose=verbose)
+    chooser = ask_which if sys.stdin.isatty() and not yes else None
+    result = adopt_run(HostSpec.parse(host), ui, output=Path(output), name=name, session=session,
+                       overrides=overrides, choose=chooser, accept_new_host_key=accept_new_host_key)
+    if as_json:
+        emit(True, result.as_dict())
+        click.echo(render(result), err=True)
+        return
+    click.echo(render(result))
+
+
+def ask_which(lines: list[str]) -> int:
+    """The prompt `adopt` shows when several runs could be the training: the index of the answer."""
+    click.echo(f"{len(lines)} runs could be the training:", err=True)
+    for n, line in enumerate(lines, 1):
+        click.echo(f"  {n}) {line}", err=True)
+    return int(click.prompt(f"which one? [1-{len(lines)}]", type=click.IntRange(1, len(lines)), err=True)) - 1
+
+
+@cli.command()
 @click.argument("recipe")
 @click.option("--explain", is_flag=True,
               help="Print the merged recipe with, for every value, where it came from (file:line, preset, "

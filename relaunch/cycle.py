@@ -38,7 +38,7 @@ from .store import CheckpointRecord
 from .steps.checkpoint import choose, instance_checkpoints, on_every_node, plan_restore
 from .steps.group import MARK, barrier, check_reshard, plan_fanout, shape, shaped, tag, what_changed
 from .steps.env import plan_env
-from .steps.evacuate import LOG_TAIL_LINES, Report, hash_action, plan_copy, plan_meta
+from .steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan_copy, plan_meta, plan_unpin
 from .steps.guard import newest_logged_step
 from .steps.launch import attach_command, plan_launch, tail_command
 from .steps.preflight import plan_preflight, summary
@@ -191,6 +191,23 @@ class Checks:
                                 "fix that pin in env.lock (or env.index_url if the package lives on another index), "
                                 "then rerun `relaunch up`; the full output is in the debug log")
         return None
+
+    def pinned(self, name: str, hosts: list[str], found: list[dict[str, Any] | None]) -> None:
+        """Say where each node pinned checkpoint `name` for its copy (and that it removed what an
+        earlier copy left); Unpinned for the nodes where it could not, with why."""
+        refused: dict[str, str] = {}
+        for host, doc in zip(hosts, found, strict=True):
+            doc = doc or {}
+            if doc.get("stale"):
+                self.ui.step(host, "evacuate", f"removed {doc['stale']} pinned file(s) an earlier copy left "
+                                               "(its relaunch was stopped before it could)")
+            if doc.get("pinned"):
+                self.ui.step(host, "evacuate", f"{name} pinned for its copy: {doc.get('files')} hard link(s) in "
+                                               f"{doc['pinned']}")
+            else:
+                refused[host] = str(doc.get("unpinned") or "pin.py said nothing")
+        if refused:
+            raise Unpinned(refused)
 
     def drift(self, lock: list[str], freeze: list[str]) -> None:
         differences = drift(lock, freeze)
@@ -588,12 +605,14 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
         each.facts.store = state
     report = Report(store=store.label, verified_by=store.hash_name)
     listing = instance_checkpoints(job)
+    copied_any = False          # a copy ran (and pinned first)
     try:
         for _ in range(rounds):
             for cp in reversed(listing[-(1 if newest_only else keep):]):
                 if cp.name not in report.copied + report.already + report.skipped + _names(report.damaged):
                     # the newest is checked in the store once, for the verdict, after everything else
-                    _evacuate_one(jobs, store, executor, cp, report, reverify, check_store=cp is not listing[-1])
+                    copied_any = _evacuate_one(jobs, store, executor, cp, report, reverify,
+                                               check_store=cp is not listing[-1]) or copied_any
             relist(jobs, remotes)
             listing = [cp for cp in instance_checkpoints(job) if cp.name not in _names(report.damaged)]
             newest = listing[-1] if listing else None
@@ -609,6 +628,10 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
                 f"{job.host}: training keeps writing new checkpoints faster than they can be copied; the "
                 "newest is not in the store yet", "stop training first (`relaunch evacuate --stop`), then "
                 "evacuate again")
+        if not copied_any:
+            # no copy ran, so none removed what a killed relaunch may have left pinned: a pin
+            # holds the disk space the trainer's rotation meant to free
+            executor.run(plan_unpin(jobs))
         executor.run(plan_meta(job))
         if report.copied and store.manifest is not None:
             protect = frozenset(report.copied + report.already)
@@ -660,7 +683,7 @@ def _check_in_store(jobs: list[Job], store: Store, executor: Executor, cp: Check
         executor.ui.warn(f"{jobs[0].host}: {said}" + ("; copying it again" if attempt == 0 else ""))
         if attempt:
             break
-        for name in (report.copied, report.already, report.unchanged):
+        for name in (report.copied, report.already, report.unchanged, report.pinned):
             if cp.name in name:
                 name.remove(cp.name)
         _evacuate_one(jobs, store, executor, cp, report, reverify, again=True)
@@ -720,10 +743,11 @@ def parts_of(jobs: list[Job], cp: Checkpoint) -> list[tuple[Job, Checkpoint]]:
 
 
 def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpoint, report: Report,
-                  reverify: bool, again: bool = False, check_store: bool = True) -> None:
+                  reverify: bool, again: bool = False, check_store: bool = True) -> bool:
     """Copy cp into the store, verified, unless the store holds it already: the manifest's record
     of it matched by the instance's bytes (re-hashed there) and (`check_store`) by what the store
-    holds now. `again`: the store was found not to hold it; set aside what differs and copy it."""
+    holds now. `again`: the store was found not to hold it; set aside what differs and copy it.
+    Whether a copy ran (it pinned first, so it removed what a killed relaunch left pinned)."""
     job = jobs[0]
     known = store.manifest.checkpoints.get(cp.name) if store.manifest else None
     sizes = {e.path: e.size for e in cp.files}
@@ -737,7 +761,7 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
             if not cheap:
                 report.already.append(cp.name)
                 report.unchanged.append(cp.name)
-                return
+                return False
             executor.ui.warn(f"{job.host}: {_lost(cp.name, store, cheap)}; copying it again")
             again = True
     if known is not None and not again:
@@ -748,7 +772,7 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
             hashes.update(found)
         if any(h.missing for h in hashes.values()):
             report.skipped.append(cp.name)
-            return
+            return False
         if set(hashes) != set(known.files) or any(known.files[p].sha256 != h.hashes.get("sha256")
                                                   for p, h in hashes.items()):
             raise EvacuationError(
@@ -758,7 +782,7 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
         problems = verdicts.store_holds(known, executor.run_one(_observe_action(store, known))) if check_store else []
         if not problems:
             report.already.append(cp.name)
-            return
+            return False
         executor.ui.warn(f"{job.host}: {_lost(cp.name, store, problems)}; copying it again")
         again = True
     if again and known is not None:
@@ -771,22 +795,44 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
     if len(jobs) > 1:
         about["held"] = {e.path: part_job.host for part_job, part in parts for e in part.files}
     try:
-        try:
-            results = executor.run(plan_copy(job, store, cp, parts=parts, about=about))
-        except Mismatch as exc:
-            # a quick check (size + mtime) can trust a damaged partial file: compare every byte
-            executor.ui.warn(f"{cp.name}: {exc.problems[0]}; copying again, comparing every byte")
-            results = executor.run(plan_copy(job, store, cp, again=True, parts=parts, about=about))
+        results = _copy(jobs, store, executor, cp, parts, about, report)
     except Vanished:
         executor.ui.step(job.host, "evacuate", f"{cp.name} was rotated away by the trainer during the copy; skipped")
         report.skipped.append(cp.name)
-        return
+        return True
     except Damaged as exc:
         executor.ui.warn(f"{job.host}: {cp.name} is damaged on the instance ({exc}); not copied")
         report.damaged.append(f"{cp.name}: {exc}")
-        return
+        return True
     report.copied.append(cp.name)
+    if cp.name not in _names(report.unpinned):
+        report.pinned.append(cp.name)
     report.bytes_copied += sum(sizes.values())
     where = "" if len(parts) == 1 else f" from {len(parts)} nodes"
     executor.ui.step(job.host, "evacuate", f"{cp.name} verified: {len(sizes)} file(s){where}, "
                                            f"{results.get(f'verified:{cp.name}') or store.hash_name}")
+    return True
+
+
+def _copy(jobs: list[Job], store: Store, executor: Executor, cp: Checkpoint, parts: list[tuple[Job, Checkpoint]],
+          about: dict[str, Any], report: Report) -> dict[str, Any]:
+    """Run cp's copy plan: pinned, unless a node cannot pin (then planned again, unpinned there,
+    said); after a mismatch once more, comparing every byte."""
+    job = jobs[0]
+    unpinned: frozenset[str] = frozenset()
+    again = False
+    while True:
+        try:
+            return executor.run(plan_copy(job, store, cp, again=again, parts=parts, about=about, unpinned=unpinned))
+        except Unpinned as exc:
+            for host, why in exc.why.items():
+                executor.ui.warn(f"{host}: {cp.name} is copied unpinned: {why}; if the trainer's rotation deletes "
+                                 "it during the copy, the copy is skipped")
+            report.unpinned.append(f"{cp.name}: {exc}")
+            unpinned |= frozenset(exc.why)
+        except Mismatch as exc:
+            if again:
+                raise
+            # a quick check (size + mtime) can trust a damaged partial file: compare every byte
+            executor.ui.warn(f"{cp.name}: {exc.problems[0]}; copying again, comparing every byte")
+            again = True

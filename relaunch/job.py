@@ -8,6 +8,7 @@ Both are plain values: tests build them from JSON fixtures.
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,19 @@ class InstancePaths:
         """Where a restored checkpoint lands before it is verified (hidden from trainers)."""
         return f"{self.ckpt_dir}/.relaunch-incoming"
 
+    @property
+    def pins(self) -> str:
+        """What a copy off the instance reads while it runs: hard links of the checkpoint's files
+        (templates/pin.py), or a symlink to `pins_beside` holding them."""
+        return f"{self.state}/pinned"
+
+    @property
+    def pins_beside(self) -> str:
+        """Where the pins go when relaunch's folder is on another filesystem than checkpoint.dir:
+        next to checkpoint.dir, where neither the trainer's rotation nor relaunch's listing looks."""
+        name = self.state.rsplit("/", 1)[-1]
+        return posixpath.join(posixpath.dirname(self.ckpt_dir), f".relaunch-pins-{name}")
+
 
 @dataclass(frozen=True)
 class Job:
@@ -159,6 +173,7 @@ class Job:
     facts: Facts
     checkpoint: str = ""          # instance path of the restored checkpoint ("" = fresh start)
     step: int = 0
+    pinned: bool = False          # a copy off this node reads the pins (paths.pins), not checkpoint.dir
 
     @property
     def host(self) -> str:
@@ -192,6 +207,11 @@ class Job:
         return InstancePaths(home=home, venv=path("env.venv"), ckpt_dir=path("checkpoint.dir"),
                              workdir=path("run.workdir"), log=path("run.log"),
                              state=f"{home.rstrip('/')}/.relaunch/{recipe.name}")
+
+    @property
+    def copy_from(self) -> str:
+        """The folder on the instance a copy of a checkpoint off it reads the files from."""
+        return self.paths.pins if self.pinned else self.paths.ckpt_dir
 
     def expand(self, path: str) -> str:
         return expand_home(path, self.facts.host.home)

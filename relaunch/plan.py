@@ -76,7 +76,8 @@ class Action:
         if not self.runs:
             return f"{head}: {self.say}" if self.say else head
         limits = ("in this process" if self.call else f"deadline {self.deadline:g}s") + (
-            ", retried when it fails on the way" if self.retry else "")
+            ", retried when it fails on the way" if self.retry else "") + (
+            ", also after a failure or Ctrl-C" if self.always else "")
         lines = [f"{head} ({limits})"]
         if self.command:
             lines += _indent(f"{self.where}$ ", self.command)
@@ -156,4 +157,5 @@ def action_dict(a: Action) -> dict[str, Any]:
     return {"step": a.step, "title": a.title, "where": a.where, "command": a.command or None,
             "argv": list(a.argv) or None, "call": a.call or None, "stdin": stdin,
             "deadline": None if a.call or not a.runs else a.deadline,
-            "retry": a.retry, "lane": a.lane or None, "skip": a.skip or None, **({"host": a.host} if a.host else {})}
+            "retry": a.retry, "lane": a.lane or None, "skip": a.skip or None, **({"host": a.host} if a.host else {}),
+            **({"always": True} if a.always else {})}

@@ -23,7 +23,7 @@ import pytest
 from relaunch.cycle import plan_up
 from relaunch.host.spec import Target
 from relaunch.job import Facts, Job, Node
-from relaunch.layouts import Checkpoint
+from relaunch.layouts import Checkpoint, Entry
 from relaunch.plan import Action, action_dict
 from relaunch.recipe import load_recipe
 from relaunch.steps.checkpoint import choose
@@ -88,7 +88,9 @@ def planned(case: dict[str, Any], state: Path) -> list[Action]:
         return plan_meta(job)
     if what == "copy":
         checkpoints = {c.name: c for c in _instance_checkpoints(job)}
-        return plan_copy(job, store, checkpoints[case["checkpoint"]], again=case.get("again", False))
+        unpinned = frozenset([job.host] if case.get("unpinned") else [])
+        return plan_copy(job, store, checkpoints[case["checkpoint"]], again=case.get("again", False),
+                         unpinned=unpinned)
     raise AssertionError(f"unknown plan {what}")
 
 
@@ -223,3 +225,40 @@ def test_a_group_plan_copies_once_then_fans_out(state: Path) -> None:
     assert {a.host for a in cleanup} == {j.host for j in jobs} and all("relaunch-fanout" in a.command for a in cleanup)
     assert all(job.checkpoint.endswith("/ckpt/ckpt-00000020.pt") and job.step == 20 for job in resumed)
     assert [a.host for a in actions if a.title.startswith("start tmux")] == [j.host for j in jobs]
+
+
+def test_a_group_copy_pins_each_nodes_part_on_that_node_and_unpins_it_there(state: Path) -> None:
+    """Each node pins the files it sends, at the same time as the others; every copy and hash of
+    a part reads that node's pins; each node's unpin runs also after a failure; a node that could
+    not pin copies from checkpoint.dir (and has no unpin)."""
+    import dataclasses
+
+    from relaunch.steps.evacuate import plan_copy
+
+    jobs, store = group_jobs(state, 2)
+    cp = Checkpoint("step-40", 40, tuple(Entry(f"step-40/__{r}_0.distcp", "f", 10, 1.0) for r in range(2)))
+    parts = [(job, dataclasses.replace(cp, files=(cp.files[r],))) for r, job in enumerate(jobs)]
+    actions = plan_copy(jobs[0], store, cp, parts=parts)
+    hosts = [job.host for job in jobs]
+    pins = [a for a in actions if a.title.startswith("pin ")]
+    assert [(a.host, a.lane, a.stdin) for a in pins] == [(h, f"pin@{h}", f"step-40/__{r}_0.distcp\0".encode())
+                                                       for r, h in enumerate(hosts)]
+    assert actions[:2] == pins                                   # pinned before anything reads the files
+    told = actions[2]
+    assert told.call == "checks.pinned" and told.args["hosts"] == hosts
+    assert [r.name for r in told.args["found"]] == [f"pin:step-40@{h}" for h in hosts]
+    rsyncs = [a for a in actions if a.argv[:1] == ("rsync",)]
+    assert [a.argv[-2] for a in rsyncs] == [f"{job.target.address}:/root/.relaunch/planned/pinned/" for job in jobs]
+    assert all(a.command.startswith("cd /root/.relaunch/planned/pinned && ") for a in actions
+               if a.title.startswith("hash "))
+    assert not [a for a in actions if a.title == "step-40 is still on the instance"]    # the pins hold it
+    unpins = actions[-2:]
+    assert [(a.host, a.always) for a in unpins] == [(h, True) for h in hosts]
+    assert all(a.command.startswith("rm -rf -- /root/.relaunch/planned/pinned && ") for a in unpins)
+
+    mixed = plan_copy(jobs[0], store, cp, parts=parts, unpinned=frozenset([hosts[1]]))
+    assert [a.host for a in mixed if a.title.startswith(("pin ", "unpin"))] == [hosts[0], hosts[0]]
+    assert [(a.host, a.command.split(" && ")[0]) for a in mixed if a.title == "step-40 is still on the instance"] \
+        == [(hosts[1], "cd /root/ckpt")]
+    assert [a.argv[-2] for a in mixed if a.argv[:1] == ("rsync",)] == [
+        f"{jobs[0].target.address}:/root/.relaunch/planned/pinned/", f"{jobs[1].target.address}:/root/ckpt/"]

@@ -20,7 +20,7 @@ LAYERS = [
     {"steps"},
     {"executor", "gather"},
     {"cycle"},
-    {"sync", "status", "freeze", "interval", "history", "watch"},
+    {"sync", "status", "freeze", "interval", "history", "watch", "adopt"},
     {"sandbox"},
     {"demo", "drill"},
     {"cli", "__main__"},

@@ -456,6 +456,30 @@ def _cross_checks(recipe: Recipe) -> None:
         )
 
 
+def overrides_data(overrides: Sequence[str]) -> dict[str, Any]:
+    """What `--set KEY.PATH=VALUE` options say, as nested data (local paths made absolute from
+    the current directory): for a command that writes a recipe rather than reads one (`adopt`)."""
+    data: dict[str, Any] = {}
+    origins: Origins = {(): (SET, None)}
+    for spec in overrides:
+        data, origins = _apply_override(data, origins, spec)
+    return data
+
+
+def load_data(data: dict[str, Any], overrides: Sequence[str] = (), display: str = "recipe") -> Recipe:
+    """A recipe from data instead of a file (`display` names it in errors), `--set` applied."""
+    origins: Origins = {(): (display, None)}
+    for spec in overrides:
+        data, origins = _apply_override(data, origins, spec)
+    try:
+        recipe = Recipe.model_validate(_drop_nulls(data))
+    except ValidationError as exc:
+        raise _validation_error(exc, origins) from None
+    recipe._origins = origins
+    _cross_checks(recipe)
+    return recipe
+
+
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read, merge (`extends`), override (`--set KEY.PATH=VALUE`) and validate a recipe.
 

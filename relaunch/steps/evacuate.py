@@ -3,7 +3,13 @@ the report whose verdict decides `safe to destroy`.
 
 Order of trust: the store receives the files (into staging, or an upload not yet recorded), the
 instance hashes its own bytes, the store checks what it received against those hashes, commits,
-and only then names the checkpoint in the manifest. Nothing on the instance is changed.
+and only then names the checkpoint in the manifest.
+
+The one change on the instance is a pin, for the length of a copy: hard links of the
+checkpoint's files (templates/pin.py), which the copy and the hash beside it read, so that a
+trainer's rotation deleting the checkpoint meanwhile does not waste the copy. The pins go after
+verification, and on every failure (an `always` action); what a killed relaunch left is removed
+by the next copy of the recipe on that instance (and by a round that copies nothing).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from ..host.hashing import hash_command, hash_deadline, paths_stdin
 from ..job import Job, Lag
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
+from ..scripts import plain
 from ..transports import Store
 from ..transports.base import hash_ref_names, store_deadline
 from ..ui import human
@@ -36,6 +43,8 @@ class Report(Lag):
     already: list[str] = field(default_factory=list)      # verified before (re-hashed on the instance)
     unchanged: list[str] = field(default_factory=list)    # in `sync`: same sizes as their verified copies
     skipped: list[str] = field(default_factory=list)      # rotated away mid-copy
+    pinned: list[str] = field(default_factory=list)       # copied from pins: rotation could not waste the copy
+    unpinned: list[str] = field(default_factory=list)     # "name: why" its files could not be pinned
     damaged: list[str] = field(default_factory=list)      # "name: why" (a save that did not finish)
     pruned: list[str] = field(default_factory=list)
     set_aside: list[str] = field(default_factory=list)    # the store held them differently from their record
@@ -46,25 +55,63 @@ class Report(Lag):
     why: str = ""                                         # what decided it, in words
 
 
+class Unpinned(Exception):
+    """The files of a checkpoint could not be pinned on these nodes: {host: why}. The copy is
+    planned again, reading checkpoint.dir there, as it did before pins."""
+
+    def __init__(self, why: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{host}: {text}" for host, text in why.items()))
+        self.why = why
+
+
 def hash_action(job: Job, store: Store, cp: Checkpoint, beside: bool = False) -> Action:
     files = [e.path for e in cp.files]
     total = sum(e.size for e in cp.files)
     return Action("evacuate", f"hash {cp.name} on the instance ({', '.join(store.instance_hashes)})",
-                  command=hash_command(job.paths.ckpt_dir, job.facts.host.python, store.instance_hashes, beside=beside),
+                  command=hash_command(job.copy_from, job.facts.host.python, store.instance_hashes, beside=beside),
                   stdin=paths_stdin(files), deadline=hash_deadline(total), produces=f"hashes:{cp.name}",
                   parse="hashes", fails_as="evacuate", progress="hashes", size=total)
 
 
+def pin_action(job: Job, cp: Checkpoint) -> Action:
+    """One command: hard links of cp's files where its copy reads them (job.paths.pins), made
+    after removing what an earlier copy left; its JSON line says where, or why not (pin.py)."""
+    paths = job.paths
+    command = (f"{shlex.quote(job.facts.host.python or 'python3')} -c {shlex.quote(plain('pin.py'))} "
+               f"{shlex.join([paths.pins, paths.ckpt_dir, paths.pins_beside])}")
+    return Action("evacuate", f"pin {cp.name} for the length of its copy (hard links in {paths.pins})",
+                  command=command, stdin=paths_stdin([e.path for e in cp.files]), produces=f"pin:{cp.name}",
+                  parse="json", outcomes={3: "vanished"}, fails_as="evacuate")
+
+
+def unpin_action(job: Job, title: str = "") -> Action:
+    """Remove every pin of this recipe on the instance (the beside folder only while it is a real
+    folder of this user's: never through a link someone planted)."""
+    q, paths = shlex.quote, job.paths
+    beside = q(paths.pins_beside)
+    return Action("evacuate", title or f"unpin: remove the hard links in {paths.pins}",
+                  command=f"rm -rf -- {q(paths.pins)} && if [ ! -L {beside} ] && [ -O {beside} ]; then "
+                          f"rm -rf -- {beside}; fi", always=True, fails_as="evacuate")
+
+
 def plan_copy(job: Job, store: Store, cp: Checkpoint, again: bool = False,
-              parts: list[tuple[Job, Checkpoint]] | None = None, about: dict[str, Any] | None = None) -> list[Action]:
-    """Receive cp and, at the same time, hash it on the instance (a complete checkpoint does not
-    change; one that is rotated away or rewritten meanwhile fails the comparison or counts as
-    vanished); then verify, commit, record. In a node group, `parts` says which node sends which
-    files; each hashes its own."""
-    if not parts or len(parts) == 1:
+              parts: list[tuple[Job, Checkpoint]] | None = None, about: dict[str, Any] | None = None,
+              unpinned: frozenset[str] = frozenset()) -> list[Action]:
+    """Pin cp on the instance (each node its own part), then receive it and, at the same time,
+    hash it on the instance, both from the pins (a complete checkpoint does not change; one that
+    is rewritten meanwhile fails the comparison, one gone before it was pinned counts as
+    vanished); then verify, commit, record; then unpin (also after any failure). In a node group,
+    `parts` says which node sends which files; each hashes its own. `unpinned`: the nodes whose
+    files cannot be pinned (Unpinned): they copy from checkpoint.dir, as before pins."""
+    group = bool(parts) and len(parts or []) > 1
+    job = dataclasses.replace(job, pinned=job.host not in unpinned)
+    parts = [(dataclasses.replace(j, pinned=j.host not in unpinned), part) for j, part in (parts or [(job, cp)])]
+    if not group:
         receive = store.plan_receive(job, cp, again)
         hashing = [dataclasses.replace(hash_action(job, store, cp, beside=True), lane=HASH_LANE)]
         refs: Ref | list[Ref] = Ref(hash_ref_names(cp, [job.host])[0])
+        pins = [pin_action(job, cp)] if job.pinned else []
+        unpins = [unpin_action(job)] if job.pinned else []
     else:
         receive = store.plan_receive_parts(parts, cp, again)
         refs = [Ref(name) for name in hash_ref_names(cp, [part_job.host for part_job, _ in parts])]
@@ -72,17 +119,37 @@ def plan_copy(job: Job, store: Store, cp: Checkpoint, again: bool = False,
                                        produces=ref.name,
                                        lane=f"{HASH_LANE}@{part_job.host}")
                    for (part_job, part), ref in zip(parts, refs, strict=True)]
+        pins = [dataclasses.replace(pin_action(part_job, part), host=part_job.host, lane=f"pin@{part_job.host}",
+                                    produces=f"pin:{cp.name}@{part_job.host}")
+                for part_job, part in parts if part_job.pinned]
+        unpins = [dataclasses.replace(unpin_action(part_job), host=part_job.host, lane=f"unpin@{part_job.host}")
+                  for part_job, _ in parts if part_job.pinned]
     receive = [a if a.lane else dataclasses.replace(a, lane=COPY_LANE) for a in receive]
-    still = ([still_there(job, cp)] if not parts or len(parts) == 1 else
-             [dataclasses.replace(still_there(part_job, part), host=part_job.host) for part_job, part in parts])
-    return [*receive, *hashing, *still, *store.plan_accept(job, cp, refs, about)]
+    # a pinned checkpoint is still there (the pins hold it): only an unpinned copy asks
+    still = ([still_there(j, part) for j, part in parts if not j.pinned] if not group else
+             [dataclasses.replace(still_there(j, part), host=j.host) for j, part in parts if not j.pinned])
+    told = []
+    if pins:
+        told = [Action("evacuate", f"where {cp.name} is pinned, or why it cannot be", where=LOCAL,
+                       call="checks.pinned", args={"name": cp.name, "hosts": [a.host or job.host for a in pins],
+                                                   "found": [Ref(a.produces) for a in pins]}, fails_as="evacuate")]
+    return [*pins, *told, *receive, *hashing, *still, *store.plan_accept(job, cp, refs, about), *unpins]
+
+
+def plan_unpin(jobs: list[Job]) -> list[Action]:
+    """Remove the pins a killed relaunch left (a round that copies nothing pins nothing)."""
+    title = "remove the pins an earlier copy may have left"
+    if len(jobs) == 1:
+        return [dataclasses.replace(unpin_action(jobs[0], title), always=False)]
+    return [dataclasses.replace(unpin_action(job, title), always=False, host=job.host) for job in jobs]
 
 
 def still_there(job: Job, cp: Checkpoint) -> Action:
     """After the copy: a file deleted while it was copied still reads to its end (for the copy and
-    for the hash beside it); a checkpoint that is gone by then was rotated away, not evacuated."""
+    for the hash beside it); a checkpoint that is gone by then was rotated away, not evacuated.
+    Only for a copy that is not pinned."""
     return Action("evacuate", f"{cp.name} is still on the instance",
-                  command=f"cd {shlex.quote(job.paths.ckpt_dir)} && xargs -0 -r stat -c %i -- >/dev/null",
+                  command=f"cd {shlex.quote(job.copy_from)} && xargs -0 -r stat -c %i -- >/dev/null",
                   stdin=paths_stdin([e.path for e in cp.files]), outcomes={123: "vanished"}, fails_as="evacuate")
 
 

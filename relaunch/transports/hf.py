@@ -631,7 +631,7 @@ class HfStore(Store):
         args = ["upload", self.repo_id, cp.name, self._rp(cp.name), "--private", "--format", "json",
                 "--commit-message", f"relaunch: {cp.name} (step {cp.step}) from {job.host}"]
         upload = Action("evacuate", f"the instance uploads {cp.name} (step {cp.step}, {human(total)}) to {self.label}",
-                        command=f"cd {shlex.quote(job.paths.ckpt_dir)} && {self._hf_command(job, load, args)}",
+                        command=f"cd {shlex.quote(job.copy_from)} && {self._hf_command(job, load, args)}",
                         deadline=rsync.deadline_for(total), fails_as="evacuate", produces=f"upload:{cp.name}",
                         parse="text", explain="store.explain", outcomes={"re:No such file": "vanished"},
                         say=f"the instance uploads {cp.name} to {self.label}", progress="time")

@@ -45,7 +45,7 @@ def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkp
     others: list[Action] = []       # the streams after the first, each in a lane of its own
     for job, part in parts:
         source = "the instance" if len(parts) == 1 else job.host
-        argv = rsync.pull_argv(job.target, known_hosts_file(), job.paths.ckpt_dir, staging,
+        argv = rsync.pull_argv(job.target, known_hosts_file(), job.copy_from, staging,
                                ("--checksum",) if again else ())
         sizes = {e.path: e.size for e in part.files}
         wanted = streams or job.recipe.checkpoint.streams

@@ -303,7 +303,7 @@ class RcloneStore(Store):
         total = sum(e.size for e in cp.files)
         write, load, remove = credential_actions(job, "evacuate", self.credentials, "evacuate")
         command = (f"{load}{shlex.quote(tool_path(job, 'rclone'))} {STATS} copy --immutable --files-from0 - "
-                   f"{shlex.quote(job.paths.ckpt_dir + '/')} {shlex.quote(self._path())}")
+                   f"{shlex.quote(job.copy_from + '/')} {shlex.quote(self._path())}")
         copy = Action("evacuate", f"the instance uploads {cp.name} (step {cp.step}, {human(total)}) to {self.label}",
                       command=command, stdin=paths_stdin(files), deadline=rsync.deadline_for(total),
                       progress="rclone", size=total,

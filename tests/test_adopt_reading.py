@@ -1,0 +1,284 @@
+"""`relaunch adopt`'s reading, pure: facts in (as templates/adopt.py reports them), recipe out.
+
+The runs here are the ones the real trainers make (HF Trainer under torchrun, Lightning's
+ModelCheckpoint, `accelerate launch`, `python -m`), written as the facts the instance script
+reports about them; what adopt makes of them is checked, and every recipe it writes must load
+and pass `relaunch check`. The instance-side script's secret handling is checked by running
+its own functions.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from relaunch.adopt.candidates import candidates, on_gpus
+from relaunch.adopt.commandline import invocation
+from relaunch.adopt.facts import Detail, Scan
+from relaunch.adopt.reading import Context, lock_lines, plan_places, read, scanned_places, shell_word
+from relaunch.adopt.recipe_text import recipe_text
+from relaunch.layouts import Entry
+from relaunch.recipe import check_recipe, load_recipe
+from relaunch.resources import templates_dir
+
+HOME = "/home/ubuntu"
+VENV = f"{HOME}/venv"
+
+
+def proc(pid: int, ppid: int, argv: list[str], *, python: bool = True, cwd: str = f"{HOME}/work",
+         **more: Any) -> dict[str, Any]:
+    base = {"pid": pid, "ppid": ppid, "comm": "python3" if python else argv[0].rsplit("/", 1)[-1], "state": "S",
+            "start": 1000.0, "uid": 1000, "user": "ubuntu", "argv": argv}
+    if python:
+        base |= {"python": True, "exe": "/usr/bin/python3.11", "cwd": cwd, "argv0": f"{VENV}/bin/python",
+                 "argv0_root": VENV, "mapped": [VENV], "nvidia": [], "fd1": "/dev/pts/1", "home": HOME}
+    return base | more
+
+
+def scan(procs: list[dict[str, Any]], panes: list[dict[str, Any]] = (), gpus: dict[str, Any] | None = None,
+         **more: Any) -> Scan:
+    return Scan.from_dict({"self": 99999, "mine": [], "uid": 1000, "user": "ubuntu", "home": HOME, "hostname": "box",
+                           "login_env": ["PATH", "HOME"], "dmi": {}, "procs": procs,
+                           "tmux": [{"socket": "/tmp/tmux-1000/default", "error": "", "panes": list(panes)}],
+                           "screen": [], "gpus": gpus or {"smi": False, "error": "", "list": [], "apps": []},
+                           "secret_names": []} | more)
+
+
+def pane(session: str, pid: int) -> dict[str, Any]:
+    return {"session": session, "created": 1000, "window": "0", "pane": "0", "id": "%0", "pid": pid, "dead": False,
+            "path": f"{HOME}/work", "start": ""}
+
+
+def detail(pid: int, *, files: dict[str, str] | None = None, sources: dict[str, str] | None = None,
+           env: list[dict[str, Any]] = (), dists: list[dict[str, Any]] = (), output: list[str] = ()) -> Detail:
+    files, sources = files or {}, sources or {}
+    paths = [{"path": p, "kind": "f", "size": len(t), "text": t, "why": ""} for p, t in files.items()]
+    return Detail.from_dict({
+        "pid": pid, "alive": True, "env": list(env), "base_kind": "tmux",
+        "prefix": {"path": VENV, "exists": True, "pyvenv": {"version": "3.11.2", "home": "/usr/bin"}, "conda": False,
+                   "site": [f"{VENV}/lib/python3.11/site-packages"],
+                   "dists": list(dists) or [{"name": "torch", "version": "2.13.0", "direct": None}]},
+        "pip_config": [], "paths": paths,
+        "sources": [{"path": p, "text": t, "why": ""} for p, t in sources.items()], "sources_capped": False,
+        "checkpoint_folders": [], "output": {"from": "tmux capture-pane", "lines": list(output)}, "secret_names": []})
+
+
+def entries(*names: str) -> list[Entry]:
+    out, dirs = [], set()
+    for name in names:
+        parts = name.split("/")
+        for n in range(1, len(parts)):
+            dirs.add("/".join(parts[:n]))
+        out.append(Entry(name, "f", 100, 2000.0))
+    return [Entry(d, "d", 0, 2000.0) for d in sorted(dirs)] + out
+
+
+def adopted(s: Scan, d: Detail, listings: dict[str, list[Entry]], tmp_path: Path, **ctx: Any) -> tuple[Any, dict]:
+    """What adopt writes for this run: the Adoption and the recipe as loaded back (after `check`)."""
+    found, _ = candidates(s)
+    assert len(found) == 1
+    c = found[0]
+    context = Context(host="ubuntu@203.0.113.7", user="ubuntu", home=HOME, **ctx)
+    text = "\n".join(filter(None, [d.paths[p].text for p in d.paths] + [t.text or "" for t in d.sources.values()]))
+    named = plan_places(s, c, d.paths, text, HOME)
+    scanned = scanned_places(d.folders, named)
+    a = read(s, c, d, {p: v for p, v in listings.items()}, context, named, scanned)
+    for local, content in a.files.items():
+        (tmp_path / local).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / local).write_text(content)
+    (tmp_path / "requirements.lock").write_text("\n".join(a.lock) + "\n")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_text(a.data, a.notes, "test"))
+    check_recipe(load_recipe(path))
+    return a, yaml.safe_load(path.read_text())
+
+
+# -- command lines ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, launcher, kind, target, args", [
+    ([f"{VENV}/bin/python", "-u", "train.py", "--lr", "1"], "", "script", "train.py", ["--lr", "1"]),
+    ([f"{VENV}/bin/python", "-m", "pkg.train", "--x"], "", "module", "pkg.train", ["--x"]),
+    ([f"{VENV}/bin/python", "-um", "pkg.train"], "", "module", "pkg.train", []),
+    ([f"{VENV}/bin/python", f"{VENV}/bin/torchrun", "--standalone", "--nproc_per_node=2", "train.py", "--a", "b"],
+     "torchrun", "script", "train.py", ["--a", "b"]),
+    ([f"{VENV}/bin/python", "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "pkg.main", "--c"],
+     "torchrun", "module", "pkg.main", ["--c"]),
+    ([f"{VENV}/bin/python", f"{VENV}/bin/accelerate", "launch", "--num_processes", "2", "--config_file", "a.yaml",
+      "train.py", "--project_dir", "out"], "accelerate", "script", "train.py", ["--project_dir", "out"]),
+])
+def test_the_program_behind_launchers(argv, launcher, kind, target, args) -> None:
+    call = invocation(argv)
+    assert (call.launcher, call.kind, call.target, call.args) == (launcher, kind, target, args)
+
+
+def test_shell_words_keep_the_home_portable_secrets_by_name_and_jinja_literal() -> None:
+    assert shell_word(f"{HOME}/ckpt", HOME) == "~/ckpt"
+    assert shell_word(f"--out={HOME}/my runs", HOME) == "--out={{ home }}/'my runs'"
+    assert shell_word("--token=\0HF_TOKEN\0", HOME) == '--token="${HF_TOKEN}"'
+    assert shell_word("{{ not a template }}", HOME) == "{% raw %}'{{ not a template }}'{% endraw %}"
+    assert shell_word("", HOME) == "''"
+
+
+# -- which process -------------------------------------------------------------------------------------
+def test_gpu_users_win_tools_and_relaunch_own_processes_are_no_candidates() -> None:
+    s = scan([proc(10, 1, ["tmux", "new", "-d"], python=False),
+              proc(11, 10, ["bash"], python=False),
+              proc(12, 11, [f"{VENV}/bin/python", "train.py", "--out", "a"], nvidia=["/dev/nvidia0"]),
+              proc(13, 12, [f"{VENV}/bin/python", "train.py", "--out", "a"]),          # a data loader worker
+              proc(20, 10, [f"{VENV}/bin/python", "eval.py"]),
+              proc(30, 10, ["/usr/bin/python3", f"{HOME}/.relaunch/x/guard.py", "cfg"]),
+              proc(31, 10, [f"{VENV}/bin/python", f"{VENV}/bin/tensorboard", "--logdir", "runs"]),
+              proc(40, 1, ["/usr/bin/python3", "/usr/lib/somed/somed.py"], uid=0, argv0_root="", mapped=[],
+                   exe="/usr/bin/python3.11")],
+             panes=[pane("train", 11), pane("eval", 20), pane("guard", 30), pane("tb", 31)])
+    found, skipped = candidates(s)
+    assert sorted(c.root.pid for c in found) == [12, 20]
+    assert {c.root.pid: [t.pid for t in c.tree] for c in found}[12] == [12, 13]
+    assert any("relaunch's own" in line for line in skipped) and any("tensorboard" in line for line in skipped)
+    assert any("system service" in line for line in skipped)
+    pool, off = on_gpus(found)
+    assert [c.session for c in pool] == ["train"] and [c.session for c in off] == ["eval"]
+
+
+# -- the trainers: a recipe for each ---------------------------------------------------------------------
+HF_SCRIPT = """
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+parser = HfArgumentParser((TrainingArguments,))
+(args,) = parser.parse_args_into_dataclasses()
+trainer = Trainer(args=args)
+trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+"""
+
+
+def test_hf_trainer_under_torchrun(tmp_path) -> None:
+    argv = [f"{VENV}/bin/python", f"{VENV}/bin/torchrun", "--nproc_per_node", "2", "train_hf.py",
+            "--output_dir", f"{HOME}/out", "--save_steps", "10"]
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv),
+              proc(12, 11, [f"{VENV}/bin/python", "-u", "train_hf.py"]),
+              proc(13, 11, [f"{VENV}/bin/python", "-u", "train_hf.py"])], panes=[pane("hf", 10)])
+    d = detail(11, files={f"{HOME}/work/train_hf.py": HF_SCRIPT},
+               output=["{'loss': 1.23, 'grad_norm': 0.5, 'learning_rate': 5e-05, 'epoch': 0.1}"])
+    a, recipe = adopted(s, d, {f"{HOME}/out": entries("checkpoint-10/trainer_state.json", "checkpoint-10/model.pt",
+                                                      "checkpoint-20/model.pt")}, tmp_path)
+    assert recipe["checkpoint"]["dir"] == "~/out" and recipe["checkpoint"]["layout"] == "hf-trainer"
+    assert recipe["run"]["nproc_per_node"] == 2
+    assert recipe["run"]["command"] == (
+        "torchrun --nproc_per_node {{ nproc_per_node }} train_hf.py --output_dir ~/out --save_steps 10 "
+        '{% if checkpoint %}--resume_from_checkpoint "{{ checkpoint }}"{% endif %}')
+    assert a.newest == "checkpoint-10"             # checkpoint-20 has no trainer_state.json: not complete
+    assert recipe["run"]["ready"] == r"\{'loss': "
+
+
+LIGHTNING_SCRIPT = """
+import argparse
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from model import Net
+p = argparse.ArgumentParser()
+p.add_argument("--ckpt_path", default=None)
+a = p.parse_args()
+trainer = L.Trainer(callbacks=[ModelCheckpoint(dirpath="ckpts", every_n_train_steps=10, save_last=True)])
+trainer.fit(Net(), ckpt_path=a.ckpt_path)
+"""
+
+
+def test_lightning_with_a_checkpoint_folder_named_in_the_script(tmp_path) -> None:
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, [f"{VENV}/bin/python", "fit.py"])],
+             panes=[pane("pl", 10)])
+    d = detail(11, files={f"{HOME}/work/fit.py": LIGHTNING_SCRIPT},
+               sources={f"{HOME}/work/fit.py": LIGHTNING_SCRIPT, f"{HOME}/work/model.py": "import torch\n",
+                        f"{HOME}/work/unused.py": "x = 1\n"})
+    a, recipe = adopted(s, d, {f"{HOME}/work/ckpts": entries("epoch=0-step=10.ckpt", "last.ckpt")}, tmp_path)
+    assert recipe["checkpoint"]["dir"] == "~/work/ckpts" and recipe["checkpoint"]["layout"] == "lightning"
+    assert "dirpath = 'ckpts'" in a.notes["checkpoint.dir"][0]
+    assert recipe["run"]["command"] == 'python fit.py {% if checkpoint %}--ckpt_path "{{ checkpoint }}"{% endif %}'
+    assert recipe["env"]["files"] == {"fit.py": "~/work/fit.py", "model.py": "~/work/model.py"}
+
+
+def test_accelerate_launch_with_its_default_config_and_project_dir(tmp_path) -> None:
+    config = f"{HOME}/.cache/huggingface/accelerate/default_config.yaml"
+    argv = [f"{VENV}/bin/python", f"{VENV}/bin/accelerate", "launch", "--num_processes=2", "train_acc.py",
+            "--project_dir", "acc", "--resume", ""]
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv)], panes=[pane("acc", 10)])
+    d = detail(11, files={f"{HOME}/work/train_acc.py": "from accelerate import Accelerator\n",
+                          config: "compute_environment: LOCAL_MACHINE\nnum_processes: 2\n"})
+    _, recipe = adopted(s, d, {f"{HOME}/work/acc": entries("checkpoints/checkpoint_0/model.safetensors")}, tmp_path)
+    assert recipe["checkpoint"]["dir"] == "~/work/acc" and recipe["checkpoint"]["layout"] == "accelerate"
+    assert recipe["run"]["command"] == ('accelerate launch --num_processes={{ nproc_per_node }} train_acc.py '
+                                        '--project_dir acc --resume "{{ checkpoint }}"')
+    assert recipe["env"]["files"][".cache/huggingface/accelerate/default_config.yaml"] == \
+        "~/.cache/huggingface/accelerate/default_config.yaml"
+
+
+def test_python_m_module_and_environment_variables(tmp_path) -> None:
+    argv = [f"{VENV}/bin/python", "-m", "proj.train", "--out", "runs", "--hub-token", "\0HUB_TOKEN\0"]
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv)], panes=[pane("mod", 10)])
+    env = [{"name": "CUDA_VISIBLE_DEVICES", "secret": False, "value": "0,1", "in_base": True, "same": True},
+           {"name": "DATA", "secret": False, "value": f"{HOME}/data", "in_base": False, "same": False},
+           {"name": "EDITOR", "secret": False, "value": "vim", "in_base": True, "same": True},
+           {"name": "WANDB_API_KEY", "secret": True, "value": None, "in_base": True, "same": True}]
+    d = detail(11, env=env, sources={f"{HOME}/work/proj/__init__.py": "", f"{HOME}/work/proj/train.py":
+                                     "from .data import load\n", f"{HOME}/work/proj/data.py": "def load(): pass\n"})
+    _, recipe = adopted(s, d, {}, tmp_path)
+    assert recipe["run"]["command"] == 'python -m proj.train --out runs --hub-token "${HUB_TOKEN}"'
+    assert recipe["env"]["vars"] == {"CUDA_VISIBLE_DEVICES": "0,1", "DATA": "{{ home }}/data"}
+    assert recipe["env"]["secrets"] == ["HUB_TOKEN", "WANDB_API_KEY"]
+    assert set(recipe["env"]["files"]) == {"proj/__init__.py", "proj/train.py", "proj/data.py"}
+    assert recipe["checkpoint"]["dir"] == "~/work/runs"            # guessed from --out, nothing there
+
+
+def test_the_lock_calls_out_git_and_local_installs() -> None:
+    lines, callouts = lock_lines(_dists([
+        ("torch", "2.13.0", None),
+        ("mylib", "0.1", {"url": "file:///home/ubuntu/mylib", "dir_info": {"editable": True}}),
+        ("peft", "0.9", {"url": "https://github.com/huggingface/peft", "vcs_info": {"vcs": "git", "commit_id": "abc"}}),
+        ("pip", "25.0", None)]), "~/venv")
+    assert [ln for ln in lines if not ln.startswith("#")] == ["peft @ git+https://github.com/huggingface/peft@abc",
+                                                             "torch==2.13.0"]
+    assert any(ln.startswith("# mylib==0.1  # installed from /home/ubuntu/mylib (editable)") for ln in lines)
+    assert len(callouts) == 2 and "will not install elsewhere" in " ".join(callouts)
+
+
+def _dists(rows: list[tuple[str, str, dict[str, Any] | None]]) -> list[Any]:
+    from relaunch.adopt.facts import Dist
+
+    return [Dist(n, v, d) for n, v, d in rows]
+
+
+# -- the instance script's secrets ---------------------------------------------------------------------------
+def _instance_script() -> Any:
+    spec = importlib.util.spec_from_file_location("adopt_instance", templates_dir() / "adopt.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_instance_script_never_lets_a_secret_value_out() -> None:
+    m = _instance_script()
+    m.note_env({"HF_TOKEN": "hf_abcdefghijklmnopqrstu", "TOKENIZERS_PARALLELISM": "false", "MY_DB":
+                "postgres://me:pw@db/x", "RUN": "abc", "OPAQUE": "Zx8kq2LmN4pR7sT1vW3yB6dF9gH0jK5a"})
+    assert m.secret_names == {"HF_TOKEN", "MY_DB", "OPAQUE"}
+    assert m.scrub("HF_TOKEN=hf_abcdefghijklmnopqrstu python t.py") == "HF_TOKEN=\0HF_TOKEN\0 python t.py"
+    assert m.scrub("API_KEY=unknownvalue x") == "API_KEY=\0API_KEY\0 x"
+    assert m.scrub_argv(["t.py", "--hf_token", "hf_abcdefghijklmnopqrstu", "--api-key=zzz", "--lr", "1"]) == \
+        ["t.py", "--hf_token", "\0HF_TOKEN\0", "--api-key=\0API_KEY\0", "--lr", "1"]
+    assert "pw" not in m.scrub("see postgres://me:pw@db/x")
+    classified = {e["name"]: e for e in m.classify_env({"HF_TOKEN": "hf_abcdefghijklmnopqrstu", "A": "1"}, {"A": "1"})}
+    assert classified["HF_TOKEN"]["value"] is None and classified["A"] == {
+        "name": "A", "secret": False, "value": "1", "in_base": True, "same": True}
+
+
+def test_the_instance_script_runs_on_its_own_and_reads_this_machine(tmp_path) -> None:
+    """As the instance runs it: `python3 -I -S -B -c SCRIPT scan`; one JSON document, this process among it."""
+    from relaunch.adopt.facts import script_command
+
+    out = subprocess.run(["bash", "-c", script_command("scan")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    found = Scan.from_dict(json.loads(out.stdout))
+    assert found.self_pid in found.mine and any(p.python for p in found.procs.values())
