@@ -6,8 +6,9 @@ what the guard on that instance sees on a real spot VM.
     python metadata_server.py --provider aws|gcp|azure|silent --control FILE --log FILE [--bind A --port P]
 
 --control: a JSON file the test writes to raise a notice: {"deadline": EPOCH} (absent or empty: no
-notice); {"rebalance": EPOCH}: AWS's rebalance recommendation, noticeTime EPOCH. Each provider shows it in its own format: AWS `spot/instance-action` {"action":
-"terminate", "time": ISO}, GCP `instance/preempted` TRUE, Azure a Scheduled Event "Preempt" with
+notice); {"rebalance": EPOCH}: AWS's rebalance recommendation, noticeTime EPOCH. Each provider
+shows a notice in its own format: AWS `spot/instance-action` {"action": "terminate", "time": ISO},
+GCP `instance/preempted` TRUE, Azure a Scheduled Event "Preempt" with
 NotBefore. --log: one JSON line per request (method, path, the headers that matter, status).
 `silent`: accepts connections and never answers (a metadata address that hangs).
 
