@@ -195,21 +195,25 @@ def sync(recipe: str, hosts: tuple[str, ...], every: float | None, once: bool, o
 @cli.command()
 @click.argument("recipe")
 @click.argument("hosts", nargs=-1)
+@click.option("--take-over", is_flag=True,
+              help="Take the store from another watch whose lease is still fresh (one that is gone for good).")
 @common
-def watch(recipe: str, hosts: tuple[str, ...], overrides: tuple[str, ...], as_json: bool, verbose: bool,
-          yes: bool) -> None:
-    """Everything `sync` does, plus: a look at the instance's guard every guard.every seconds; on a
-    reclaim notice, evacuate at once and say whether it made the deadline; when the instance is
-    lost (recover.lost_after), run recover.command and `up` on the HOST it prints, then watch
-    that one. One line per step (--json: one JSON line per event). Ctrl-C stops the watch, never
-    the training."""
+def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple[str, ...], as_json: bool,
+          verbose: bool, yes: bool) -> None:
+    """Everything `sync` does, plus: a look at every node's guard every guard.every seconds, never held
+    up by a copy; on a reclaim notice, the save after it is evacuated at once and whether it made the
+    deadline is said; when an instance is lost (recover.lost_after, and recover.alive if set), run
+    recover.command and `up` on the HOST it prints (a node group with recover.shrink goes on on the
+    nodes left and grows back), then watch that. One watch per recipe and store. One line per step
+    (--json: one JSON line per event). Ctrl-C stops the watch, never the training."""
     from . import cycle
     from .watch import watch as watch_loop
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
     specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
-    outcome = watch_loop(r, specs, ui, emit=click.echo if as_json else None)
+    outcome = watch_loop(r, specs, ui, emit=click.echo if as_json else None, overrides=list(overrides),
+                         take_over=take_over)
     if as_json:
         click.echo(json.dumps(outcome.as_dict()))
 
@@ -623,10 +627,12 @@ def wants_json(argv: list[str]) -> bool:
     return False
 
 
-def fail(as_json: bool, message: str, hint: str | None, code: int) -> int:
-    """The exit code of a failure, and with --json its JSON on stdout (the text already went to stderr)."""
+def fail(as_json: bool, message: str, hint: str | None, code: int, refused: bool = False) -> int:
+    """The exit code of a failure, and with --json its JSON on stdout (the text already went to stderr);
+    `refused`: the other side said no (credentials, no room, a conflicting writer): a retry changes nothing."""
     if as_json:
-        click.echo(json.dumps({"error": redact(message), "hint": redact(hint) if hint else None, "exit": code}))
+        click.echo(json.dumps({"error": redact(message), "hint": redact(hint) if hint else None, "exit": code,
+                               "refused": refused}))
     return code
 
 
@@ -672,7 +678,7 @@ def _main(argv: list[str] | None) -> int:
         click.echo(redact(f"Error: {exc.message}"), err=True)
         if exc.hint:
             click.echo(redact(f"hint: {exc.hint}"), err=True)
-        return fail(as_json, exc.message, exc.hint, exc.exit_code)
+        return fail(as_json, exc.message, exc.hint, exc.exit_code, exc.refused)
     except Exception as exc:  # a bug: one line here, the trace in the debug log
         log.exception("internal error")
         message = f"internal error: {type(exc).__name__}: {exc}"

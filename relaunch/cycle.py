@@ -42,7 +42,7 @@ from .steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan_
 from .steps.guard import newest_logged_step
 from .steps.launch import attach_command, plan_launch, tail_command
 from .steps.preflight import plan_preflight, summary
-from .steps.stop import STILL_RUNNING, plan_stop
+from .steps.stop import STILL_RUNNING, end_command, plan_stop, signal_command
 from .transports import Damaged, Mismatch, Store, Vanished, open_store
 from .transports.base import store_deadline
 from .ui import UI, redact
@@ -132,7 +132,7 @@ def open_group(recipe: Recipe, specs: list[HostSpec], ui: UI,
         spec, exc = failed[0]
         if isinstance(exc, RelaunchError):
             raise type(exc)(f"{len(failed)} of {len(specs)} nodes could not be reached; first, {spec}: {exc.message}",
-                            exc.hint)
+                            exc.hint, exc.refused)
         raise exc  # type: ignore[misc]
     return pairs  # type: ignore[return-value]
 
@@ -515,9 +515,11 @@ def unsaved_group_checkpoint(job: Job) -> Checkpoint | None:
 
 # -- evacuate ----------------------------------------------------------------------------------
 def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: bool = False,
-             allow_empty: bool = False) -> Report:
+             allow_empty: bool = False, newest_only: bool = False, reverify: bool = True) -> Report:
     """Any failure becomes exit 6: the instance (or any node of the group) must not be destroyed;
-    Ctrl-C stays an interruption (exit 130), which says the same."""
+    Ctrl-C stays an interruption (exit 130), which says the same. `newest_only`: after a reclaim
+    notice, only the newest checkpoint is copied (the others are either in the store already or
+    older than what the instance has left to give in its window)."""
     specs = specs if isinstance(specs, list) else [specs]
     try:
         store = open_store(recipe)
@@ -527,13 +529,46 @@ def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: boo
             executor = executor_for(jobs[0], remotes[jobs[0].host], store, ui, remotes)
             if stop:
                 _stop(jobs, executor, ui)
+                relist(jobs, remotes)            # the save the stop asked for
             with store.lock(ui):
-                return evacuate_jobs(jobs, remotes, store, executor, ui, allow_empty=allow_empty)
+                return evacuate_jobs(jobs, remotes, store, executor, ui, allow_empty=allow_empty,
+                                     newest_only=newest_only, reverify=reverify)
     except (UsageError, Interrupted):
         raise
     except RelaunchError as exc:
         what = "the instance" if len(specs) == 1 else "any node of the group"
-        raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy {what}", exc.hint) from exc
+        raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy {what}", exc.hint,
+                              exc.refused) from exc
+
+
+def _on_every_node(recipe: Recipe, specs: list[HostSpec], ui: UI, command: Any, what: str) -> None:
+    """command(job) on every node at the same time (a fresh connection each)."""
+    from .host.facts import HostFacts
+    from .job import Facts
+
+    pairs = open_group(recipe, specs, ui)
+    with connected(pairs), ThreadPoolExecutor(max_workers=len(pairs)) as pool:
+        def one(pair: tuple[Node, Remote]) -> None:
+            node, remote = pair
+            job = Job(recipe, node, Facts(host=HostFacts(home=remote.home)))
+            result = remote.exec(command(job), deadline=30)
+            if not result.ok:
+                raise EvacuationError(f"{node.label}: could not {what}: {shorten(result.output, 200)}")
+        for future in [pool.submit(one, pair) for pair in pairs]:
+            future.result()
+
+
+def stop_training(recipe: Recipe, specs: list[HostSpec], ui: UI) -> None:
+    """End the training (and its guard) on these nodes at once, without a save: nodes whose group
+    lost a node are stuck in a collective that never completes; a replaced instance that answers
+    again holds nothing the store lacks."""
+    _on_every_node(recipe, specs, ui, end_command, "end the training")
+
+
+def ask_to_stop(recipe: Recipe, specs: list[HostSpec], ui: UI) -> None:
+    """run.stop.signal to the training on every node at once, without waiting: a node group saves
+    together (every rank of every node stops at the same step), as after a notice on one node."""
+    _on_every_node(recipe, specs, ui, lambda job: f"{signal_command(job)} 2>/dev/null; true", "signal the training")
 
 
 def _stop(jobs: list[Job], executor: Executor, ui: UI) -> None:
@@ -551,15 +586,9 @@ def _stop(jobs: list[Job], executor: Executor, ui: UI) -> None:
             ui.step(job.host, "stop", f"training stopped (exit {outcome.split(' ', 1)[-1].strip() or '?'})")
 
 
-def evacuate_job(job: Job, remote: Remote, store: Store, executor: Executor, ui: UI, rounds: int = 3,
-                 reverify: bool = True, require_newest: bool = True) -> Report:
-    """One instance: see evacuate_jobs."""
-    return evacuate_jobs([job], {job.host: remote}, store, executor, ui, rounds, reverify, require_newest)
-
-
 def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, executor: Executor, ui: UI,
                   rounds: int = 3, reverify: bool = True, require_newest: bool = True,
-                  allow_empty: bool = False) -> Report:
+                  allow_empty: bool = False, newest_only: bool = False) -> Report:
     """Copy the newest `keep` complete checkpoints (newest first) until the newest is verified;
     in a node group, each file from the node that holds it. Then the verdict, from what the store
     holds at that moment (verdicts.py): `report.safe`.
@@ -579,7 +608,7 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
     copied_any = False          # a copy ran (and pinned first)
     try:
         for _ in range(rounds):
-            for cp in reversed(listing[-keep:]):
+            for cp in reversed(listing[-(1 if newest_only else keep):]):
                 if cp.name not in report.copied + report.already + report.skipped + _names(report.damaged):
                     # the newest is checked in the store once, for the verdict, after everything else
                     copied_any = _evacuate_one(jobs, store, executor, cp, report, reverify,
@@ -624,7 +653,8 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
         # a full or read-only disk on this machine: nothing is deleted to make room, and what
         # was being written stays in the store's staging folder, which is never trusted
         raise EvacuationError(f"writing the store {store.label} failed: {exc.strerror or exc}",
-                              "free space on this machine (nothing was deleted to make room), then rerun") from exc
+                              "free space on this machine (nothing was deleted to make room), then rerun",
+                              refused=True) from exc
     stored = store.manifest.newest() if store.manifest else None
     if stored is not None:
         report.stored, report.stored_step, report.stored_written_at = stored.name, stored.step, stored.written_at
@@ -747,7 +777,8 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
                                                   for p, h in hashes.items()):
             raise EvacuationError(
                 f"{job.host}: {cp.name} on the instance differs from the verified copy in the store {store.label}",
-                "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right")
+                "the store never overwrites a checkpoint; move the store's copy aside if the instance's is right",
+                refused=True)
         problems = verdicts.store_holds(known, executor.run_one(_observe_action(store, known))) if check_store else []
         if not problems:
             report.already.append(cp.name)

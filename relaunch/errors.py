@@ -10,10 +10,13 @@ from __future__ import annotations
 class RelaunchError(Exception):
     exit_code = 1
 
-    def __init__(self, message: str, hint: str | None = None) -> None:
+    def __init__(self, message: str, hint: str | None = None, refused: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        # the other side says no (credentials, no room, a conflicting writer, a missing repo or
+        # bucket): trying again changes nothing, unlike a dropped connection or a 5xx
+        self.refused = refused
 
     def __str__(self) -> str:
         return self.message

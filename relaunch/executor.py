@@ -293,7 +293,7 @@ class Executor:
         if outcome == "full":
             raise error(f"{label}: {action.step}: no room {action.room or 'on the disk'} for {action.title}: "
                         f"{_last_line(output)}",
-                        "free space (nothing was deleted to make room), then rerun")
+                        "free space (nothing was deleted to make room), then rerun", refused=True)
         if action.explain and outcome is None:
             owner, _, method = action.explain.partition(".")
             explained = getattr(self.handlers[owner], method)(status, output)

@@ -101,6 +101,11 @@ def gather(remote: Remote, recipe: Recipe, node: Node, store: Store | None = Non
     if listing:
         facts.listing = read_listing(remote, paths.ckpt_dir)
         facts.reads.append(listing_command(paths.ckpt_dir))
+        if node.nnodes == 1:
+            # a DCP checkpoint a node group wrote: its .metadata is here, other nodes' shards may
+            # not be (a node that survived its group); complete only with every file it names
+            facts.required = read_required({job.host: remote}, job, {e.path: [job.host] for e in facts.listing},
+                                           facts.reads)
     if store is not None:
         facts.store = store.read(writing)
         if facts.listing:
@@ -120,9 +125,11 @@ def env_files(recipe: Recipe) -> tuple[dict[str, int], dict[str, int]]:
     return {p: s.st_mode & 0o777 for p, s in found.items()}, {p: s.st_size for p, s in found.items()}
 
 
-def read_required(remotes: dict[str, Remote], job: Job, holders: dict[str, list[str]]) -> dict[str, list[str]]:
+def read_required(remotes: dict[str, Remote], job: Job, holders: dict[str, list[str]],
+                  reads: list[str] | None = None) -> dict[str, list[str]]:
     """For the group's newest DCP checkpoints: the files each one's `.metadata` says it needs,
-    read from the node that holds the metadata (a few KB each; torch is not needed here)."""
+    read from the node that holds the metadata (a few KB each; torch is not needed here);
+    each command read is added to `reads`."""
     c = job.recipe.checkpoint
     found = complete_checkpoints(job.facts.listing or [], c.layout, c.pattern)
     required: dict[str, list[str]] = {}
@@ -133,6 +140,8 @@ def read_required(remotes: dict[str, Remote], job: Job, holders: dict[str, list[
         remote = remotes[holders[meta][0]]
         command = f"cat -- {shlex.quote(f'{job.paths.ckpt_dir}/{meta}')}"
         result = remote.exec(command, deadline=LISTING_DEADLINE)
+        if reads is not None:
+            reads.append(command)
         _check(remote, result, f"reading {meta}", CheckpointError, LISTING_DEADLINE, command)
         try:
             required[cp.name] = sorted(required_files(result.stdout))

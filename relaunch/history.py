@@ -55,6 +55,8 @@ class Interruption:
     resumed_at: str | None = None
     resumed_epoch: float | None = None
     time_to_resume: float | None = None       # seconds from `at` until training ran again
+    nodes_before: int | None = None           # a node group's size before and after (a shrink, a grow back)
+    nodes_after: int | None = None
 
     @classmethod
     def start(cls, host: str, cause: str, detail: str, at_epoch: float, seen: int | None,
@@ -88,7 +90,11 @@ class Interruption:
                 "; NOT verified before the deadline"
         again = (f"; running again on {self.resumed_host} after {seconds_text(self.time_to_resume)}"
                  if self.resumed_host and self.time_to_resume is not None else "; not running again yet")
-        return f"{self.at} {self.host} {self.cause} ({self.detail}): {lost}{seen}{deadline}{again}"
+        shape = (f"; {self.nodes_before} -> {self.nodes_after} nodes" if self.nodes_after is not None
+                 and self.nodes_before is not None and self.nodes_after != self.nodes_before else "")
+        if self.cause == "rebalance":
+            return f"{self.at} {self.host} rebalance ({self.detail}): a copy now, training went on"
+        return f"{self.at} {self.host} {self.cause} ({self.detail}): {lost}{seen}{deadline}{again}{shape}"
 
 
 def read_history(store: Store) -> list[Interruption]:
@@ -131,9 +137,13 @@ def record(store: Store, entry: Interruption, ui: UI) -> None:
         store.flush()                       # stores that write metadata with the manifest (hf) write now
 
 
+INTERRUPTIONS = ("notice", "lost", "restarted")     # the provider's doing; a rebalance or a grow back is not
+
+
 def mean_time_between(entries: list[Interruption]) -> tuple[float, int] | None:
     """Mean seconds of running between one interruption and the next (from when training ran
     again, else from the interruption itself), and how many gaps that is; None below two."""
+    entries = [e for e in entries if e.cause in INTERRUPTIONS]
     gaps = []
     for before, after in zip(entries, entries[1:], strict=False):
         start = before.resumed_epoch or before.at_epoch

@@ -108,10 +108,19 @@ def bounded(func: Callable[[], T], deadline: float, what: str) -> T:
     return results[0]
 
 
-def sleep(seconds: float) -> None:
-    """time.sleep that ends at once when relaunch is interrupted."""
-    if CANCEL.wait(max(seconds, 0)):
-        raise Interrupted("interrupted")
+def sleep(seconds: float, also: threading.Event | None = None) -> None:
+    """time.sleep that ends at once when relaunch is interrupted (or `also` is set)."""
+    if also is None:
+        if CANCEL.wait(max(seconds, 0)):
+            raise Interrupted("interrupted")
+        return
+    end = time.monotonic() + max(seconds, 0)
+    while not (CANCEL.is_set() or also.is_set()):
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        also.wait(min(left, 0.2))
+    raise Interrupted("interrupted")
 
 
 @dataclass
@@ -135,9 +144,9 @@ class Completed:
         return self.stderr.decode(errors="replace")
 
 
-def end_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the child's process group, SIGKILL after GRACE seconds."""
-    for sig, wait in ((signal.SIGTERM, GRACE), (signal.SIGKILL, 5.0)):
+def end_group(proc: subprocess.Popen[bytes], grace: float = GRACE) -> None:
+    """SIGTERM to the child's process group, SIGKILL after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -152,11 +161,12 @@ def end_group(proc: subprocess.Popen[bytes]) -> None:
 def run(argv: Sequence[str], *, deadline: float, stdin: bytes | Path | None = None,
         on_stdout: Callable[[bytes], None] | None = None, on_stderr: Callable[[bytes], None] | None = None,
         env: dict[str, str] | None = None, cwd: str | Path | None = None,
-        cancelled: Callable[[], bool] = cancelled_here) -> Completed:
+        cancelled: Callable[[], bool] = cancelled_here, grace: float = GRACE) -> Completed:
     """Run argv in its own process group; end it at `deadline` seconds or on cancel.
 
     Output is collected (and passed to the callbacks as it arrives). Cancellation raises
-    Interrupted after the group is gone; a deadline returns with `timed_out` set.
+    Interrupted after the group is gone; a deadline returns with `timed_out` set. `grace`: the
+    seconds between SIGTERM and SIGKILL (a relaunch child cleans up on SIGTERM: give it time).
     """
     check_cancel()
     log.debug("run: %s", list(argv))
@@ -183,11 +193,11 @@ def run(argv: Sequence[str], *, deadline: float, stdin: bytes | Path | None = No
             sel.register(proc.stderr, selectors.EVENT_READ, (err, on_stderr))
             while sel.get_map():
                 if cancelled():
-                    end_group(proc)
+                    end_group(proc, grace)
                     raise Interrupted("interrupted")
                 if time.monotonic() > end:
                     timed_out = True
-                    end_group(proc)
+                    end_group(proc, grace)
                     break
                 for key, _ in sel.select(timeout=0.2):
                     chunk = os.read(key.fd, 65536)
@@ -200,16 +210,16 @@ def run(argv: Sequence[str], *, deadline: float, stdin: bytes | Path | None = No
                         callback(chunk)
         while proc.poll() is None:
             if cancelled():
-                end_group(proc)
+                end_group(proc, grace)
                 raise Interrupted("interrupted")
             if time.monotonic() > end:
                 timed_out = True
-                end_group(proc)
+                end_group(proc, grace)
                 break
             time.sleep(0.05)
         status = proc.wait()
     except BaseException:
-        end_group(proc)
+        end_group(proc, grace)
         raise
     finally:
         if stdin_file:

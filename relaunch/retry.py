@@ -5,6 +5,7 @@ once when relaunch is interrupted (the sleeps are `processes.sleep`).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -24,13 +25,15 @@ class Transient(Exception):
 def retrying(func: Callable[[], T], *, transient: Callable[[BaseException], bool],
              attempts: int | None = None, within: float | None = None, first: float = 1.0, most: float = 10.0,
              stop_early: Callable[[BaseException], float | None] | None = None,
-             on_retry: Callable[[BaseException, float], None] | None = None) -> T:
+             on_retry: Callable[[BaseException, float], None] | None = None,
+             cancel: threading.Event | None = None) -> T:
     """Call func until it succeeds, raises something not transient, or the policy gives up
     (then the last error is raised as it was).
 
     attempts / within: at most that many calls / keep trying for that many seconds.
     stop_early(exc) may return a shorter number of seconds left for this kind of failure.
     on_retry(exc, seconds) is told before each wait.
+    cancel: an event that also ends a wait (Interrupted), beside relaunch's own interruption.
     """
     start = time.monotonic()
 
@@ -56,6 +59,7 @@ def retrying(func: Callable[[], T], *, transient: Callable[[BaseException], bool
             on_retry(exc, seconds)
 
     policy = Retrying(stop=stop, wait=wait_exponential(multiplier=first, min=first, max=most, exp_base=1.6),
-                      retry=retry_if_exception(transient), sleep=processes.sleep, before_sleep=before_sleep,
+                      retry=retry_if_exception(transient), sleep=lambda s: processes.sleep(s, also=cancel),
+                      before_sleep=before_sleep,
                       reraise=True)
     return policy(func)

@@ -19,6 +19,7 @@ from .steps.launch import tail_command
 from .transports import open_store
 from .errors import RelaunchError, shorten
 from .ui import UI, human
+from .watch.holder import read_state
 
 GPU_QUERY = ("timeout -k 2 10 nvidia-smi --query-gpu=name,utilization.gpu,memory.used,memory.total "
              "--format=csv,noheader,nounits")
@@ -38,6 +39,7 @@ class Status(Lag):
     guard: dict[str, Any] | None = None          # the guard's own state: running, its sources
     notice: dict[str, Any] | None = None         # the guard's notice record, when one came
     interruptions: list[dict[str, Any]] = field(default_factory=list)   # the last ones, from the store
+    watch: dict[str, Any] | None = None          # the last `relaunch watch` of this recipe and store here
 
 
 def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
@@ -69,12 +71,14 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
         look = remote.exec(look_command(job), deadline=GUARD_LOOK_DEADLINE)
         if look.ok:
             seen = parse_look(look.stdout)
-            result.guard = {"running": seen.guard, "session": guard_session(recipe), "state": seen.state}
+            result.guard = {"running": seen.guard, "session": guard_session(recipe), "state": seen.state,
+                            "rebalance": seen.rebalance}
             result.notice = seen.notice
         try:
             result.interruptions = [e.as_dict() for e in read_history(store)[-HISTORY_SHOWN:]]
         except RelaunchError as exc:
             ui.warn(f"could not read the history of interruptions from {store.label}: {shorten(exc.message, 200)}")
+        result.watch = read_state(recipe.name, store.label)
         return result
 
 
@@ -97,6 +101,7 @@ def render(s: Status, recipe: Recipe) -> str:
     out.append("  env: " + ("matches the lock" if not s.drift else f"{len(s.drift)} difference(s) from the lock: "
                             + "; ".join(s.drift[:5])))
     out += _guard_lines(s, recipe)
+    out += watch_lines(s.watch)
     if s.interruptions:
         out.append(f"  interruptions (the last {len(s.interruptions)}, .relaunch/history.jsonl in the store):")
         out += ["    " + Interruption.from_dict(e).line() for e in s.interruptions]
@@ -131,6 +136,7 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
             if job.facts.lock and facts.venv_freeze is not None:
                 one.drift = drift(job.facts.lock, facts.venv_freeze)
             found.append(one)
+        found[0].watch = read_state(recipe.name, store.label)
         return found
 
 
@@ -151,10 +157,26 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     if first.lag_steps is not None:
         minutes = f", {first.lag_seconds / 60:.1f} min" if first.lag_seconds is not None else ""
         out.append(f"a loss right now would cost: {first.lag_steps} steps{minutes}")
+    out += [line[2:] for line in watch_lines(first.watch)]
     if first.log_tail:
         out.append(f"last lines of {recipe.run.log} on {first.host}:")
         out += ["  " + line for line in first.log_tail]
     return "\n".join(out)
+
+
+def watch_lines(w: dict[str, Any] | None) -> list[str]:
+    """The last `relaunch watch` of this recipe and store on this machine: running or not, its
+    last round, its last error."""
+    if not w:
+        return []
+    hosts = " ".join(w.get("hosts") or [])
+    out = [f"  watch: running here (pid {w.get('pid')}, since {w.get('since')}), watching {hosts}" if w.get("running")
+           else f"  watch: not running (the last one, pid {w.get('pid')}, ended {w.get('ended') or 'without a word'})"]
+    if w.get("last_round"):
+        out.append(f"    last round at {w['last_round'].get('at')}: {w['last_round'].get('line')}")
+    if w.get("last_error"):
+        out.append(f"    last error at {w['last_error'].get('at')}: {w['last_error'].get('message')}")
+    return out
 
 
 def _guard_lines(s: Status, recipe: Recipe) -> list[str]:
@@ -171,6 +193,10 @@ def _guard_lines(s: Status, recipe: Recipe) -> list[str]:
         out.append(f"  guard: not running ({state.get('stopped') or 'ended'}){saw}")
     else:
         out.append("  guard: not started on this instance (`relaunch up` starts it)")
+    advice = guard.get("rebalance")
+    if advice:
+        out.append(f"  rebalance recommendation from {advice.get('source')} at {advice.get('seen')}: "
+                   f"{advice.get('detail')} (not a notice: training goes on; `relaunch watch` copies off at once)")
     n = s.notice
     if n:
         save = n.get("save") or {}

@@ -496,6 +496,7 @@ class LocalStore:
                         "refusing to overwrite",
                         hint="the store never overwrites a checkpoint; if the instance rewrote it, "
                         "move the old copy aside by hand after checking which one is right",
+                        refused=True,
                     )
                 continue  # identical bytes already there (an earlier interrupted commit)
             src = base / path

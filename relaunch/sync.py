@@ -52,7 +52,7 @@ def sync(recipe: Recipe, spec: HostSpec | list[HostSpec], ui: UI, every: float, 
         except RelaunchError as exc:
             if not _worth_retrying(exc):
                 raise
-            raise EvacuationError(f"{exc.message}\nsync round NOT verified", exc.hint) from exc
+            raise EvacuationError(f"{exc.message}\nsync round NOT verified", exc.hint, exc.refused) from exc
         _show(ui, report, emit)
         if not report.safe:
             raise EvacuationError(f"{report.why}\nsync round NOT verified",

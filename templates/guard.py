@@ -4,8 +4,10 @@
 # argv: the guard's config file (JSON, written by `relaunch up`; see relaunch/steps/guard.py).
 #
 # Every `every` seconds it asks each notice source whether the instance is being taken back:
-#   aws      IMDSv2: PUT /latest/api/token, then /latest/meta-data/spot/instance-action and
-#            /latest/meta-data/events/recommendations/rebalance (404 = no notice)
+#   aws      IMDSv2: PUT /latest/api/token, then /latest/meta-data/spot/instance-action (404 = no notice)
+#   aws-rebalance  IMDSv2 /latest/meta-data/events/recommendations/rebalance: not a notice (AWS: "elevated
+#            risk", checkpoint now): recorded in rebalance.json for `relaunch watch`, which copies at once;
+#            training goes on and so does the guard
 #   gcp      /computeMetadata/v1/instance/preempted with Metadata-Flavor: Google (TRUE / FALSE)
 #   azure    /metadata/scheduledevents?api-version=2020-07-01 with Metadata: true (Preempt, Terminate)
 #   sigterm  its own SIGTERM (a container or system shutdown)
@@ -35,6 +37,7 @@ CONFIG = json.load(open(sys.argv[1]))
 FOLDER = CONFIG["folder"]
 STATE = os.path.join(FOLDER, "state.json")
 NOTICE = os.path.join(FOLDER, "notice.json")
+REBALANCE = os.path.join(FOLDER, "rebalance.json")
 LOG = os.path.join(FOLDER, "guard.log")
 HOST, _, PORT = CONFIG.get("metadata", "169.254.169.254").partition(":")
 PORT = int(PORT or 80)
@@ -164,6 +167,15 @@ class Aws:
             when = data.get("time", "")
             return {"kind": "instance-action", "detail": "spot {} at {}".format(data.get("action", "?"), when or "?"),
                     "deadline": parse_when(when)}
+        return None
+
+
+class AwsRebalance(Aws):
+    """A recommendation, not a notice: it is recorded and the guard goes on (see `advise`)."""
+
+    advice = True
+
+    def look(self, first):
         status, body = self._get("/latest/meta-data/events/recommendations/rebalance")
         if status == 200:
             try:
@@ -171,7 +183,7 @@ class Aws:
             except (ValueError, AttributeError):
                 when = ""
             return {"kind": "rebalance", "detail": "rebalance recommendation (noticeTime %s)" % (when or "?"),
-                    "deadline": None}
+                    "key": when or body.decode(errors="replace")[:80]}
         return None
 
 
@@ -245,6 +257,8 @@ class Url:
 def make_source(name):
     if name == "aws":
         return Aws()
+    if name == "aws-rebalance":
+        return AwsRebalance()
     if name == "gcp":
         return Gcp()
     if name == "azure":
@@ -270,6 +284,14 @@ def notify(name, found):
     noticed.set()
 
 
+def advise(name, found):
+    """A recommendation (AWS rebalance): rebalance.json, once per recommendation; no stop."""
+    with lock:
+        seen = time.time()
+        write_json(REBALANCE, {"source": name, "kind": found["kind"], "detail": found["detail"], "key": found["key"],
+                               "seen_at": seen, "seen": iso(seen), "host": CONFIG["host"]})
+
+
 def set_source(name, state, why=""):
     with lock:
         sources_state[name] = {"state": state, "why": why, "at": iso(time.time())}
@@ -277,7 +299,7 @@ def set_source(name, state, why=""):
 
 
 def watch_source(name, source):
-    misses, answered = 0, False
+    misses, answered, advised = 0, False, None
     while not noticed.is_set() and not leaving:
         try:
             found = source.look(not answered)
@@ -293,7 +315,12 @@ def watch_source(name, source):
                 answered = True
                 set_source(name, "on")
                 log(f"{name}: on")
-            if found:
+            if found and getattr(source, "advice", False):
+                if found["key"] != advised:
+                    advised = found["key"]
+                    log("{}: recommendation: {}".format(name, found["detail"]))
+                    advise(name, found)
+            elif found:
                 log("{}: notice: {}".format(name, found["detail"]))
                 notify(name, found)
                 return
@@ -356,8 +383,10 @@ def stop_training():
 
 def main():
     os.makedirs(FOLDER, exist_ok=True)
-    if os.path.exists(NOTICE):      # a notice an earlier guard on this instance handled: kept beside
-        os.replace(NOTICE, os.path.join(FOLDER, f"notice-{int(os.path.getmtime(NOTICE))}.json"))
+    for done in (NOTICE, REBALANCE):    # what an earlier guard on this instance saw: kept beside
+        if os.path.exists(done):
+            stem = os.path.basename(done)[:-len(".json")]
+            os.replace(done, os.path.join(FOLDER, f"{stem}-{int(os.path.getmtime(done))}.json"))
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_stop)
     signal.signal(signal.SIGINT, on_stop)

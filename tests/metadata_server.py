@@ -6,8 +6,9 @@ what the guard on that instance sees on a real spot VM.
     python metadata_server.py --provider aws|gcp|azure|silent --control FILE --log FILE [--bind A --port P]
 
 --control: a JSON file the test writes to raise a notice: {"deadline": EPOCH} (absent or empty: no
-notice). Each provider shows it in its own format: AWS `spot/instance-action` {"action":
-"terminate", "time": ISO}, GCP `instance/preempted` TRUE, Azure a Scheduled Event "Preempt" with
+notice); {"rebalance": EPOCH}: AWS's rebalance recommendation, noticeTime EPOCH. Each provider
+shows a notice in its own format: AWS `spot/instance-action` {"action": "terminate", "time": ISO},
+GCP `instance/preempted` TRUE, Azure a Scheduled Event "Preempt" with
 NotBefore. --log: one JSON line per request (method, path, the headers that matter, status).
 `silent`: accepts connections and never answers (a metadata address that hangs).
 
@@ -50,12 +51,15 @@ def make_handler(provider: str, control: Path, log: Path) -> type[BaseHTTPReques
     tokens: set[str] = set()
     lock = threading.Lock()
 
-    def deadline() -> float | None:
+    def controlled(key: str) -> float | None:
         try:
             data = json.loads(control.read_text() or "null")
         except (OSError, ValueError):
             return None
-        return float(data["deadline"]) if isinstance(data, dict) and "deadline" in data else None
+        return float(data[key]) if isinstance(data, dict) and key in data else None
+
+    def deadline() -> float | None:
+        return controlled("deadline")
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -113,6 +117,10 @@ def make_handler(provider: str, control: Path, log: Path) -> type[BaseHTTPReques
             if path == "/latest/meta-data/spot/instance-action" and when is not None:
                 stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
                 return self.reply(200, json.dumps({"action": "terminate", "time": stamp}), "application/json")
+            advised = controlled("rebalance")
+            if path == "/latest/meta-data/events/recommendations/rebalance" and advised is not None:
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(advised))
+                return self.reply(200, json.dumps({"noticeTime": stamp}), "application/json")
             self.reply(404, "")
 
         def gcp(self) -> None:

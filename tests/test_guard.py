@@ -44,6 +44,12 @@ class MetadataService:
         self.control.write_text(json.dumps({"deadline": now + seconds}))
         return now
 
+    def recommend_rebalance(self) -> float:
+        """AWS's rebalance recommendation (no notice); returns when it was raised."""
+        now = time.time()
+        self.control.write_text(json.dumps({"rebalance": now}))
+        return now
+
     def requests(self) -> list[dict]:
         return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
 

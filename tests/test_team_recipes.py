@@ -252,7 +252,7 @@ def test_json_errors_on_stdout_with_the_exit_code(tmp_path: Path) -> None:
     out = run_cli("check", str(bad), "--json", home=home)
     assert out.returncode == 2
     assert json.loads(out.stdout) == {"error": f'{bad}:4: env.python: write it as a quoted string: "3.10"',
-                                      "hint": None, "exit": 2}
+                                      "hint": None, "exit": 2, "refused": False}
     usage = run_cli("up", "--json", home=home)  # click's own usage error
     assert usage.returncode == 2 and json.loads(usage.stdout)["error"] == "Missing argument 'RECIPE'."
     unreachable = run_cli("status", str(TEAM / "vision" / "recipe.yaml"), "root@127.0.0.1:1", "--json",

@@ -49,7 +49,8 @@ def test_a_lost_instance_is_replaced_and_training_resumes_there(tmp_path, sandbo
         with watching(recipe, home, tmp_path, env=env) as watch:
             def stored_step() -> int:
                 path = store / MANIFEST
-                return json.loads(path.read_text())["checkpoints"][-1]["step"] if path.exists() else 0
+                checkpoints = json.loads(path.read_text())["checkpoints"] if path.exists() else []
+                return checkpoints[-1]["step"] if checkpoints else 0
             wait_for("a few verified checkpoints", lambda: stored_step() >= 60, timeout=180)
             go_silent(first)
             up = wait_for("training to run on a replacement", lambda: next(

@@ -287,6 +287,7 @@ class Run(_Section):
 
 
 GUARD_SOURCES = ("aws", "gcp", "azure", "sigterm")
+ADVICE_SOURCES = ("aws-rebalance",)     # recommendations, not notices: a copy now, training goes on
 
 
 class Guard(_Section):
@@ -295,11 +296,12 @@ class Guard(_Section):
 
     enabled: bool = _key("Start the guard beside training on `up` (in its own tmux session NAME-guard).",
                          True, True)
-    sources: list[str] = _key("Where a reclaim notice comes from: aws (IMDSv2 spot instance-action and "
-                              "rebalance recommendation), gcp (instance/preempted), azure (Scheduled Events "
-                              "Preempt, Terminate), sigterm (the guard's own SIGTERM), file:PATH (a file on the "
-                              "instance that appears), url:URL (an address that answers 200). A source that does "
-                              "not answer is switched off, said once in `relaunch status`.",
+    sources: list[str] = _key("Where a reclaim notice comes from: aws (IMDSv2 spot instance-action), gcp "
+                              "(instance/preempted), azure (Scheduled Events Preempt, Terminate), sigterm (the "
+                              "guard's own SIGTERM), file:PATH (a file on the instance that appears), url:URL (an "
+                              "address that answers 200); and aws-rebalance (the rebalance recommendation: not a "
+                              "notice, `watch` copies at once and training goes on). A source that does not "
+                              "answer is switched off, said once in `relaunch status`.",
                               ["aws", "sigterm", "file:~/RECLAIM"], list(GUARD_SOURCES))
     every: float = _key("Seconds between the guard's looks at each source.", 5, 5, gt=0)
 
@@ -307,13 +309,13 @@ class Guard(_Section):
     @classmethod
     def _sources(cls, v: list[str]) -> list[str]:
         for source in v:
-            if source in GUARD_SOURCES:
+            if source in GUARD_SOURCES or source in ADVICE_SOURCES:
                 continue
             if source.startswith("file:") and len(source) > len("file:"):
                 continue
             if source.startswith("url:") and re.match(r"url:https?://[^/\s]+", source):
                 continue
-            raise ValueError(f"{source!r} is not a notice source: use " + ", ".join(GUARD_SOURCES)
+            raise ValueError(f"{source!r} is not a notice source: use " + ", ".join(GUARD_SOURCES + ADVICE_SOURCES)
                              + ", file:PATH or url:http://...")
         return v
 
@@ -331,6 +333,16 @@ class Recover(_Section):
                          3, 3, ge=1)
     timeout: float = _key("Seconds recover.command may run before it is ended and the attempt counts as failed.",
                           900, 900, gt=0)
+    alive: str | None = _key("A command run on this machine (in the recipe's folder) before an unreachable instance "
+                             "counts as lost: is HOST (also in $RELAUNCH_HOST) still running at the provider? Exit 0 "
+                             "= yes (nothing is rented, whatever this machine's network does), 1 = no (lost), "
+                             "anything else = cannot tell (asked again later, nothing rented meanwhile). Unset: "
+                             "lost after recover.lost_after without an answer.",
+                             "./is-it-running.sh", None)
+    shrink: bool = _key("Node groups: when a node is lost or reclaimed, resume at once on the nodes that are left "
+                        "(gradient accumulation recomputed, the global batch kept) and grow back to full size once "
+                        "recover.command brought replacements; false: wait for the replacements and come back at "
+                        "full size.", True, False)
 
 
 class Recipe(_Section):

@@ -128,7 +128,7 @@ run:
 
 # guard:                        # the watcher `up` starts beside training for reclaim notices
 #   enabled: true
-#   sources: [aws, gcp, azure, sigterm]   # plus file:PATH or url:URL
+#   sources: [aws, gcp, azure, sigterm]   # plus aws-rebalance, file:PATH or url:URL
 #   every: 5                    # seconds between looks
 
 # recover:                      # what `relaunch watch` does when the instance is lost
@@ -136,6 +136,8 @@ run:
 #   lost_after: 120             # seconds without an answer before it counts as lost
 #   attempts: 3
 #   timeout: 900                # seconds the command may take
+#   alive: ./is-it-running.sh   # asked first: exit 0 = the provider still runs HOST (nothing rented)
+#   shrink: false               # node groups: resume on the nodes left, grow back with replacements
 
 # templates: ./team-templates   # a folder whose files replace relaunch's instance scripts by name
 """

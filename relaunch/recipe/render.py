@@ -243,7 +243,8 @@ def check_recipe(recipe: Recipe) -> list[str]:
     errors (no lock, a secret not set in this shell, ...).
     """
     ctx = sample_context(recipe)
-    shell_keys = {"run.command", "recover.command"} | {f"env.setup.{n}" for n in range(len(recipe.env.setup))}
+    shell_keys = {"run.command", "recover.command", "recover.alive"} | {f"env.setup.{n}"
+                                                                        for n in range(len(recipe.env.setup))}
     for key, text in _strings(recipe, ""):
         if key.startswith("env.vars."):
             continue  # rendered by render_context already

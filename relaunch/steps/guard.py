@@ -63,6 +63,10 @@ class GuardPaths:
     def notice(self) -> str:
         return f"{self.folder}/notice.json"
 
+    @property
+    def rebalance(self) -> str:
+        return f"{self.folder}/rebalance.json"
+
 
 def guard_paths(job: Job) -> GuardPaths:
     state = job.paths.state
@@ -147,12 +151,13 @@ class Look:
     exit: str = ""                                  # training's exit status once it ended
     state: dict[str, Any] | None = None             # the guard's state.json
     notice: dict[str, Any] | None = None            # the guard's notice.json
+    rebalance: dict[str, Any] | None = None         # the guard's rebalance.json (a recommendation)
     listing: list[Entry] | None = None              # checkpoint.dir, when asked for
     log_tail: list[str] = field(default_factory=list)   # the training log's last lines
 
     def as_dict(self) -> dict[str, Any]:
         return {"training": self.training, "guard": self.guard, "exit": self.exit, "state": self.state,
-                "notice": self.notice}
+                "notice": self.notice, "rebalance": self.rebalance}
 
 
 def look_command(job: Job, listing: bool = False) -> str:
@@ -166,6 +171,7 @@ def look_command(job: Job, listing: bool = False) -> str:
         f"echo \"exit $(head -c 20 -- {q(paths.status_file)} 2>/dev/null | tr -cd 0-9)\"",
         f"echo '--state'; cat -- {q(where.state)} 2>/dev/null; echo",
         f"echo '--notice'; cat -- {q(where.notice)} 2>/dev/null; echo",
+        f"echo '--rebalance'; cat -- {q(where.rebalance)} 2>/dev/null; echo",
         f"echo '--log'; tail -n {LOG_LINES} -- {q(paths.log)} 2>/dev/null; echo",
     ]
     if listing:
@@ -187,21 +193,20 @@ def parse_look(stdout: bytes) -> Look:
     text = head.decode(errors="replace")
     lines = text.split("\n")
     words = dict(line.split(" ", 1) for line in lines[:3] if " " in line)
-    state = notice = ""
+    texts = {"--state": "", "--notice": "", "--rebalance": ""}
     log: list[str] = []
     section = ""
     for line in lines[3:]:
-        if line in ("--state", "--notice", "--log") and section != "--log":
+        if (line in texts or line == "--log") and section != "--log":
             section = line
-        elif section == "--state":
-            state += line
-        elif section == "--notice":
-            notice += line
+        elif section in texts:
+            texts[section] += line
         elif section == "--log" and line:
             log.append(line)
+    state, notice, rebalance = (_json(texts[k]) if texts[k].strip() else None
+                                for k in ("--state", "--notice", "--rebalance"))
     return Look(training=words.get("training") == "1", guard=words.get("guard") == "1",
-                exit=words.get("exit", "").strip(), state=_json(state) if state.strip() else None,
-                notice=_json(notice) if notice.strip() else None,
+                exit=words.get("exit", "").strip(), state=state, notice=notice, rebalance=rebalance,
                 listing=parse_listing(tail) if marked else None, log_tail=log)
 
 

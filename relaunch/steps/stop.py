@@ -13,12 +13,30 @@ STOPPED = "stopped"
 STILL_RUNNING = "still running"
 
 
+def signal_command(job: Job) -> str:
+    """run.stop.signal to the training's process group (torchrun and every rank it started)."""
+    q = shlex.quote
+    return f"pgid=$(cat -- {q(job.paths.pgid_file)}) && kill -s {q(job.recipe.run.stop.signal)} -- -\"$pgid\""
+
+
+def end_command(job: Job) -> str:
+    """End the training at once, no save: its tmux session and its guard's, then SIGKILL to its
+    process group while the command has not finished (no exit status yet, so the group is still
+    its own: a launcher that outlives its session, torchrun waiting on a lost node, is ended too),
+    waiting up to 10 s for the group to be gone."""
+    q, paths, session = shlex.quote, job.paths, job.recipe.run.session
+    return (f"pg=$(cat -- {q(paths.pgid_file)} 2>/dev/null); tmux kill-session -t {q('=' + session)} 2>/dev/null; "
+            f"tmux kill-session -t {q('=' + session + '-guard')} 2>/dev/null; "
+            f"if [ -n \"$pg\" ] && [ ! -s {q(paths.status_file)} ]; then kill -KILL -- \"-$pg\" 2>/dev/null; "
+            "i=0; while kill -0 -- \"-$pg\" 2>/dev/null && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done; fi; true")
+
+
 def plan_stop(job: Job) -> list[Action]:
     stop, session = job.recipe.run.stop, job.recipe.run.session
     if not job.facts.host.session_alive:
         return [Action("stop", "stop the training", skip=f"tmux session {session} is not running; nothing to stop")]
     q = shlex.quote
-    signal = f"pgid=$(cat -- {q(job.paths.pgid_file)}) && kill -s {q(stop.signal)} -- -\"$pgid\""
+    signal = signal_command(job)
     timeout = int(stop.timeout + 0.999)
     wait = (f"end=$((SECONDS + {timeout})); while tmux has-session -t {q('=' + session)} 2>/dev/null; do "
             f"if [ \"$SECONDS\" -ge \"$end\" ]; then echo {q(STILL_RUNNING)}; exit 0; fi; sleep 1; done; "

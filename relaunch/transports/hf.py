@@ -120,7 +120,8 @@ def conflict_error(label: str, theirs: CheckpointRecord) -> EvacuationError:
         f"{label}: {theirs.name} is already recorded in the store with different files (by another writer: "
         f"{theirs.host}, verified {theirs.verified_at}); refusing to overwrite that record",
         "the store never overwrites a checkpoint: are two runs writing the same checkpoint names to one store? "
-        "give each its own checkpoint.remote (or SUBFOLDER), or move one copy aside after checking which is right")
+        "give each its own checkpoint.remote (or SUBFOLDER), or move one copy aside after checking which is right",
+        refused=True)
 
 
 def _token() -> str | None:
@@ -255,7 +256,7 @@ class HfStore(Store):
     def _auth_error(self) -> ConnectError:
         return ConnectError(f"hf: HF_TOKEN is missing or not allowed for {self.repo_id}",
                             "set HF_TOKEN in this shell (or `hf auth login`) to a token with write access to "
-                            "the repo; relaunch hands it to the instance only for a copy")
+                            "the repo; relaunch hands it to the instance only for a copy", refused=True)
 
     def _missing_error(self) -> CheckpointError:
         # a typo must not look like a fresh start (training from scratch, then a new repo)
@@ -264,7 +265,7 @@ class HfStore(Store):
         if not self.token:
             hint += "; a private repo looks missing without a token: set HF_TOKEN here (or `hf auth login`)"
         return CheckpointError(f"{self.label}: the repo {self.repo_id} does not exist (or is not visible with "
-                               "this token)", hint)
+                               "this token)", hint, refused=True)
 
     def _fail(self, exc: BaseException, what: str, error: type[RelaunchError] = CheckpointError) -> RelaunchError:
         """A huggingface_hub/network failure as one line of ours (no traceback, no token)."""

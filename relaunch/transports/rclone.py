@@ -146,7 +146,8 @@ class RcloneStore(Store):
                                           else f"exit {result.status}")
         if AUTH.search(result.err):
             return ConnectError(f"{self.label}: {what}: access denied by the remote: {detail}",
-                                "check the remote's credentials (rclone config, or the RCLONE_CONFIG_* variables)")
+                                "check the remote's credentials (rclone config, or the RCLONE_CONFIG_* variables)",
+                                refused=True)
         if NOT_FOUND.search(result.err):
             return CheckpointError(f"{self.label}: {what}: not found: {detail}",
                                    "check the bucket/path in checkpoint.remote")
@@ -158,7 +159,8 @@ class RcloneStore(Store):
         detail = _message(text) or f"exit {status}"
         if AUTH.search(text):
             return ConnectError(f"{self.label}: access denied by the remote: {detail}",
-                                "check the remote's credentials (rclone config, or the RCLONE_CONFIG_* variables)")
+                                "check the remote's credentials (rclone config, or the RCLONE_CONFIG_* variables)",
+                                refused=True)
         if NOT_FOUND.search(text):
             return CheckpointError(f"{self.label}: not found: {detail}", "check the bucket/path in checkpoint.remote")
         return None
@@ -181,7 +183,8 @@ class RcloneStore(Store):
         if result.status == 3 or (result.status != 0 and NOT_FOUND.search(result.err)):
             if not self._bucket_exists():
                 raise CheckpointError(f"{self.label}: the bucket {self.path.split('/', 1)[0]!r} does not exist",
-                                      "check checkpoint.remote; relaunch creates the folders, not the bucket")
+                                      "check checkpoint.remote; relaunch creates the folders, not the bucket",
+                                      refused=True)
             self.manifest = None
             return StoreState(self.label, True, None)
         if result.status != 0:

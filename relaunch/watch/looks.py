@@ -1,0 +1,165 @@
+"""Looks at the nodes, each in a thread of its own: a slow or silent node, a copy or a recovery
+never delays the look at another. Every `guard.every` seconds one read-only look over a kept SSH
+connection (the training's and the guard's tmux sessions, training's exit status, the guard's
+notice and rebalance records, the log's tail, now and then checkpoint.dir); the loop reads the
+latest `View` of each node whenever it likes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from .. import processes
+from ..cycle import make_target
+from ..errors import ConnectError, HostKeyError, RelaunchError
+from ..host.connection import Remote, connect
+from ..host.facts import HostFacts
+from ..host.spec import HostSpec
+from ..job import Facts, Job, Node
+from ..layouts import complete_checkpoints
+from ..recipe import Recipe
+from ..steps.guard import LOOK_DEADLINE, Look, look_command, newest_logged_step, parse_look
+from ..ui import redact
+
+CONNECT_WAIT = 10.0        # seconds one reconnection for a look may take
+LISTING_EVERY = 10.0       # seconds between looks that also list checkpoint.dir (newest step seen)
+
+
+def brief(recipe: Recipe, wait: float) -> Recipe:
+    """The recipe with ssh.wait cut to `wait`: a watch does not sit through a whole boot wait."""
+    return recipe.model_copy(update={"ssh": recipe.ssh.model_copy(update={"wait": min(recipe.ssh.wait, wait)})})
+
+
+@dataclass(frozen=True)
+class View:
+    """What the latest look at one node saw."""
+
+    spec: HostSpec
+    look: Look | None = None          # the last look that answered (None: none yet)
+    looked_at: float = 0.0            # monotonic time of the last attempt, answered or not
+    answered_at: float = 0.0          # monotonic time of the last answer
+    answered_epoch: float = 0.0
+    silent_since: float | None = None  # monotonic time the node stopped answering; None: it answers
+    why: str = ""                     # why the last attempt had no answer
+    newest_seen: int | None = None    # the newest step its log or its checkpoints showed
+    newest_complete: int | None = None   # the newest complete checkpoint's step in checkpoint.dir
+    fatal: RelaunchError | None = None   # another machine answers there (a host key refused)
+    looks: int = 0                    # answered looks so far (a fresh one is looks > n)
+
+    @property
+    def host(self) -> str:
+        return str(self.spec)
+
+    def silent_for(self, now: float, late: float) -> float:
+        """Seconds since its last answer, once it is silent: a look failed, or the one under way is
+        more than `late` seconds past the last answer (a connection that hangs)."""
+        quiet = now - self.answered_at
+        return quiet if self.silent_since is not None or quiet > late else 0.0
+
+
+class Looker:
+    """Looks at one node every `every` seconds in a daemon thread; `view()` is the latest."""
+
+    def __init__(self, recipe: Recipe, spec: HostSpec, every: float, wake: threading.Event,
+                 listing_every: float = LISTING_EVERY) -> None:
+        self.recipe, self.spec, self.every, self.wake = recipe, spec, every, wake
+        self.listing_every = listing_every
+        now = time.monotonic()
+        self._view = View(spec, answered_at=now, answered_epoch=time.time())
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._remote: Remote | None = None
+        self._job: Job | None = None
+        self._next_listing = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"look {spec}", daemon=True)
+
+    def start(self) -> Looker:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def view(self) -> View:
+        with self._lock:
+            return self._view
+
+    def answered(self) -> None:
+        """Something else heard from the node (a round that worked): it is not silent."""
+        with self._lock:
+            self._view = replace(self._view, answered_at=time.monotonic(), answered_epoch=time.time(),
+                                 silent_since=None)
+
+    def forget_silence(self, seconds: float) -> None:
+        """This machine could not look for `seconds` (it was asleep): not the node's silence."""
+        with self._lock:
+            if self._view.silent_since is not None:
+                self._view = replace(self._view, silent_since=self._view.silent_since + seconds)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and not processes.CANCEL.is_set():
+            started = time.monotonic()
+            try:
+                self._once()
+            except Exception as exc:  # noqa: BLE001 - a look that broke is a look without an answer
+                self._silent(f"the look failed: {type(exc).__name__}: {exc}")
+            self.wake.set()
+            self._stop.wait(max(self.every - (time.monotonic() - started), 0.05))
+        self._close()
+
+    def _close(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
+        self._remote = self._job = None
+
+    def _silent(self, why: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            v = self._view
+            self._view = replace(v, looked_at=now, why=redact(why).splitlines()[0] if why else "no answer",
+                                 silent_since=v.silent_since if v.silent_since is not None else v.answered_at)
+
+    def _once(self) -> None:
+        if self._remote is None or not self._remote.alive:
+            self._close()
+            target = make_target(brief(self.recipe, CONNECT_WAIT), self.spec)
+            try:
+                remote = connect(target)
+            except HostKeyError as exc:
+                with self._lock:
+                    self._view = replace(self._view, fatal=exc, looked_at=time.monotonic())
+                self._stop.set()
+                return
+            except ConnectError as exc:
+                self._silent(exc.message)
+                return
+            self._remote = remote
+            self._job = Job(self.recipe, Node(target), Facts(host=HostFacts(home=remote.home)))
+        assert self._remote is not None and self._job is not None
+        listing = time.monotonic() >= self._next_listing
+        result = self._remote.exec(look_command(self._job, listing), deadline=LOOK_DEADLINE,
+                                   cancelled=lambda: self._stop.is_set() or processes.CANCEL.is_set())
+        if result.status is None:
+            self._close()
+            self._silent("the look did not answer" if result.timed_out else "the SSH connection was lost")
+            return
+        look = parse_look(result.stdout)
+        with self._lock:
+            v = self._view
+            seen, complete = v.newest_seen, v.newest_complete
+            logged = newest_logged_step(look.log_tail, self.recipe.run.metrics.step)
+            if logged is not None:
+                seen = max(logged, seen or 0)
+            if look.listing is not None:
+                self._next_listing = time.monotonic() + self.listing_every
+                c = self.recipe.checkpoint
+                found = complete_checkpoints(look.listing, c.layout, c.pattern)
+                complete = found[-1].step if found else None
+                if found:
+                    seen = max(found[-1].step, seen or 0)
+            now = time.monotonic()
+            self._view = replace(v, look=look, looked_at=now, answered_at=now, answered_epoch=time.time(),
+                                 silent_since=None, why="", newest_seen=seen, newest_complete=complete,
+                                 looks=v.looks + 1)

@@ -1,0 +1,159 @@
+"""The watch's copy-off rounds: each one is `relaunch sync RECIPE HOST... --once --json`, run as a
+child process beside the looks, so that a round that copies for minutes never delays a look, and
+a round can be ended at once (a notice: the save made after it goes first) with the child's own
+Ctrl-C cleanup: credentials and pins removed on the instance, the partial copy kept in the
+store's staging for a later round to continue, nothing trusted.
+
+A round that fails on the way (the instance away, a 5xx from the store, a dropped connection) is
+tried again under the one retry policy, said once; one the store refuses (credentials, no room,
+a conflicting writer: `refused` in the child's JSON) ends the watch with the store's message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import processes
+from ..errors import EvacuationError, Interrupted, RelaunchError
+from ..retry import retrying
+from ..steps.evacuate import Report
+
+ROUND_DEADLINE = 12 * 3600.0   # the child's own actions have deadlines by size; this bounds the whole
+CLEANUP_GRACE = 30.0            # seconds a child ended on purpose has for its cleanup before SIGKILL
+MAX_BACKOFF = 300.0
+
+
+@dataclass
+class Outcome:
+    """One round's end, as the watch's loop sees it."""
+
+    report: Report | None = None      # the round's report (also one that did not verify the newest)
+    error: RelaunchError | None = None   # a refusal: the watch ends with it
+    aborted: bool = False             # ended on purpose (a notice, a lost instance, Ctrl-C)
+    retries: int = 0                  # failures before it worked
+
+
+def report_from(data: dict[str, Any]) -> Report:
+    known = {f.name for f in dataclasses.fields(Report)}
+    return Report(**{k: v for k, v in data.items() if k in known})
+
+
+class _Failed(Exception):
+    def __init__(self, error: RelaunchError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def parse(status: int | None, stdout: bytes, stderr: bytes) -> Report | RelaunchError:
+    """The child's answer: its report (first JSON line with a store), or its error as ours."""
+    report, failure = None, None
+    for line in stdout.decode(errors="replace").splitlines():
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and "store" in data and "copied" in data:
+            report = report_from(data)
+        elif isinstance(data, dict) and "error" in data:
+            failure = data
+    if report is not None:
+        return report
+    if failure is not None:
+        message = str(failure["error"]).replace("\nsync round NOT verified", "")
+        return RelaunchError(message, failure.get("hint"), refused=bool(failure.get("refused")))
+    lines = [ln for ln in stderr.decode(errors="replace").splitlines() if ln.strip()][-3:]
+    what = "was ended" if status is None else f"exited {status}"
+    return RelaunchError(f"the sync round {what} without a report" + (f": {' | '.join(lines)}" if lines else ""))
+
+
+class Rounds:
+    """At most one round at a time, in a thread of its own; the loop polls `take()`."""
+
+    def __init__(self, argv: Callable[[], list[str]], say: Callable[[str, str], None]) -> None:
+        self._argv = argv                    # the child's command line, made when a round starts
+        self._say = say                      # (kind, text) to the loop's queue: "warn" | "say"
+        self._abort = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._outcome: Outcome | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> bool:
+        """Begin a round unless one runs; False when one does."""
+        if self.busy:
+            return False
+        self._abort.clear()
+        self._outcome = None
+        self._thread = threading.Thread(target=self._run, name="sync-round", daemon=True)
+        self._thread.start()
+        return True
+
+    def take(self) -> Outcome | None:
+        """The last round's outcome, once (None while it runs or when none ended since)."""
+        with self._lock:
+            outcome, self._outcome = self._outcome, None
+        return outcome
+
+    def abort(self, wait: float = CLEANUP_GRACE + 10) -> None:
+        """End the running round (its child cleans up first); returns when it is over."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        self._abort.set()
+        thread.join(timeout=wait)
+
+    def _stopped(self) -> bool:
+        return self._abort.is_set() or processes.CANCEL.is_set()
+
+    def _run(self) -> None:
+        tries = [0]
+
+        def once() -> Report:
+            done = processes.run(self._argv(), deadline=ROUND_DEADLINE, cancelled=self._stopped,
+                                 grace=CLEANUP_GRACE)
+            answer = parse(done.status, done.stdout, done.stderr)
+            if isinstance(answer, Report):
+                return answer
+            raise _Failed(answer)
+
+        def again(exc: BaseException, seconds: float) -> None:
+            tries[0] += 1
+            error = exc.error if isinstance(exc, _Failed) else exc
+            first = str(getattr(error, "message", error)).splitlines()[0]
+            if tries[0] == 1:        # said once; the loop's status file keeps the latest
+                self._say("warn", f"sync round failed: {first}; trying again with backoff (up to "
+                                  f"{MAX_BACKOFF:g}s apart), the watch goes on")
+            self._say("error", first)
+
+        outcome = Outcome()
+        try:
+            outcome.report = retrying(once, transient=lambda e: isinstance(e, _Failed) and not e.error.refused,
+                                      first=5.0, most=MAX_BACKOFF, on_retry=again, cancel=self._abort)
+            outcome.retries = tries[0]
+            if tries[0]:
+                self._say("say", f"sync rounds work again after {tries[0]} failed tries")
+        except Interrupted:
+            outcome.aborted = True
+        except _Failed as exc:
+            outcome.error = EvacuationError(exc.error.message, exc.error.hint, refused=True)
+        with self._lock:
+            self._outcome = outcome
+
+
+def child_argv(recipe_path: str, hosts: list[str], sets: list[str]) -> list[str]:
+    return [sys.executable, "-m", "relaunch.cli", "sync", recipe_path, *hosts, "--once", "--json",
+            *[arg for s in sets for arg in ("--set", s)]]
+
+
+def clock(epoch: float | None = None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(epoch if epoch is not None else time.time()))
