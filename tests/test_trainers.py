@@ -360,3 +360,31 @@ def test_relaunch_trainer_callback_saves_at_the_step_without_the_jit_checkpoint(
     resumed = metrics(again.stdout)
     assert min(resumed) == stopped + 1
     assert_matches(resumed, metrics(baselines.log("hf-trainer")), range(stopped + 1, STEPS + 1))
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_example_recipe_runs_its_train_py_where_its_layout_looks(trainer: str, tmp_path: Path) -> None:
+    """Each example recipe loads and renders; its command, as the instance's shell splits it on a
+    fresh start, runs its own train.py with --out at checkpoint.dir and an empty --resume; the
+    Accelerate one passes --multi_gpu only when there is more than one process."""
+    from relaunch.recipe import check_recipe, load_recipe, render_context
+
+    recipe = load_recipe(EXAMPLES / trainer / "recipe.yaml")
+    check_recipe(recipe)
+    assert recipe.checkpoint.layout == trainer and recipe.name == f"example-{trainer}"
+    assert recipe.env.lock == EXAMPLES / trainer / "requirements.lock"
+    assert recipe.env.files == {EXAMPLES / trainer / "train.py": f"{recipe.run.workdir}/train.py"}
+    for world in (1, 2):
+        text, env = recipe.render_shell("run.command", render_context(recipe, checkpoint="", nproc_per_node=world,
+                                                                      grad_accum=16 // (4 * world)))
+        argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + text], capture_output=True, check=True,
+                              env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env}).stdout
+        words = argv.decode().split("\0")[:-1]
+        assert "train.py" in words and words[words.index("--resume") + 1] == ""
+        assert words[words.index("--out") + 1] == recipe.checkpoint.dir.replace("~", str(tmp_path), 1)
+        if trainer == "accelerate":
+            assert words[:2] == ["accelerate", "launch"] and ("--multi_gpu" in words) == (world > 1)
+            assert words[words.index("--num_processes") + 1] == str(world)
+            assert words[words.index("--grad-accum") + 1] == str(16 // (4 * world))
+        else:
+            assert words[:2] == ["python", "train.py"]
