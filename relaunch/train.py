@@ -111,7 +111,6 @@ class StopRequest:
         self._previous: dict[signal.Signals, Any] = {}
         self._chained: dict[signal.Signals, bool] = {}
         self._looked = 0.0
-        self._installed = False
         self._handling = False
 
     # -- the signal ---------------------------------------------------------------------------
@@ -132,7 +131,6 @@ class StopRequest:
             self._previous[number] = current
             self._chained[number] = chain
             signal.signal(number, self._handle)
-        self._installed = True
         return self
 
     def uninstall(self) -> None:
@@ -143,7 +141,6 @@ class StopRequest:
             if getattr(signal.getsignal(number), "__self__", None) is self:
                 signal.signal(number, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
-        self._installed = False
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self._handling:          # a chain that leads back here (a library composing handlers)

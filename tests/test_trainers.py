@@ -50,6 +50,13 @@ NOTICE_AFTER = 12          # the notice comes once the log shows this step (afte
 NOTICE_FILE = "~/reclaim"
 MANIFEST = Path(".relaunch") / "manifest.json"
 PACKAGES = {"hf-trainer": "transformers", "lightning": "lightning", "accelerate": "accelerate"}
+# each script's arguments, named as its trainer's own examples name them
+ARGS = {"hf-trainer": {"dir": "--output_dir", "resume": "--resume_from_checkpoint", "steps": "--max_steps",
+                       "every": "--save_steps"},
+        "lightning": {"dir": "--ckpt_dir", "resume": "--ckpt_path", "steps": "--max_steps",
+                      "every": "--every_n_train_steps"},
+        "accelerate": {"dir": "--output_dir", "resume": "--resume_from_checkpoint", "steps": "--max_train_steps",
+                       "every": "--checkpointing_steps"}}
 
 
 @pytest.fixture(scope="session")
@@ -76,13 +83,13 @@ def pinned(lock: Path) -> dict[str, str]:
 
 def local_command(trainer: str, out: Path, final: Path) -> list[str]:
     """The uninterrupted run on this machine: the example's own train.py, as its recipe runs it."""
-    script = EXAMPLES / trainer / "train.py"
-    args = ["--out", str(out), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--final", str(final)]
+    script, names = EXAMPLES / trainer / "train.py", ARGS[trainer]
+    args = [names["dir"], str(out), names["steps"], str(STEPS), names["every"], str(SAVE_EVERY), "--final", str(final)]
     if trainer == "accelerate":
         launcher = Path(sys.executable).parent / "accelerate"
         return [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                 "--mixed_precision", "no", "--dynamo_backend", "no", str(script), *args,
-                "--global-batch", "16", "--micro", "4", "--grad-accum", "2"]
+                "--global_batch", "16", "--micro_batch", "4", "--gradient_accumulation_steps", "2"]
     return [sys.executable, str(script), *args]
 
 
@@ -156,9 +163,9 @@ def example_recipe(trainer: str, folder: Path, key: Path, index_url: str) -> Pat
     data = yaml.safe_load((folder / "recipe.yaml").read_text())
     data["ssh"] = {"key": str(key), "wait": 30}
     data["env"]["index_url"] = index_url
-    command = data["run"]["command"]
-    for old, new in (("--steps 60", f"--steps {STEPS}"), ("--save-every 10", f"--save-every {SAVE_EVERY}"),
-                     ("--sleep 0.3", f"--sleep {SLEEP}")):
+    command, names = data["run"]["command"], ARGS[trainer]
+    for old, new in ((f"{names['steps']} 60", f"{names['steps']} {STEPS}"),
+                     (f"{names['every']} 10", f"{names['every']} {SAVE_EVERY}"), ("--sleep 0.3", f"--sleep {SLEEP}")):
         assert old in command, (old, command)
         command = command.replace(old, new)
     data["run"]["command"] = command
@@ -170,6 +177,20 @@ def example_recipe(trainer: str, folder: Path, key: Path, index_url: str) -> Pat
 
 def read_log(ssh: Any, inst: sb.Instance, name: str) -> str:
     return ssh(inst, f"cat ~/{name}.log 2>/dev/null || true").stdout
+
+
+def log_until(ssh: Any, inst: sb.Instance, name: str, what: str, done: Any) -> str:
+    """The training log once `done(log)` holds; an AssertionError with the log as soon as the
+    training ended without it (its tmux session gone), not only when the wait times out."""
+    def look() -> str:
+        text = read_log(ssh, inst, name)
+        if done(text):
+            return text
+        if ssh(inst, f"tmux has-session -t ={name}", check=False).returncode != 0 and not done(
+                text := read_log(ssh, inst, name)):
+            raise AssertionError(f"training ended before {what}:\n{text[-3000:]}")
+        return ""
+    return wait_for(what, look, timeout=300)
 
 
 def guard_notice(ssh: Any, inst: sb.Instance, name: str) -> dict[str, Any] | None:
@@ -201,9 +222,8 @@ def train_and_interrupt(trainer: str, recipe: Path, inst: sb.Instance, home: Pat
     venv = yaml.safe_load(recipe.read_text())["env"]["venv"]
     bare = ssh(inst, f"{venv}/bin/python -c 'import relaunch.train'", check=False)
     assert bare.returncode != 0 and "No module named 'relaunch'" in bare.stderr, bare
-    log = wait_for(f"step {NOTICE_AFTER} on the first instance",
-                   lambda: (lambda text: text if max(metrics(text), default=0) >= NOTICE_AFTER else "")(
-                       read_log(ssh, inst, name)), timeout=300)
+    log = log_until(ssh, inst, name, f"step {NOTICE_AFTER} on the first instance",
+                    lambda text: max(metrics(text), default=0) >= NOTICE_AFTER)
     noticed_at = max(metrics(log))
     ssh(inst, f"touch {NOTICE_FILE}")
     notice = wait_for("the guard to see training save and exit", lambda: (
@@ -225,8 +245,7 @@ def resume_elsewhere(recipe: Path, inst: sb.Instance, home: Path, ssh: Any, *ext
     name = yaml.safe_load(recipe.read_text())["name"]
     up = run_cli("up", str(recipe), inst.host, *extra, home=home)
     assert up.returncode == 0, up.stderr
-    log = wait_for("the resumed run to finish", lambda: (lambda text: text if f"done step {STEPS}" in text else "")(
-        read_log(ssh, inst, name)), timeout=300)
+    log = log_until(ssh, inst, name, "the resumed run to finish", lambda text: f"done step {STEPS}" in text)
     return up.stderr, log
 
 
@@ -332,7 +351,8 @@ def test_relaunch_trainer_callback_saves_at_the_step_without_the_jit_checkpoint(
     training was at, nothing trained after it, and resume_from_checkpoint continues the losses."""
     env = {**os.environ, "PYTHONPATH": str(train_module_dir(tmp_path)), "OMP_NUM_THREADS": "1"}
     script, out = EXAMPLES / "hf-trainer" / "train.py", tmp_path / "out"
-    args = [sys.executable, str(script), "--out", str(out), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
+    args = [sys.executable, str(script), "--output_dir", str(out), "--max_steps", str(STEPS), "--save_steps",
+            str(SAVE_EVERY)]
     proc = subprocess.Popen([*args, "--sleep", str(SLEEP), "--no-jit"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
@@ -354,8 +374,8 @@ def test_relaunch_trainer_callback_saves_at_the_step_without_the_jit_checkpoint(
     assert stopped >= NOTICE_AFTER and max(metrics(log)) == stopped
     assert json.loads((out / f"checkpoint-{stopped}" / "trainer_state.json").read_text())["global_step"] == stopped
     assert (out / f"checkpoint-{SAVE_EVERY}").is_dir()                      # save_steps before it
-    again = subprocess.run([*args, "--resume", str(out / f"checkpoint-{stopped}")], capture_output=True, text=True,
-                           env=env, timeout=300)
+    again = subprocess.run([*args, "--resume_from_checkpoint", str(out / f"checkpoint-{stopped}")],
+                           capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     resumed = metrics(again.stdout)
     assert min(resumed) == stopped + 1
@@ -365,8 +385,8 @@ def test_relaunch_trainer_callback_saves_at_the_step_without_the_jit_checkpoint(
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_example_recipe_runs_its_train_py_where_its_layout_looks(trainer: str, tmp_path: Path) -> None:
     """Each example recipe loads and renders; its command, as the instance's shell splits it on a
-    fresh start, runs its own train.py with --out at checkpoint.dir and an empty --resume; the
-    Accelerate one passes --multi_gpu only when there is more than one process."""
+    fresh start, runs its own train.py with its checkpoint folder argument at checkpoint.dir and
+    an empty resume argument; the Accelerate one passes --multi_gpu only for more than one process."""
     from relaunch.recipe import check_recipe, load_recipe, render_context
 
     recipe = load_recipe(EXAMPLES / trainer / "recipe.yaml")
@@ -380,11 +400,12 @@ def test_example_recipe_runs_its_train_py_where_its_layout_looks(trainer: str, t
         argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + text], capture_output=True, check=True,
                               env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env}).stdout
         words = argv.decode().split("\0")[:-1]
-        assert "train.py" in words and words[words.index("--resume") + 1] == ""
-        assert words[words.index("--out") + 1] == recipe.checkpoint.dir.replace("~", str(tmp_path), 1)
+        names = ARGS[trainer]
+        assert "train.py" in words and words[words.index(names["resume"]) + 1] == ""
+        assert words[words.index(names["dir"]) + 1] == recipe.checkpoint.dir.replace("~", str(tmp_path), 1)
         if trainer == "accelerate":
             assert words[:2] == ["accelerate", "launch"] and ("--multi_gpu" in words) == (world > 1)
             assert words[words.index("--num_processes") + 1] == str(world)
-            assert words[words.index("--grad-accum") + 1] == str(16 // (4 * world))
+            assert words[words.index("--gradient_accumulation_steps") + 1] == str(16 // (4 * world))
         else:
             assert words[:2] == ["python", "train.py"]

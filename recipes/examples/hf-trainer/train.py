@@ -12,7 +12,7 @@ a notice:
   only the guard's notice record) it saves `checkpoint-N` at the end of the step and stops.
   Either way `stop.requested()` tells this script that training stopped on a notice.
 
-`--resume "{{ checkpoint }}"` is `trainer.train(resume_from_checkpoint=...)`; an empty value is
+`--resume_from_checkpoint "{{ checkpoint }}"` is `trainer.train(resume_from_checkpoint=...)`; an empty value is
 a fresh start. Every logged step prints `step N loss X grad_norm Y` (relaunch drill reads it
 with run.metrics); a notice ends with `stopped at step N`, the end of the run with `done step N`.
 Dropout is off, so a resumed run repeats the uninterrupted one's losses.
@@ -31,18 +31,20 @@ VOCAB, LENGTH, SEQUENCES = 64, 16, 512
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, help="the Trainer's output_dir (checkpoint.dir)")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--save-every", type=int, default=10, help="save_steps")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--resume", default="", help="a checkpoint-N folder to resume from; empty: fresh start")
+    parser.add_argument("--output_dir", required=True, help="where checkpoint-N/ go (checkpoint.dir)")
+    parser.add_argument("--max_steps", type=int, default=60)
+    parser.add_argument("--save_steps", type=int, default=10)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
+    parser.add_argument("--resume_from_checkpoint", default="", help="a checkpoint-N folder; empty: fresh start")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds between steps (a demo's pace)")
     parser.add_argument("--no-jit", action="store_true", help="leave transformers' JIT checkpoint off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--final", default="", help="write the sha256 of the final weights here")
     args = parser.parse_args()
-    if args.resume and not (Path(args.resume) / "trainer_state.json").is_file():
-        print(f"error: --resume {args.resume}: not a Trainer checkpoint (no trainer_state.json)", file=sys.stderr)
+    resume = args.resume_from_checkpoint
+    if resume and not (Path(resume) / "trainer_state.json").is_file():
+        print(f"error: --resume_from_checkpoint {resume}: not a Trainer checkpoint (no trainer_state.json)",
+              file=sys.stderr)
         return 2
 
     import torch
@@ -84,16 +86,17 @@ def main() -> int:
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"
     training = TrainingArguments(
-        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=3e-3,
-        save_strategy="steps", save_steps=args.save_every, save_total_limit=2, logging_steps=1,
+        output_dir=args.output_dir, max_steps=args.max_steps,
+        per_device_train_batch_size=args.per_device_train_batch_size, learning_rate=3e-3,
+        save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, logging_steps=1,
         enable_jit_checkpoint=not args.no_jit, report_to="none", disable_tqdm=True, seed=args.seed,
         dataloader_num_workers=0, dataloader_pin_memory=False)
     trainer = Trainer(model=model, args=training, train_dataset=Sequences(),
                       callbacks=[Report(), relaunch_train.TrainerCallback()])
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)   # Report prints the steps
-    print(f"resumed from {args.resume}" if args.resume else "fresh start", flush=True)
+    print(f"resumed from {resume}" if resume else "fresh start", flush=True)
     stop = relaunch_train.install()
-    trainer.train(resume_from_checkpoint=args.resume or None)
+    trainer.train(resume_from_checkpoint=resume or None)
     if stop.requested():
         print(f"stopped at step {trainer.state.global_step}", flush=True)
         return 0

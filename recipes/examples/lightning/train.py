@@ -13,7 +13,7 @@ map; it runs on a CPU in seconds, and as it is on a GPU. What relaunch adds:
   but a plain DataLoader would start that epoch's data again; this one continues at the
   restored step (and keeps the epoch's length, which Lightning's count of batches needs).
 
-`--resume "{{ checkpoint }}"` is `trainer.fit(ckpt_path=...)`; an empty value is a fresh start.
+`--ckpt_path "{{ checkpoint }}"` is `trainer.fit(ckpt_path=...)`; an empty value is a fresh start.
 Every step prints `step N loss X grad_norm Y` (relaunch drill reads it with run.metrics);
 a notice ends with `stopped at step N`, the end of the run with `done step N`.
 """
@@ -32,12 +32,12 @@ POOL, FEATURES, HIDDEN = 1024, 16, 32
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, help="ModelCheckpoint's folder (checkpoint.dir)")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--save-every", type=int, default=10)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--micro", type=int, default=8)
-    parser.add_argument("--resume", default="", help="a checkpoint to resume from; empty: fresh start")
+    parser.add_argument("--ckpt_dir", required=True, help="ModelCheckpoint's dirpath (checkpoint.dir)")
+    parser.add_argument("--max_steps", type=int, default=60)
+    parser.add_argument("--every_n_train_steps", type=int, default=10)
+    parser.add_argument("--global_batch", type=int, default=16)
+    parser.add_argument("--micro_batch", type=int, default=8)
+    parser.add_argument("--ckpt_path", default="", help="a .ckpt file to resume from; empty: fresh start")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds between steps (a demo's pace)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--final", default="", help="write the sha256 of the final weights here")
@@ -85,28 +85,28 @@ def main() -> int:
         def train_dataloader(self):  # type: ignore[no-untyped-def]
             # called after a checkpoint was restored: global_step is the restored step
             sampler = relaunch_train.GlobalBatchSampler(
-                POOL, args.global_batch, steps=args.steps, seed=args.seed, start_step=self.trainer.global_step,
-                rank=self.global_rank, world_size=self.trainer.world_size, micro_batch=args.micro)
-            return torch.utils.data.DataLoader(dataset, batch_size=args.micro, sampler=sampler)
+                POOL, args.global_batch, steps=args.max_steps, seed=args.seed, start_step=self.trainer.global_step,
+                rank=self.global_rank, world_size=self.trainer.world_size, micro_batch=args.micro_batch)
+            return torch.utils.data.DataLoader(dataset, batch_size=args.micro_batch, sampler=sampler)
 
     torch.manual_seed(args.seed)
     model = Tiny()
-    accum = args.global_batch // args.micro
-    checkpoints = ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.save_every,
+    accum = args.global_batch // args.micro_batch
+    checkpoints = ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.every_n_train_steps,
                                   monitor="step", mode="max", save_top_k=2)     # the two newest
-    trainer = pl.Trainer(max_steps=args.steps, accelerator="auto", devices=1, accumulate_grad_batches=accum,
+    trainer = pl.Trainer(max_steps=args.max_steps, accelerator="auto", devices=1, accumulate_grad_batches=accum,
                          callbacks=[checkpoints, relaunch_train.LightningCallback()],
                          use_distributed_sampler=False, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, deterministic=True, default_root_dir=args.out)
-    if args.resume and not Path(args.resume).is_file():
-        print(f"error: --resume {args.resume}: no such checkpoint file", file=sys.stderr)
+                         enable_model_summary=False, deterministic=True, default_root_dir=args.ckpt_dir)
+    if args.ckpt_path and not Path(args.ckpt_path).is_file():
+        print(f"error: --ckpt_path {args.ckpt_path}: no such checkpoint file", file=sys.stderr)
         return 2
-    print(f"resumed from {args.resume}" if args.resume else "fresh start", flush=True)
+    print(f"resumed from {args.ckpt_path}" if args.ckpt_path else "fresh start", flush=True)
     # Lightning warns that a plain DataLoader restarts its epoch on a resume; this one does not
     warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended")
     stop = relaunch_train.install()
     try:
-        trainer.fit(model, ckpt_path=args.resume or None)
+        trainer.fit(model, ckpt_path=args.ckpt_path or None)
     except SIGTERMException:     # a SIGTERM before the first step (Lightning's own): nothing new to save
         pass
     if stop.requested():
