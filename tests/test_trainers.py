@@ -211,7 +211,7 @@ class Interrupted:
     store: Path
 
 
-def train_and_interrupt(trainer: str, recipe: Path, inst: sb.Instance, home: Path, ssh: Any) -> Interrupted:
+def train_and_interrupt(recipe: Path, inst: sb.Instance, home: Path, ssh: Any) -> Interrupted:
     name = yaml.safe_load(recipe.read_text())["name"]
     up = run_cli("up", str(recipe), inst.host, home=home)
     assert up.returncode == 0, up.stderr
@@ -254,7 +254,7 @@ def test_hf_trainer_jit_checkpoint_on_a_notice_resumes_on_a_new_instance(
     home = tmp_path / "state"
     first = sandbox(index_dir=trainer_index)
     recipe = example_recipe("hf-trainer", tmp_path / "work", ssh_key, first.index_url)
-    done = train_and_interrupt("hf-trainer", recipe, first, home, ssh)
+    done = train_and_interrupt(recipe, first, home, ssh)
 
     # transformers' JIT checkpoint made the save, at the step training was at: it saves before the
     # optimizer step of the step under way (or at a step's end), so at most that one step ran
@@ -286,7 +286,7 @@ def test_lightning_callback_saves_on_a_notice_and_resumes_on_a_new_instance(
     home = tmp_path / "state"
     first = sandbox(index_dir=trainer_index)
     recipe = example_recipe("lightning", tmp_path / "work", ssh_key, first.index_url)
-    done = train_and_interrupt("lightning", recipe, first, home, ssh)
+    done = train_and_interrupt(recipe, first, home, ssh)
 
     # relaunch.train's callback saved at the end of the step training was at, in ModelCheckpoint's
     # folder and name, and nothing trained after it
@@ -314,7 +314,7 @@ def test_accelerate_save_state_on_a_notice_resumes_on_fewer_processes(
     home = tmp_path / "state"
     first = sandbox(index_dir=trainer_index)
     recipe = example_recipe("accelerate", tmp_path / "work", ssh_key, first.index_url)
-    done = train_and_interrupt("accelerate", recipe, first, home, ssh)
+    done = train_and_interrupt(recipe, first, home, ssh)
 
     # both processes agreed on the step, saved it with the marker, and nothing trained after it;
     # `accelerate launch` (torchrun underneath) exits 1 after passing a signal on, whatever its
