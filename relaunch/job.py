@@ -137,6 +137,11 @@ class InstancePaths:
         return f"{self.state}/run.sh"
 
     @property
+    def python_path(self) -> str:
+        """The folder run.sh puts first on the training's PYTHONPATH: relaunch/train.py in it."""
+        return f"{self.state}/python"
+
+    @property
     def setup_marker(self) -> str:
         return f"{self.state}/setup.done"
 

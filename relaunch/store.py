@@ -366,8 +366,12 @@ class LocalStore:
         return path
 
     def copied_marker(self, name: str) -> Path:
-        """Made when a copy into staging(name) is over: hashing it as it lands stops there."""
-        return self.staging_path(name).with_name(f".{name}.copied")
+        """Made when a copy into staging(name) is over: hashing it as it lands stops there.
+
+        Beside the staging folder, also for a name with folders in it (the accelerate layout's
+        `checkpoints/checkpoint_3`: `partial/checkpoints/.checkpoint_3.copied`)."""
+        staging = self.staging_path(name)
+        return staging.with_name(f".{staging.name}.copied")
 
     def prepare_staging(self, name: str, files: list[str]) -> Path:
         """The staging folder of a checkpoint, ready for a transfer that continues what an earlier,

@@ -395,3 +395,22 @@ def test_prune_leaves_files_it_did_not_record(tmp_path: Path) -> None:
     store.prune(m, keep=2)
     assert (tmp_path / "checkpoint-10/notes.txt").read_text() == "mine"
     assert not (tmp_path / "checkpoint-10/model.pt").exists()
+
+
+def test_a_checkpoint_name_with_a_folder_stages_and_commits(tmp_path: Path) -> None:
+    """The accelerate layout names checkpoints by their path (`checkpoints/checkpoint_3`): staging,
+    the copy-over marker beside it, and the commit work with such a name too."""
+    store = LocalStore(tmp_path)
+    name = "checkpoints/checkpoint_3"
+    files = {f"{name}/model.safetensors": b"weights", f"{name}/relaunch-complete.json": b'{"step": 13}\n'}
+    for path, data in files.items():
+        (store.staging(name) / path).parent.mkdir(parents=True, exist_ok=True)
+        (store.staging(name) / path).write_bytes(data)
+    record = record_for(name, 3, files)
+    marker = store.copied_marker(name)
+    assert marker == tmp_path / ".relaunch" / "partial" / "checkpoints" / ".checkpoint_3.copied"
+    marker.touch()
+    assert store.verify_staged(name, record.files) == []
+    store.commit(record)
+    assert (tmp_path / name / "model.safetensors").read_bytes() == b"weights"
+    assert not marker.exists() and not store.staging_path(name).exists()

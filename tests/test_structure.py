@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "relaunch"
 # lower layers first: a module may import from its own layer or any layer before it
 LAYERS = [
     {"__init__", "errors", "paths", "resources", "processes", "retry", "ui", "scripts", "plan", "layouts", "store",
-     "verdicts", "recipe", "versions"},
+     "verdicts", "recipe", "versions", "train"},
     {"host"},
     {"job"},
     {"transports"},
@@ -122,3 +122,9 @@ def test_the_checker_sees_relative_and_lazy_imports() -> None:
     edges = graph()
     assert "host" in edges["transports"] and "job" in edges["steps"]
     assert "transports" in edges["cycle"] and "cycle" in edges["cli"]
+
+
+def test_the_training_side_module_imports_nothing_of_relaunch() -> None:
+    """relaunch/train.py goes to the instance alone (on the training's PYTHONPATH): it may import
+    no other relaunch module, lazily or not."""
+    assert imports(PACKAGE / "train.py") == set()

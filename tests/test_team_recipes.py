@@ -152,7 +152,8 @@ def test_override_replaces_by_name_and_includes_resolve_through_it(tmp_path: Pat
     write(folder / "prelude.sh.j2", "echo team-prelude {{ name | q }}\n{% include 'shipped/prelude.sh.j2' %}")
     write(folder / "facts.sh", "echo team-facts\n")
     values = dict(name="job", session="job", command="true", workdir="~", venv="~/v", secrets_file="~/s",
-                  exports={}, log="~/l", status_file="~/st", pgid_file="~/pg")
+                  exports={}, log="~/l", status_file="~/st", pgid_file="~/pg", python_path="~/py", stop_signal="TERM",
+                  notice_file="~/n")
     shipped = scripts.render("run.sh.j2", **values)
     mine = scripts.render("run.sh.j2", templates=folder, **values)
     # run.sh.j2 is shipped, but its `include "prelude.sh.j2"` finds the team's prelude first.

@@ -5,8 +5,11 @@ project dir (N counts saves, not steps; it only orders them). The files are writ
 with no marker, every process adding its own `random_states_<i>.pkl`. Conservatively, a
 checkpoint counts once a newer one exists in the same folder: the main process starts the next
 save only after training went on, which needs every process past the previous save. So the copy
-off the machine runs one save behind. The checkpoint's name is its path under checkpoint.dir
-(`checkpoints/checkpoint_3`); `checkpoint_<N>/` directly in checkpoint.dir works too.
+off the machine runs one save behind, except for a folder holding `relaunch-complete.json`
+(`relaunch.train.save_accelerate_state` writes it once every process finished that save): it
+counts at once, so the save a reclaim notice asked for is copied off before the instance goes.
+The checkpoint's name is its path under checkpoint.dir (`checkpoints/checkpoint_3`);
+`checkpoint_<N>/` directly in checkpoint.dir works too.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 from collections.abc import Sequence
 
 from relaunch.layouts.base import Checkpoint, Entry, files_under, ordered
+from relaunch.train import COMPLETE_MARKER
 
 _DIR = re.compile(r"(?:(checkpoints)/)?checkpoint_(\d+)")
 
@@ -41,6 +45,7 @@ class AccelerateLayout:
         found = []
         for name, n in dirs.items():
             files = files_under(entries, name)
-            if n < newest[name.rpartition("/")[0]] and files:
+            marked = any(e.path == f"{name}/{COMPLETE_MARKER}" and e.size > 0 for e in files)
+            if (marked or n < newest[name.rpartition("/")[0]]) and files:
                 found.append(Checkpoint(name=name, step=n, files=files))
         return ordered(found)

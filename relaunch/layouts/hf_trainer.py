@@ -2,7 +2,10 @@
 
 The Trainer writes the files in place and `trainer_state.json` last, so its presence (non-empty)
 marks a complete checkpoint. `tmp-checkpoint-<step>/` (where some transformers versions stage)
-never counts. As an extra guard against a folder being deleted by checkpoint rotation while we
+never counts, nor does a folder holding `checkpoint-is-incomplete.txt`: transformers' JIT
+checkpoint (`enable_jit_checkpoint`, the save on SIGTERM) writes it before saving and removes it
+once the save is done, and it saves into a folder of that name that may already hold an older
+`trainer_state.json`. As an extra guard against a folder being deleted by checkpoint rotation while we
 list it, sharded weights (`model-00001-of-00003.safetensors`) must all be present.
 """
 
@@ -16,6 +19,7 @@ from relaunch.layouts.base import Checkpoint, Entry, files_under, group_by_top, 
 _NAME = re.compile(r"checkpoint-(\d+)")
 _SHARD = re.compile(r"(.*)-(\d+)-of-(\d+)(\.[A-Za-z0-9]+)")
 MARKER = "trainer_state.json"
+INCOMPLETE = "checkpoint-is-incomplete.txt"     # transformers' JIT checkpoint, while it saves
 
 
 def shards_complete(files: Sequence[Entry]) -> bool:
@@ -41,6 +45,8 @@ class HfTrainerLayout:
             files = files_under(below.get(name, ()), name)
             marker = next((e for e in files if e.path == f"{name}/{MARKER}"), None)
             if marker is None or marker.size == 0 or not shards_complete(files):
+                continue
+            if any(e.path == f"{name}/{INCOMPLETE}" for e in files):
                 continue
             found.append(Checkpoint(name=name, step=int(m[1]), files=files))
         return ordered(found)

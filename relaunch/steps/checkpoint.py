@@ -8,6 +8,7 @@ checkpoint. A newer complete checkpoint already on the instance wins over the st
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import shlex
 from dataclasses import dataclass
 
@@ -162,14 +163,18 @@ def plan_restore(job: Job, store: Store, choice: Choice, follow: bool = True) ->
                     progress="hashes", size=total,
                     deadline=hash_deadline(total) + (sum(a.deadline for a in copy) * 3 if follow else 0),
                     hint="nothing was put in place; rerun `relaunch up`")
+    # a name with folders in it (accelerate's `checkpoints/checkpoint_3`): its parent made at the
+    # destination, and left empty in the incoming folder, which goes
+    parent = posixpath.dirname(record.name)
+    emptied = f"rmdir -p -- {q(parent)} && " if parent else ""
     # what stands at dest was not trusted (a save that did not finish, a node's part of a group
     # checkpoint): set aside in relaunch's folder, never overwritten nor deleted
-    aside = f"{paths.state}/set-aside"
+    aside = f"{paths.state}/set-aside/{record.name.replace('/', '--')}"
     move = Action("checkpoint", f"move {record.name} into place at {dest}", lane=LANE, fails_as="checkpoint",
-                  command=f"cd {q(incoming)} && rm -f -- {COPIED} && mkdir -p -- {q(paths.ckpt_dir)} && "
-                          f"{{ ! [ -e {q(dest)} ] || {{ mkdir -p -- {q(aside)} && "
-                          f"mv -T -- {q(dest)} {q(aside)}/{q(record.name)}.$(date +%s); }}; }} && "
-                          f"mv -T -- {q(record.name)} {q(dest)} && cd / && rmdir -- {q(incoming)}",
+                  command=f"cd {q(incoming)} && rm -f -- {COPIED} && mkdir -p -- {q(posixpath.dirname(dest))} && "
+                          f"{{ ! [ -e {q(dest)} ] || {{ mkdir -p -- {q(posixpath.dirname(aside))} && "
+                          f"mv -T -- {q(dest)} {q(aside)}.$(date +%s); }}; }} && "
+                          f"mv -T -- {q(record.name)} {q(dest)} && {emptied}cd / && rmdir -- {q(incoming)}",
                   done=f"restored {record.name} (step {record.step}), {len(files)} file(s) verified")
     if not follow:
         return job, [prepare, *copy, over, verify, move]

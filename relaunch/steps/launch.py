@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
-from .. import scripts
+from .. import scripts, train
 from ..host.connection import upload_command
 from ..job import Job
 from ..plan import Action
 from .env import exports
-from .guard import plan_guard
+from .guard import guard_paths, plan_guard
 
 WATCH_SLACK = 30.0       # seconds beyond the grace for the watch itself (python start, a slow box)
 
@@ -21,7 +22,14 @@ def render_run_script(job: Job) -> str:
     return scripts.render("run.sh.j2", name=job.recipe.name, session=job.recipe.run.session, command=command,
                           workdir=paths.workdir, venv=paths.venv, secrets_file=paths.secrets_file,
                           exports=exports(job, values), log=paths.log, status_file=paths.status_file,
-                          pgid_file=paths.pgid_file, templates=job.recipe.templates)
+                          pgid_file=paths.pgid_file, python_path=paths.python_path,
+                          stop_signal=job.recipe.run.stop.signal, notice_file=guard_paths(job).notice,
+                          templates=job.recipe.templates)
+
+
+def train_module_path(job: Job) -> str:
+    """Where `up` puts relaunch/train.py on the instance (a namespace portion: no __init__.py)."""
+    return f"{job.paths.python_path}/relaunch/train.py"
 
 
 def tail_command(path: str, lines: int = 20) -> str:
@@ -67,7 +75,12 @@ def plan_launch(job: Job) -> list[Action]:
              f"echo 'the session appeared meanwhile (another up?); left alone'; }}; }}")
     waiting = (f"waiting until a log line matches run.ready {run.ready!r} (up to {run.grace:g}s)" if run.ready
                else f"watching the command for {run.grace:g}s (run.grace) to see it start")
+    module = train_module_path(job)
     return [
+        # the training's own `from relaunch import train`: one standard-library file, none of
+        # relaunch's dependencies in the training's venv (docs/trainers.md)
+        Action("launch", f"upload relaunch.train -> {module} (on the training's PYTHONPATH)",
+               command=upload_command(module, 0o644), stdin=Path(train.__file__)),
         Action("launch", f"upload run.sh -> {paths.run_script} (mode 0700)",
                command=upload_command(paths.run_script, 0o700), stdin=script.encode()),
         Action("launch", f"upload run.json -> {paths.run_info} (how training runs: world size, grad_accum)",
