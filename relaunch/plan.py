@@ -158,4 +158,5 @@ def action_dict(a: Action) -> dict[str, Any]:
             "argv": list(a.argv) or None, "call": a.call or None, "stdin": stdin,
             "deadline": None if a.call or not a.runs else a.deadline,
             "retry": a.retry, "lane": a.lane or None, "skip": a.skip or None, **({"host": a.host} if a.host else {}),
-            **({"always": True} if a.always else {})}
+            **({"always": True} if a.always else {}), **({"needs": list(a.needs)} if a.needs else {}),
+            **({"produces": a.produces} if a.produces else {}), **({"fails_as": a.fails_as} if a.runs else {})}

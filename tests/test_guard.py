@@ -149,7 +149,7 @@ def assert_saved_after_notice_and_verified(ssh, inst: Instance, recipe_name: str
     entry = history[0]
     assert entry["cause"] == "notice" and entry["detail"].startswith(f"{source}: ")
     assert entry["newest_seen_step"] == entry["newest_verified_step"] == stopped and entry["steps_lost"] == 0
-    assert isinstance(entry["made_deadline"], bool) and entry["copy_seconds"] is not None
+    assert entry["made_deadline"] is True and entry["copy_seconds"] is not None     # a 2 min window, a tiny save
     return notice
 
 

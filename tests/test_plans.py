@@ -2,7 +2,9 @@
 
 Each case in tests/fixtures/plans/*.json names a facts fixture (JSON, as `Facts.as_dict` writes
 it) with a patch for the case, the store, and the actions expected: every field the executor
-uses (command, argv, call, stdin, deadline, retry, lane, skip), in order. Paths that depend on
+uses (command, argv, call, stdin, deadline, retry, lane, skip; and, where set, the node, `always`
+(a cleanup that runs after a failure), `needs`, `produces` and `fails_as`: the exit code it
+fails with), in order. Paths that depend on
 where the tests run are written `<repo>` and `<state>`.
 
 To rewrite the expectations after an intended change: RELAUNCH_REGEN_PLANS=1 pytest

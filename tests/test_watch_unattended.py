@@ -123,6 +123,34 @@ def test_a_notice_mid_copy_its_save_goes_first_and_is_verified_before_the_deadli
     assert entry["cause"] == "notice" and entry["made_deadline"] is True and entry["steps_lost"] == 0
 
 
+def test_a_notice_too_short_for_the_copy_is_said_and_recorded_as_late(tmp_path, sandbox, ssh, ssh_key):
+    """20 MB over an 8 Mbit/s link is a 20 s copy; a notice 3 s ahead cannot be met: the save is still
+    verified (this instance does not really go away), and the watch, the notice record and the history
+    all say it was NOT verified before the deadline."""
+    size = 20_000_000
+    home, inst = tmp_path / "state", sandbox(rate="8mbit")
+    name = "late"
+    recipe = spot_recipe(tmp_path, name, ssh_key, size=size, every=100000, keep=2, sleep=0.1,
+                         guard={"sources": ["file:~/RECLAIM"], "every": 1}, checkpoint={"every": 600})
+    store = tmp_path / "store"
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    with watching(recipe, home, tmp_path) as watch:
+        wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+        ssh(inst, "echo '{\"seconds\": 3}' > ~/RECLAIM")
+        watch.wait(timeout=300)
+    err = err_of(tmp_path)
+    assert watch.returncode == 0, err
+    log = ssh(inst, f"cat ~/{name}.log").stdout
+    saved = f"ckpt-{int(log.split('stopped at step ')[1].split()[0]):08d}.pt"
+    assert f"evacuated after the notice: {saved}" in err and "NOT before the deadline" in err
+    notice = guard_file(ssh, inst, "notice.json", name)
+    assert notice is not None and notice["copy"]["verified"] is True and notice["copy"]["made_deadline"] is False
+    assert "AFTER the deadline" in notice["verdict"]
+    entry = history(store)[-1]
+    assert entry["made_deadline"] is False and entry["steps_lost"] == 0
+    assert manifest(store)["checkpoints"][-1]["name"] == saved
+
+
 # -- recover.command's contract --------------------------------------------------------------------
 def test_a_recover_command_that_exits_0_without_a_host_rents_nothing_more(tmp_path, sandbox, ssh_key):
     """`OK` on its last line is not a HOST: the watch stops at once, quotes what the command printed and
