@@ -2,10 +2,6 @@
 
 - The home page is README.md itself: its links to `docs/PAGE` point at PAGE in the site, so the
   README on GitHub and the site's home page are one text.
-- OPTIONAL_PAGES are pages being written in other branches. mkdocs.yml's nav names them where
-  they belong; while such a file does not exist, its nav entry and the README line linking it
-  are left out of the site, so that `mkdocs build --strict` passes, and the page is in the site,
-  in its place, from the moment its file is there. Any other page that is missing fails the build.
 - A page's relative link to a file of the repository outside docs/ (`../benchmarks/speed.png`)
   works as it is on GitHub; the site publishes that file under `repo/` and points the link there
   (`../README.md` points at the home page; another .md file outside docs/ fails the build).
@@ -18,13 +14,10 @@ from __future__ import annotations
 import posixpath
 import re
 from pathlib import Path
-from typing import Any
 
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files, InclusionLevel
 from mkdocs.structure.pages import Page
-
-OPTIONAL_PAGES = ("trainers.md", "adopt.md")
 
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _CODE = re.compile(r"`[^`]*`")
@@ -32,19 +25,6 @@ _CODE = re.compile(r"`[^`]*`")
 
 def _relative(url: str) -> bool:
     return not (url.startswith(("#", "/", "mailto:")) or "://" in url)
-
-
-def present_nav(nav: list[Any], docs: Path) -> list[Any]:
-    """nav without the entries of OPTIONAL_PAGES whose file is not in docs/ (yet)."""
-    kept = []
-    for entry in nav:
-        target = next(iter(entry.values())) if isinstance(entry, dict) else entry
-        if isinstance(target, list):
-            entry = {next(iter(entry)): present_nav(target, docs)}
-        elif target in OPTIONAL_PAGES and not (docs / target).is_file():
-            continue
-        kept.append(entry)
-    return kept
 
 
 def home_page(readme: str, docs: Path) -> str:
@@ -55,14 +35,7 @@ def home_page(readme: str, docs: Path) -> str:
             return m.group(0)
         return f"]({url.removeprefix('docs/') if url.startswith('docs/') else '../' + url})"
 
-    lines = [line for line in readme.splitlines()
-             if not any(f"](docs/{p})" in line and not (docs / p).is_file() for p in OPTIONAL_PAGES)]
-    return "\n".join(_LINK.sub(link, line) for line in lines) + "\n"
-
-
-def on_config(config: MkDocsConfig) -> MkDocsConfig:
-    config.nav = present_nav(config.nav or [], Path(config.docs_dir))
-    return config
+    return "\n".join(_LINK.sub(link, line) for line in readme.splitlines()) + "\n"
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:

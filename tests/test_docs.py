@@ -2,14 +2,13 @@
 
 mkdocs.yml turns every problem it can see into a warning, which fails the strict build: a link to
 a page or an anchor that does not exist, a page that no nav entry names, a nav entry whose file
-is missing (except docs/hooks.py's OPTIONAL_PAGES while they are not written yet). The tests
+is missing. The tests
 below check the rest: the README links every page, the pages are all in the nav, the README's
 "Try it" commands are the ones .ci/run runs, and nothing of the site is fetched from the network.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -17,7 +16,6 @@ import subprocess
 import sys
 from html import unescape
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from e2e import REPO
@@ -25,14 +23,6 @@ from e2e import REPO
 DOCS = REPO / "docs"
 README = (REPO / "README.md").read_text()
 TRY_IT = ["pip install -e . && relaunch demo", "pip install -e '.[test]' && python -m pytest"]
-
-
-def hooks() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def nav_pages(nav: list[Any]) -> list[str]:
@@ -71,40 +61,20 @@ def test_the_site_builds_with_strict_offline(tmp_path: Path) -> None:
     assert (site / "repo" / "benchmarks" / "speed.png").read_bytes() == (REPO / "benchmarks" / "speed.png").read_bytes()
 
 
-def test_optional_pages_join_the_site_when_their_files_land(tmp_path: Path) -> None:
-    """A copy of the site with docs/trainers.md and docs/adopt.md written, as their branches will."""
-    root = tmp_path / "repo"
-    shutil.copytree(REPO, root, ignore=shutil.ignore_patterns(".git", ".*_cache", "__pycache__", "*.egg-info", "site"))
-    optional = hooks().OPTIONAL_PAGES
-    for page in optional:
-        (root / "docs" / page).write_text(f"# {page}\n\n[Try it](../README.md#try-it), "
-                                          "[the example](../recipes/example/recipe.yaml), [stores](stores.md)\n")
-    html = build(root, tmp_path / "site")
-    for page in optional:
-        built = html[page.removesuffix(".md") + "/index.html"]
-        assert 'href="../#try-it"' in built and 'href="../repo/recipes/example/recipe.yaml"' in built
-        assert f'href="{page.removesuffix(".md")}/"' in html["index.html"]   # in the nav and the README's list
-    assert (tmp_path / "site" / "repo" / "recipes" / "example" / "recipe.yaml").is_file()
-
-
-def test_every_page_is_in_the_nav_and_only_optional_pages_may_be_missing() -> None:
+def test_every_page_is_in_the_nav_and_every_nav_entry_is_a_page() -> None:
     from mkdocs.config import load_config
 
     nav = nav_pages(load_config(str(REPO / "mkdocs.yml")).nav or [])
-    optional = set(hooks().OPTIONAL_PAGES)
     assert not (DOCS / "index.md").exists(), "the home page is README.md (docs/hooks.py); no docs/index.md"
     assert len(nav) == len(set(nav))
-    assert set(nav) == written_pages() | optional | {"index.md"}
-    missing = {page for page in nav if page != "index.md" and not (DOCS / page).is_file()}
-    assert missing <= optional
+    assert set(nav) == written_pages() | {"index.md"}
 
 
 def test_the_readme_links_every_page_and_each_link_resolves() -> None:
     linked = re.findall(r"\]\(docs/([^)#\s]+)(?:#[^)\s]*)?\)", README)
-    optional = set(hooks().OPTIONAL_PAGES)
     for page in linked:
-        assert (DOCS / page).is_file() or page in optional, f"README links docs/{page}, which does not exist"
-    assert set(linked) == written_pages() | optional, "a page the README's Documentation list does not link"
+        assert (DOCS / page).is_file(), f"README links docs/{page}, which does not exist"
+    assert set(linked) == written_pages(), "a page the README's Documentation list does not link"
     assert "## Documentation" in README
 
 
@@ -114,13 +84,3 @@ def test_the_readme_try_it_commands_are_what_ci_runs() -> None:
     assert (REPO / ".ci" / "run").read_text().rstrip().splitlines()[-1] == TRY_IT[1]
 
 
-def test_a_missing_optional_page_is_left_out_of_the_nav_and_the_home_page(tmp_path: Path) -> None:
-    h = hooks()
-    nav = [{"Home": "index.md"}, {"Running": [{"Stores": "stores.md"}, {"Trainers": "trainers.md"},
-                                              {"Adopt": "adopt.md"}]}]
-    readme = ("- [Stores](docs/stores.md)\n- [Trainers](docs/trainers.md)\n- [Adopt](docs/adopt.md)\n"
-              "[x](recipes/a.yaml)\n")
-    (tmp_path / "adopt.md").write_text("# Adopt\n")
-    assert h.present_nav(nav, tmp_path) == [{"Home": "index.md"},
-                                           {"Running": [{"Stores": "stores.md"}, {"Adopt": "adopt.md"}]}]
-    assert h.home_page(readme, tmp_path) == "- [Stores](stores.md)\n- [Adopt](adopt.md)\n[x](../recipes/a.yaml)\n"
