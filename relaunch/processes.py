@@ -52,6 +52,7 @@ class Budget:
 
     end: float
     cancelled: Callable[[], bool]
+    seconds: float = 0.0          # the whole budget, for messages (what is left shrinks as it is used)
 
 
 _BUDGET: ContextVar[Budget | None] = ContextVar("relaunch_budget", default=None)
@@ -60,7 +61,7 @@ _BUDGET: ContextVar[Budget | None] = ContextVar("relaunch_budget", default=None)
 @contextmanager
 def budget(deadline: float, cancelled: Callable[[], bool]) -> Iterator[None]:
     """Within this block (this thread), waits on the store take this deadline and cancellation."""
-    token = _BUDGET.set(Budget(time.monotonic() + deadline, cancelled))
+    token = _BUDGET.set(Budget(time.monotonic() + deadline, cancelled, deadline))
     try:
         yield
     finally:
@@ -83,6 +84,8 @@ def bounded(func: Callable[[], T], deadline: float, what: str) -> T:
     (deadline)`, ended early by cancellation: TimeoutError / Interrupted then. The call itself
     goes on in a daemon thread until its socket gives up; nothing waits for it."""
     seconds = deadline_here(deadline)
+    b = _BUDGET.get()
+    said = b.seconds if b is not None else seconds      # the deadline the user knows, not what is left of it
     cancelled = cancelled_here
     done = threading.Event()
     results: list[T] = []
@@ -102,7 +105,7 @@ def bounded(func: Callable[[], T], deadline: float, what: str) -> T:
         if cancelled():
             raise Interrupted("interrupted")
         if time.monotonic() >= end:
-            raise TimeoutError(f"{what}: no answer within {seconds:.0f}s")
+            raise TimeoutError(f"{what}: no answer within {said:.0f}s")
     if errors:
         raise errors[0]
     return results[0]
