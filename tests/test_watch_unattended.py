@@ -174,6 +174,39 @@ def test_a_recover_command_that_exits_0_without_a_host_rents_nothing_more(tmp_pa
     assert "recover attempt 2" not in err
 
 
+def test_a_rented_instance_that_refuses_the_key_is_tried_again_never_rented_twice(tmp_path, sandbox, ssh_key):
+    """recover.command rented an instance (it printed its HOST) that does not take the recipe's key:
+    the next attempts connect to that one again, nothing more is rented, and the watch ends (exit 3)
+    saying the instance is rented and billing."""
+    home, inst = tmp_path / "state", sandbox()
+    work = tmp_path / "work"
+    other = tmp_path / "otherkey"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    recipe = plain_recipe(work, name="wrongkey", key=ssh_key, ssh={"wait": 5}, guard={"every": 1},
+                          recover={"command": "./rent-sandbox.sh", "lost_after": 3, "attempts": 2, "timeout": 120})
+    shutil.copy(EXAMPLE / "rent-sandbox.sh", work / "rent-sandbox.sh")
+    rented = work / "rented.txt"
+    rented.write_text("")
+    try:
+        assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+        with watching(recipe, home, tmp_path, env={**sandbox_env(ssh_key), "RELAUNCH_SANDBOX_KEY": f"{other}.pub"}) \
+                as watch:
+            wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+            go_silent(inst)
+            watch.wait(timeout=300)
+        err = err_of(tmp_path)
+        assert watch.returncode == 3, err
+        names = rented.read_text().split()
+        assert len(names) == 1, err                                   # rented once, never again
+        host = sb.get(names[0]).host
+        assert f"recover attempt 2 of 2: connecting to {host} again (rented already: nothing more is rented)" in err
+        assert err.count("running recover.command") == 1
+        assert f"{host} was rented by recover.command and is billing" in err and "Traceback" not in err
+    finally:
+        for name in rented.read_text().split():
+            sb.destroy(name)
+
+
 def test_a_replacement_at_an_address_seen_before_is_accepted_with_its_new_key(tmp_path, sandbox, ssh, ssh_key):
     """Providers reuse addresses: the replacement recover.command prints (HOST only, no fingerprint) has
     an address whose old key is in known_hosts. It is a new instance the user's own command just

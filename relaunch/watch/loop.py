@@ -583,7 +583,7 @@ class Watch:
         """Replace what is gone, or (a group with recover.shrink) go on with the nodes left."""
         self.rounds.abort()
         left = [s for s in self.specs if s not in gone]
-        old = self.host
+        old = self.host if not self.group else f"the group ({len(self.specs)} nodes)"
         if self.group and self.recipe.recover.shrink and left:
             self.say(f"recover.shrink: training goes on on the {len(left)} node(s) left now"
                      + (f"; replacements for {len(gone)} are rented meanwhile" if self.recipe.recover.command else ""))
@@ -611,22 +611,31 @@ class Watch:
         return [self.rent_one(entry, n) for n in range(count)]
 
     def rent_one(self, entry: history.Interruption, n: int) -> rent.Rented:
-        """recover.command until it names a HOST whose key is accepted (RecoverStopped: never again)."""
+        """recover.command until it names a HOST that answers with an accepted key. Once it has
+        named one, a later attempt connects to that one again: nothing more is rented for it (only
+        a command that failed, exit non-zero, rented nothing and may be run again)."""
         recover = self.recipe.recover
         attempt = [0]
+        rented: list[rent.Rented] = []
         for_whom = f" ({n + 1} of the lost nodes)" if self.group else ""
 
         def once() -> rent.Rented:
             attempt[0] += 1
-            taken = self.holder.still_mine()
-            if taken is not None:
-                raise rent.RecoverStopped(f"another watch holds the store now ({taken.get('machine')}, pid "
-                                          f"{taken.get('pid')}): renting nothing", refused=True)
-            self._post("say", f"recover attempt {attempt[0]} of {recover.attempts}{for_whom}: running recover.command "
-                              f"`{recover.command}` (up to {recover.timeout:g}s)")
-            found = rent.rent(self.recipe, self.inner, attempt[0], entry.host, entry.cause)
-            self._post("say", f"recover.command gave {found.spec}" + (f" {found.pin}" if found.pin else ""))
-            self.emit("recover", new_host=str(found.spec), host_key=found.pin, attempt=attempt[0])
+            if rented:
+                found = rented[0]
+                self._post("say", f"recover attempt {attempt[0]} of {recover.attempts}{for_whom}: connecting to "
+                                  f"{found.spec} again (rented already: nothing more is rented)")
+            else:
+                taken = self.holder.still_mine()
+                if taken is not None:
+                    raise rent.RecoverStopped(f"another watch holds the store now ({taken.get('machine')}, pid "
+                                              f"{taken.get('pid')}): renting nothing", refused=True)
+                self._post("say", f"recover attempt {attempt[0]} of {recover.attempts}{for_whom}: running "
+                                  f"recover.command `{recover.command}` (up to {recover.timeout:g}s)")
+                found = rent.rent(self.recipe, self.inner, attempt[0], entry.host, entry.cause)
+                rented.append(found)
+                self._post("say", f"recover.command gave {found.spec}" + (f" {found.pin}" if found.pin else ""))
+                self.emit("recover", new_host=str(found.spec), host_key=found.pin, attempt=attempt[0])
             self.admit(found)
             return found
 
@@ -634,8 +643,14 @@ class Watch:
             self._post("warn", f"recover attempt {attempt[0]} of {recover.attempts} failed: {_first_line(exc)}; "
                                f"next in {seconds:.0f}s")
 
-        return retrying(once, transient=_recoverable, attempts=recover.attempts, first=5.0, most=120.0,
-                        on_retry=again)
+        try:
+            return retrying(once, transient=_recoverable, attempts=recover.attempts, first=5.0, most=120.0,
+                            on_retry=again)
+        except RelaunchError as exc:
+            if rented:
+                exc.message += (f"\n{rented[0].spec} was rented by recover.command and is billing: reach it (its key, "
+                                "its user) and run `relaunch up RECIPE HOST` there, or destroy it")
+            raise
 
     def drain_messages(self) -> None:
         while True:
