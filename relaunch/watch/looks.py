@@ -27,6 +27,16 @@ CONNECT_WAIT = 10.0        # seconds one reconnection for a look may take
 LISTING_EVERY = 10.0       # seconds between looks that also list checkpoint.dir (newest step seen)
 
 
+START_MARK = "=== relaunch: start "      # the line run.sh writes into the log at each start
+
+
+def this_run(lines: list[str]) -> list[str]:
+    """The log's lines since the last start (a run resumed elsewhere, or before a shrink, printed
+    steps of its own that this one may never reach)."""
+    starts = [n for n, line in enumerate(lines) if line.startswith(START_MARK)]
+    return lines[starts[-1] + 1:] if starts else lines
+
+
 def brief(recipe: Recipe, wait: float) -> Recipe:
     """The recipe with ssh.wait cut to `wait`: a watch does not sit through a whole boot wait."""
     return recipe.model_copy(update={"ssh": recipe.ssh.model_copy(update={"wait": min(recipe.ssh.wait, wait)})})
@@ -149,7 +159,7 @@ class Looker:
         with self._lock:
             v = self._view
             seen, complete = v.newest_seen, v.newest_complete
-            logged = newest_logged_step(look.log_tail, self.recipe.run.metrics.step)
+            logged = newest_logged_step(this_run(look.log_tail), self.recipe.run.metrics.step)
             if logged is not None:
                 seen = max(logged, seen or 0)
             if look.listing is not None:

@@ -1,0 +1,60 @@
+"""The watch's pure decisions, from values (no instance): what a recover.command's output allows,
+what counts as a HOST, which log lines are this run's, when a node counts as silent."""
+
+from __future__ import annotations
+
+import pytest
+
+from relaunch.host.spec import HostSpec
+from relaunch.watch.looks import View, this_run
+from relaunch.watch.recover import Rented, looks_like_host, parse_rented
+
+FINGERPRINT = "SHA256:" + "A" * 43
+
+
+@pytest.mark.parametrize("printed, host, pin", [
+    ("renting...\nubuntu@203.0.113.7\n", "ubuntu@203.0.113.7", None),
+    (f"ubuntu@203.0.113.7 {FINGERPRINT}\n", "ubuntu@203.0.113.7", FINGERPRINT),
+    ("root@[2001:db8::7]:2222\n", "root@[2001:db8::7]:2222", None),
+    ("gpu-17.us-east.example.net\n\n", "gpu-17.us-east.example.net", None),
+])
+def test_a_host_on_the_last_line_is_a_new_instance(printed: str, host: str, pin: str | None) -> None:
+    found = parse_rented(printed)
+    assert found == Rented(HostSpec.parse(host), pin)
+
+
+@pytest.mark.parametrize("printed, why", [
+    ("", "it printed nothing"),
+    ("instance i-0abc requested\nOK\n", "'OK' is neither an address, nor a name with a dot"),
+    ("done\n", "'done' is neither an address"),
+    ("ubuntu@203.0.113.7 SHA256:short\n", "is not HOST [SHA256:FINGERPRINT]"),
+    ("launched ubuntu@203.0.113.7 in us-east-1\n", "is more than HOST [SHA256:FINGERPRINT]"),
+    ("-oProxyCommand=evil\n", "is not HOST [SHA256:FINGERPRINT]"),
+])
+def test_anything_else_on_the_last_line_is_not_a_host(printed: str, why: str) -> None:
+    found = parse_rented(printed)
+    assert isinstance(found, str) and why in found
+
+
+def test_a_bare_word_is_a_host_only_as_an_ssh_config_alias(tmp_path, monkeypatch) -> None:
+    config = tmp_path / "config"
+    config.write_text("Host gpubox\n  HostName 198.51.100.4\n")
+    monkeypatch.setenv("RELAUNCH_SSH_CONFIG", str(config))
+    assert looks_like_host("gpubox") and not looks_like_host("OK")
+    assert looks_like_host("10.0.0.5") and looks_like_host("fe80::1%eth0")
+
+
+def test_the_newest_step_seen_counts_the_lines_of_this_run_only() -> None:
+    tail = ["step 93 loss 0.1", "step 94 loss 0.1", "=== relaunch: start 2026-12-02T00:21:30Z on vm (checkpoint: x)",
+            "resumed from /root/ckpt/step-00000020 at step 20", "step 21 loss 0.2"]
+    assert this_run(tail) == tail[3:]
+    assert this_run(tail[:2]) == tail[:2]            # a tail of one run only: all of it
+
+
+def test_a_node_is_silent_once_a_look_failed_or_one_under_way_is_late() -> None:
+    spec = HostSpec.parse("root@203.0.113.7")
+    answered = View(spec, answered_at=100.0)
+    assert answered.silent_for(104.0, late=5.0) == 0.0          # a look under way, not late yet
+    assert answered.silent_for(106.0, late=5.0) == 6.0          # the look under way is late: silent since 100
+    failed = View(spec, answered_at=100.0, silent_since=100.0)
+    assert failed.silent_for(101.0, late=5.0) == 1.0
