@@ -75,10 +75,26 @@ class ExecResult:
         return (self.stdout + b"\n" + self.stderr).decode(errors="replace")
 
 
-def wire(command: str) -> str:
+def wire(command: str, stdin: bool = True) -> str:
     """The command line sshd is given for `command`: bash, leading its own process group, says
-    that group's id on stderr, then runs the command unchanged."""
-    return "exec bash -c " + shlex.quote("printf 'relaunch-pgid %s\\n' \"$$\" >&2\n" + command)
+    that group's id on stderr, then runs the command unchanged; without stdin, with /dev/null
+    as its stdin, so that no EOF has to be sent for it (see _send_eof)."""
+    first = "printf 'relaunch-pgid %s\\n' \"$$\" >&2" + ("" if stdin else "; exec </dev/null")
+    return "exec bash -c " + shlex.quote(first + "\n" + command)
+
+
+def _send_eof(chan: paramiko.Channel) -> None:
+    """EOF on the channel's stdin, never after the channel is closed: paramiko's own
+    shutdown_write() builds the EOF under the channel's lock and sends it after releasing it, so a
+    CLOSE handled in between goes out first, and OpenSSH ends the whole connection ("ieof packet
+    referred to nonexistent channel"; paramiko issues #1115, #1705). Sending it under the lock
+    keeps it before any CLOSE."""
+    with chan.lock:
+        if chan.closed or chan.eof_sent or chan.transport is None:
+            return
+        message = chan._send_eof()
+        if message is not None:
+            chan.transport._send_user_message(message)
 
 
 def upload_command(path: str, mode: int) -> str:
@@ -169,7 +185,7 @@ class Remote:
             return ExecResult(command, None, b"", b"the SSH connection was lost")
         log.debug("exec on %s: %s", self.label, command)
         try:
-            chan = self._channel(transport, wire(command), min(deadline, CHANNEL_DEADLINE))
+            chan = self._channel(transport, wire(command, stdin is not None), min(deadline, CHANNEL_DEADLINE))
         except _Unanswered as exc:
             return ExecResult(command, None, b"", str(exc).encode())
         except (paramiko.SSHException, OSError, EOFError) as exc:
@@ -295,9 +311,7 @@ class _Feeder:
         self.file = open(stdin, "rb") if isinstance(stdin, Path) else None
         self.buffer = stdin if isinstance(stdin, bytes) else b""
         self.offset = 0
-        self.done = stdin is None
-        if self.done:
-            chan.shutdown_write()
+        self.done = stdin is None          # then the command reads /dev/null (wire): no EOF to send
 
     def step(self) -> None:
         if self.done:
@@ -306,7 +320,7 @@ class _Feeder:
             self.buffer, self.offset = self.file.read(1 << 20), 0
         if self.offset >= len(self.buffer):
             self.done = True
-            self.chan.shutdown_write()
+            _send_eof(self.chan)
             self.close()
             return
         if self.chan.send_ready():
