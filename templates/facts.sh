@@ -49,7 +49,8 @@ if [ -n "${run_info:-}" ] && [ -f "$run_info" ]; then
   echo
   echo "--- end"
 fi
-if [ -x "$venv/bin/python" ]; then
+# a venv whose creation was cut short has its python but no activate script (written last): not one
+if [ -x "$venv/bin/python" ] && [ -f "$venv/bin/activate" ]; then
   echo "--- freeze"
   "$venv/bin/python" -c "$freeze_py" 2>&1
 fi

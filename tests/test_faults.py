@@ -195,6 +195,23 @@ def test_a_command_dying_8s_in_is_exit_4_with_its_last_lines(tmp_path, sandbox, 
     assert "its log says 'step 1 loss 0.9'" in fine.stderr
 
 
+def test_a_venv_whose_creation_was_cut_short_is_made_again(tmp_path, sandbox, ssh, ssh_key):
+    """A venv's python appears first and its activate script last (after ensurepip, the slow part):
+    an `up` stopped in between (Ctrl-C, its lane stopped by a failing sibling, a lost connection)
+    leaves a venv that only looks made. The next `up` does not trust it: it makes it again, and the
+    command runs in it. (Found by the chaos test: `python: command not found` at start.)"""
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path, name="halfvenv", key=ssh_key, command="python -c 'import sys; print(sys.prefix)'; "
+                          "sleep 600")
+    ssh(inst, "python3.11 -m venv --without-pip ~/venvs/plain && rm ~/venvs/plain/bin/activate")
+    up = run_cli("up", str(recipe), inst.host, home=home)
+    assert up.returncode == 0, up.stderr
+    assert "creating the venv" in up.stderr and "exists and there is no env.lock" not in up.stderr
+    assert ssh(inst, "test -f ~/venvs/plain/bin/activate && echo whole").stdout.strip() == "whole"
+    wait_for("the command's first line", lambda: "/root/venvs/plain" in ssh(inst, "cat ~/halfvenv.log").stdout,
+             timeout=30)
+
+
 def test_a_failing_setup_line_is_exit_4_naming_it_and_the_next_up_runs_the_setup_again(tmp_path, sandbox, ssh,
                                                                                          ssh_key):
     """env.setup runs like a CI `run:` step: the first failing line ends it, `up` says which line
