@@ -94,7 +94,6 @@ class Watch:
         self.holder = Holder(recipe.name, self.store, [str(s) for s in self.specs])
         self.lookers: dict[str, Looker] = {}
         self.ghosts: dict[str, Looker] = {}        # replaced instances, looked at now and then
-        self.ghost_seen: dict[str, int] = {}       # their looks when they were replaced
         self.ending: Future[Any] | None = None     # a replaced instance's training being ended
         self.renting: Future[list[rent.Rented]] | None = None   # shrink: replacements being rented
         self.spares: list[rent.Rented] | None = None             # ... rented, waiting for the next checkpoint
@@ -109,7 +108,6 @@ class Watch:
         self.ending_seen: dict[str, int] | None = None          # training gone: the looks when first seen
         self.waiting: history.Interruption | None = None       # lost, no recover.command: back?
         self.waiting_looks: dict[str, int] = {}
-        self.full = len(self.specs)                             # the group's size before any shrink
         self.next_round = 0.0
         self.said_silent: set[str] = set()
 
@@ -755,7 +753,6 @@ class Watch:
             looker = Looker(self.current(5), spec, max(GHOST_LOOKS * self.every, 10.0), self.wake,
                             listing_every=0).start()
             self.ghosts[str(spec)] = looker
-            self.ghost_seen[str(spec)] = 0
 
     def _taken(self, spec: HostSpec) -> bool:
         mine = cycle.make_target(self.recipe, spec)
