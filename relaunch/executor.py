@@ -63,7 +63,8 @@ class Executor:
         self.results: dict[str, Any] = {}
         self._stop = threading.Event()           # a sibling lane failed
         self._produced = threading.Condition()   # a result arrived (for actions that need one)
-        self._running = self._waiting = 0        # lanes running now, and how many of them wait
+        self._running = 0                        # lanes running now
+        self._waits: dict[int, tuple[str, ...]] = {}   # what each waiting lane (thread) waits for
 
     # -- plans ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> dict[str, Any]:
@@ -96,18 +97,22 @@ class Executor:
         """Until earlier actions in other lanes produced these results (the lane's deadline is
         theirs); a failed sibling or Ctrl-C ends the wait, and so does a wait no lane still
         running can end (a plan that names a result nothing produces)."""
+        me = threading.get_ident()
         with self._produced:
-            self._waiting += 1
+            self._waits[me] = names
             try:
                 while not all(name in self.results for name in names):
                     if self._cancelled():
                         raise Interrupted("interrupted")
-                    if self._waiting >= self._running:
+                    # stuck: every running lane waits for what is not there; a lane whose wait was
+                    # met a moment ago (not woken yet) is about to go on, not stuck
+                    stuck = [w for w in self._waits.values() if not all(n in self.results for n in w)]
+                    if len(stuck) >= self._running:
                         missing = [n for n in names if n not in self.results]
                         raise RelaunchError(f"internal: waiting for {', '.join(missing)}, which no step produces")
                     self._produced.wait(0.2)
             finally:
-                self._waiting -= 1
+                del self._waits[me]
 
     def _label(self, action: Action) -> str:
         return action.host or self.host

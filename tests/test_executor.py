@@ -35,6 +35,10 @@ class Calls:
         time.sleep(0.2)
         raise CheckpointError("the copy did not verify")
 
+    def slow(self, name: str) -> str:
+        time.sleep(0.3)          # long enough for the other lane to be waiting on this one
+        return self.mark(name)
+
 
 def call(title: str, method: str, lane: str, **kw: object) -> Action:
     args = kw.pop("args", {"name": title})
@@ -121,3 +125,19 @@ def test_a_second_attempt_of_a_plan_waits_for_its_own_results_not_the_firsts():
     attempts.used.clear()
     executor.run(plan(2))
     assert attempts.seen == [1, 2]
+
+
+def test_two_lanes_that_wait_on_each_other_in_turn_are_no_deadlock():
+    """A node group's restore whose env lanes have nothing to do: node 0's lane produces its copy,
+    then waits for node 1's; node 1's lane was waiting for node 0's copy and has not woken yet. Both
+    wait for an instant, but node 1's wait is already met: not a plan that waits for nothing."""
+    for _ in range(5):                     # the moment is short: give it every chance to show
+        calls, results = run([
+            call("env 0", "mark", "env@0"),
+            call("env 1", "mark", "env@1"),
+            call("copy to 0", "slow", "checkpoint", produces="ckpt@0"),
+            call("move on 0", "mark", "checkpoint", needs=("ckpt@0", "ckpt@1")),
+            call("copy to 1", "mark", "checkpoint@1", needs=("ckpt@0",), produces="ckpt@1"),
+            call("move on 1", "mark", "checkpoint@1", needs=("ckpt@0", "ckpt@1")),
+        ])
+        assert {"move on 0", "move on 1"} <= set(calls.log) and results["ckpt@1"] == "copy to 1"

@@ -128,3 +128,13 @@ def test_the_training_side_module_imports_nothing_of_relaunch() -> None:
     """relaunch/train.py goes to the instance alone (on the training's PYTHONPATH): it may import
     no other relaunch module, lazily or not."""
     assert imports(PACKAGE / "train.py") == set()
+
+
+def test_every_package_of_the_source_is_in_the_wheel() -> None:
+    """pyproject lists the packages by name: one left out is there in an editable install and
+    missing from `pip install relaunch` (relaunch.watch was, once)."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(path.parent.relative_to(PACKAGE.parent).parts) for path in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, f"add to pyproject's packages: {sorted(found - listed)}"
