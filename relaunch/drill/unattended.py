@@ -253,6 +253,7 @@ class WatchedDrill:
                 self.watch.stop()
             self.followers.stop()
             report.rented = list(self.state.rented)
+            self.step_no = self.steps - 1                # the last step, also after a failure
             self.say("cleaning up what the drill added")
             report.left = self.clean_up(finished)
             for line in report.left:
