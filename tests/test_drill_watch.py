@@ -245,3 +245,28 @@ def test_a_skipped_step_a_changed_loss_a_missed_deadline_and_no_recovery_each_fa
                     Metrics(), [record("a", "notice", 0.95, 3.1), record("b", "lost", 2.5 + 2, None)])
     assert "the lost was not followed by training again (no run after it in the logs)" in never.failures()
     assert any("recorded, but no training after it" in f for f in never.failures())
+
+
+def test_after_a_recovery_the_drill_waits_for_a_step_of_the_run_after_it(tmp_path, ssh_key):
+    """`up` may return on a run.ready line that is no step (a group's "node ready"): until the run
+    after the recovery has trained a step, the run before is not taken for it (nothing is contacted)."""
+    from relaunch.drill.follow import Follower
+    from relaunch.drill.unattended import WatchedDrill
+    from relaunch.host.spec import HostSpec
+    from relaunch.recipe import load_recipe
+    from relaunch.ui import UI
+
+    recipe = load_recipe(drill_recipe(tmp_path / "work", "waits", ssh_key))
+    node = HostSpec.parse("root@192.0.2.1")
+    drill = WatchedDrill(recipe, [node], UI(quiet=True), [], ["lost"], past=3, after=5, tolerance=1e-4, deadline=60,
+                         notice_seconds=120, keep=False)
+    log = Follower(drill.recipe, node)                  # never started: its lines are given here
+    drill.followers.by_host[str(node)] = log
+    log.lines = lines(str(node), 1, 30, 0.1)
+    assert [r.last for r in drill.runs() or []] == [30]
+    drill.state.recovered.append({"event": "interruption", "cause": "lost", "resumed_epoch": 4.0})
+    log.lines += [Line(4.0, str(node), "=== relaunch: start 2026-12-01T00:00:05Z on box (checkpoint: x)"),
+                  Line(4.1, str(node), "node ready: ranks 0..1 of 4")]
+    assert drill.runs() is None and drill.newest_run() is None
+    log.lines += lines(str(node), 21, 21, 5.0, mark=False)
+    assert [r.first for r in drill.runs() or []] == [1, 21]

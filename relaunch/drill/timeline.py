@@ -210,15 +210,20 @@ class Measured:
                f"  time without training        {self.without_training_seconds:.1f} s  badput "
                f"{share(self.without_training_seconds)}",
                f"  re-doing lost steps          {self.redo_seconds:.1f} s  badput {share(self.redo_seconds)}",
-               f"  steps trained / lost         {self.steps_trained} / {self.steps_lost}",
-               f"  {'':2}{'cause':<7} {'from':<22} {'to':<22} {'last step':>9} {'resumed':>7} {'lost':>4} "
-               f"{'recorded':>8} {'no training':>11} {'re-doing':>8}  deadline"]
-        for n, g in enumerate(self.interruptions, 1):
+               f"  steps trained / lost         {self.steps_trained} / {self.steps_lost}"]
+        # the record's hosts (a group's node that was lost); the logs' (node 0's) without a record
+        hosts = [((g.record or {}).get("host") or g.before_host, (g.record or {}).get("resumed_host") or g.after_host)
+                 for g in self.interruptions]
+        w1 = max([len("interrupted"), *(len(a) for a, _ in hosts)])
+        w2 = max([len("resumed on"), *(len(b) for _, b in hosts)])
+        out.append(f"  {'':2}{'cause':<7} {'interrupted':<{w1}} {'resumed on':<{w2}} {'last step':>9} {'from step':>9} "
+                   f"{'lost':>4} {'recorded':>8} {'no training':>11} {'re-doing':>8}  deadline")
+        for n, (g, (gone, back)) in enumerate(zip(self.interruptions, hosts, strict=True), 1):
             record = g.record or {}
             made = record.get("made_deadline")
             recorded = record.get("steps_lost")
-            out.append(f"  {n:<2}{g.cause:<7} {g.before_host:<22} {g.after_host:<22} {g.last_before:>9} "
-                       f"{g.resumed_from:>7} {g.steps_lost:>4} {'-' if recorded is None else recorded:>8} "
+            out.append(f"  {n:<2}{g.cause:<7} {gone:<{w1}} {back:<{w2}} {g.last_before:>9} "
+                       f"{g.resumed_from:>9} {g.steps_lost:>4} {'-' if recorded is None else recorded:>8} "
                        f"{g.seconds_without_training:>9.1f}{'~' if g.approximate else ' '}s {g.redo_seconds:>6.1f} s  "
                        + ("-" if made is None else "made" if made else "MISSED"))
         if any(g.approximate for g in self.interruptions):

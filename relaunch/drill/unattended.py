@@ -58,7 +58,7 @@ from .timeline import Measured, Run, measure, runs_of
 
 log = logging.getLogger("relaunch.drill")
 
-KINDS = ("notice", "lost")
+INTERRUPTIONS = ("notice", "lost", "restarted", "grow")     # what ends a run (a rebalance does not)
 LOOK_EVERY = 0.5
 STOP_WAIT = 90.0             # seconds the watch has to end after its Ctrl-C
 ERRORS: dict[int, type[RelaunchError]] = {2: UsageError, 3: ConnectError, 4: EnvError, 5: CheckpointError,
@@ -318,8 +318,15 @@ class WatchedDrill:
                                       "the watch's lines above say where it stands; --deadline waits longer")
             processes.sleep(LOOK_EVERY)
 
-    def newest_run(self) -> Run | None:
+    def runs(self) -> list[Run] | None:
+        """The runs the logs show so far, once the one after the last recovery has trained a step
+        (`up` may return before: a run.ready line that is not a step), else None."""
         runs = runs_of(self.followers.lines(), self.recipe.run.metrics)
+        back = sum(e.get("cause") in INTERRUPTIONS for e in self.state.recovered)
+        return runs if len(runs) > back else None
+
+    def newest_run(self) -> Run | None:
+        runs = self.runs()
         return runs[-1] if runs else None
 
     def recovered(self, cause: str, since: int) -> bool:
@@ -371,10 +378,10 @@ class WatchedDrill:
 
     def wait_after(self) -> None:
         def enough() -> bool:
-            runs = runs_of(self.followers.lines(), self.recipe.run.metrics)
-            if len(runs) < 2:
-                return len(runs) == 1 and runs[0].last >= runs[0].first + self.after
-            return runs[-1].last >= max(r.last for r in runs[:-1]) + self.after
+            runs = self.runs()
+            if not runs:
+                return False
+            return runs[-1].last >= max([r.last for r in runs[:-1]] or [runs[0].first]) + self.after
 
         self.wait(f"{self.after} steps past every step trained before", enough)
 
