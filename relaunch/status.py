@@ -136,6 +136,7 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
             if job.facts.lock and facts.venv_freeze is not None:
                 one.drift = drift(job.facts.lock, facts.venv_freeze)
             found.append(one)
+        found[0].watch = read_state(recipe.name, store.label)
         return found
 
 
@@ -156,6 +157,7 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     if first.lag_steps is not None:
         minutes = f", {first.lag_seconds / 60:.1f} min" if first.lag_seconds is not None else ""
         out.append(f"a loss right now would cost: {first.lag_steps} steps{minutes}")
+    out += [line[2:] for line in watch_lines(first.watch)]
     if first.log_tail:
         out.append(f"last lines of {recipe.run.log} on {first.host}:")
         out += ["  " + line for line in first.log_tail]
