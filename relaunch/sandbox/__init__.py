@@ -3,9 +3,9 @@
 An instance is a Linux network namespace `rl-<name>` joined to this machine by a veth pair, with a
 real OpenSSH sshd listening on its own address, an empty private home and a private /tmp.
 
-- `instance`: create, destroy, list_instances, get, run_in, set_link, commands (and sshd,
+- `instance`: create, destroy, list_instances, get, run_in, set_link, set_silent, commands (and sshd,
   mounts, users)
-- `network`: slots, addresses, namespaces, veth pairs, routes, link state, rate shaping
+- `network`: slots, addresses, namespaces, veth pairs, routes, link state, silence, rate shaping
 - `index`: build_index, a local PEP 503 package index an instance serves to itself
 
 `instance` uses `network`; `index` stands alone.
@@ -39,6 +39,7 @@ from .instance import (
     list_instances,
     run_in,
     set_link,
+    set_silent,
 )
 
 __all__ = [
@@ -54,4 +55,5 @@ __all__ = [
     "list_instances",
     "run_in",
     "set_link",
+    "set_silent",
 ]

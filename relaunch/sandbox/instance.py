@@ -695,3 +695,11 @@ def set_link(name: str, up: bool) -> None:
                 return
             time.sleep(0.1)
         raise RelaunchError(f"sandbox {name}: sshd not reachable 20s after the link came back up")
+
+
+def set_silent(name: str, silent: bool) -> None:
+    """Drop every packet to and from the instance without a word (a machine that lost power:
+    nothing answers, nothing is refused), or let them pass again. Its processes go on."""
+    get(name)
+    meta = json.loads((_folder(name) / "instance.json").read_text())
+    network.set_silent(name, int(meta["slot"]), silent, meta.get("rate"))

@@ -1,5 +1,5 @@
 """The network of sandbox instances: address ranges, slots, namespaces, veth pairs, routes, link
-state and rate.
+state, silence and rate.
 
 An instance holds a slot N (1..254, unique on this machine) and lives in the network namespace
 `rl-<name>`, joined to this machine by the veth pair rlv<N>h (this machine's side, X.Y.N.1/30) and
@@ -280,6 +280,25 @@ def shape(name: str, slot: int, rate: str) -> None:
             proc = subprocess.run([*prefix, "tc", *step], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise UsageError(f"bad rate {rate!r}: {proc.stderr.strip()}", hint="use a tc rate like 20mbit")
+
+
+# a token bucket of 8 bit/s with no room: every packet is dropped without a word (no `netem` or `prio`
+# here, and a blackhole route is not silent: local senders get EINVAL at once)
+SILENT = ["tbf", "rate", "8bit", "burst", "10", "limit", "1"]
+
+
+def set_silent(name: str, slot: int, silent: bool, rate: str | None = None) -> None:
+    """Drop every packet of the instance's link, both ways, as a machine that lost power does
+    (connections neither fail nor answer), or let them pass again (shaped to `rate` again when
+    the link was)."""
+    host_dev, inst_dev = veths(slot)
+    for prefix, dev in (([], host_dev), (["ip", "netns", "exec", netns(name)], inst_dev)):
+        if silent:
+            run([*prefix, "tc", "qdisc", "replace", "dev", dev, "root", *SILENT])
+        else:
+            subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+    if not silent and rate:
+        shape(name, slot, rate)
 
 
 def set_link_state(name: str, slot: int, up: bool, net: IPv4Network | None = None) -> None:

@@ -18,15 +18,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import processes
-from .cycle import connected, evacuate, open_group, up
-from .errors import CheckpointError, UsageError
-from .host.spec import HostSpec
-from .recipe import Recipe
-from .store import utc_now
-from .sync import sync_round
-from .transports import open_store
-from .ui import UI
+from .. import processes
+from ..cycle import connected, evacuate, open_group, up
+from ..errors import CheckpointError, UsageError
+from ..host.spec import HostSpec
+from ..recipe import Recipe
+from ..store import utc_now
+from ..sync import sync_round
+from ..transports import open_store
+from ..ui import UI
 
 MARK = "=== relaunch: start "
 LOOK_EVERY = 1.0
@@ -214,7 +214,7 @@ def _interrupt(recipe: Recipe, specs: list[HostSpec], how: str, ui: UI) -> list[
                 remote.exec(f"tmux kill-session -t {session} 2>/dev/null; true", deadline=30)
         return specs
     if how == "destroy":
-        from . import sandbox as sb
+        from .. import sandbox as sb
 
         victim = specs[-1]
         match = [i for i in sb.list_instances() if i.address == victim.address]
