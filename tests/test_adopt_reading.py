@@ -342,6 +342,34 @@ def test_lightning_cli_fit_gets_its_ckpt_path_and_default_root_dir(tmp_path) -> 
                                         '{% if checkpoint %}--ckpt_path "{{ checkpoint }}"{% endif %}')
     assert "LightningCLI" in a.notes["run.command"][0]
 
+
+def test_lightning_without_a_dirpath_watches_every_version_folder(tmp_path) -> None:
+    """No ModelCheckpoint(dirpath=...): Lightning saves in default_root_dir/lightning_logs/version_N/
+    checkpoints, a new version_N each run. checkpoint.dir is the folder above them, so that the
+    checkpoints of the run `up` resumes (in version_N+1) are found there too."""
+    argv = [f"{VENV}/bin/python", "main.py", "fit", "--trainer.default_root_dir", f"{HOME}/runs"]
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv)], panes=[pane("cli", 10)])
+    d = detail(11, files={f"{HOME}/work/main.py": LIGHTNING_CLI})
+    nested = entries("lightning_logs/version_0/checkpoints/epoch=0-step=10.ckpt",
+                     "lightning_logs/version_1/checkpoints/epoch=0-step=20.ckpt",
+                     "lightning_logs/version_1/hparams.yaml")
+    a, recipe = adopted(s, d, {f"{HOME}/runs": nested}, tmp_path)
+    assert recipe["checkpoint"]["dir"] == "~/runs" and recipe["checkpoint"]["layout"] == "lightning"
+    assert a.newest == "lightning_logs/version_1/checkpoints/epoch=0-step=20.ckpt"
+    assert not any("version_N" in w for w in a.warnings)
+    # nothing names the folder (Lightning's default_root_dir is the working directory): the disk does
+    from relaunch.adopt.facts import Folder
+
+    plain = f"{HOME}/work/lightning_logs"
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, [f"{VENV}/bin/python", "fit.py"])],
+             panes=[pane("pl", 10)])
+    d = detail(11, files={f"{HOME}/work/fit.py": "import lightning as L\nL.Trainer().fit(None)\n"})
+    d.folders = [Folder(f"{plain}/version_0/checkpoints", 1, 2000.0, ["epoch=0-step=10.ckpt"])]
+    a, recipe = adopted(s, d, {plain: entries("version_0/checkpoints/epoch=0-step=10.ckpt")}, tmp_path / "plain")
+    assert recipe["checkpoint"]["dir"] == "~/work/lightning_logs" and recipe["checkpoint"]["layout"] == "lightning"
+    assert a.newest == "version_0/checkpoints/epoch=0-step=10.ckpt"
+    assert "a new version_N each run" in a.notes["checkpoint.dir"][0]
+
 # -- the instance script's secrets ---------------------------------------------------------------------------
 def _instance_script() -> Any:
     spec = importlib.util.spec_from_file_location("adopt_instance", templates_dir() / "adopt.py")

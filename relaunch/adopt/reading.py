@@ -1084,10 +1084,17 @@ def scanned_places(folders: list[Any], named: list[Place]) -> list[Place]:
     taken = {pl.path for pl in named}
     out = []
     for folder in folders:
-        if folder.dir in taken:
+        # Lightning without ModelCheckpoint(dirpath=...): a new version_N each run, so the folder to
+        # watch is lightning_logs, whose version_N/checkpoints the lightning layout reads
+        logs = re.fullmatch(r"(.*/lightning_logs)/version_\d+/checkpoints", folder.dir)
+        path = logs.group(1) if logs else folder.dir
+        if path in taken:
             continue
-        inside = next((pl for pl in named if folder.dir.startswith(pl.path.rstrip("/") + "/")), None)
+        taken.add(path)
+        inside = next((pl for pl in named if path.startswith(pl.path.rstrip("/") + "/")), None)
         why = (f"inside {inside.path} ({inside.why})" if inside else "found on the disk")
-        out.append(Place(folder.dir, f"{why}: {folder.hits} checkpoint-like entries ({', '.join(folder.sample[:3])})",
-                         1 if inside else 2))
+        what = f"{folder.hits} checkpoint-like entries ({', '.join(folder.sample[:3])})"
+        if logs:
+            what += f" in {folder.dir[len(path) + 1:]}: Lightning's logger folder, a new version_N each run"
+        out.append(Place(path, f"{why}: {what}", 1 if inside else 2))
     return out
