@@ -247,6 +247,12 @@ def test_a_trainer_run_started_by_hand_is_adopted_evacuated_and_resumed_elsewher
             sorted((EXAMPLES / run.trainer / "requirements.lock").read_text().split())
         assert recipe["env"]["files"] == {"train.py": f"{run.workdir}/train.py"}
         assert facts["relaunch.train"]["value"] == "from `up`"
+        came = {"venv": f"relaunch {importlib.metadata.version('relaunch')} in the venv",
+                "beside": f"{run.workdir}/relaunch/train.py, a copy beside the program",
+                "pythonpath": "its PYTHONPATH (~/lib)"}[run.relaunch]
+        assert came in facts["relaunch.train"]["evidence"], facts["relaunch.train"]
+        if run.relaunch == "venv":
+            assert "fabric" in facts["relaunch.train"]["evidence"] and "paramiko" in facts["relaunch.train"]["evidence"]
         if run.trainer == "accelerate":
             # --num_processes counts every process of every machine; --multi_gpu refuses one process
             assert command.startswith("accelerate launch {% if world_size > 1 %}--multi_gpu{% endif %} "

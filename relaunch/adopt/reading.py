@@ -791,7 +791,10 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
             came, kept = f"{tilde(pf.relaunch_train, home)}, a copy beside the program", "; not copied: a copy " \
                 "there would come before up's on the path and stay at the version it was copied from"
         else:
-            came, kept = "wherever the training's own path finds it (PYTHONPATH?)", ""
+            path = next((v.value for v in detail.env if v.name == "PYTHONPATH" and v.value), "")
+            came = (f"its PYTHONPATH ({shown(path).replace(home.rstrip('/') + '/', '~/')})" if path and home
+                    else "outside the venv and the program's folder")
+            kept = ""
         b.fact("relaunch.train", "from `up`", f"the program imports relaunch.train, today from {came}{kept}; `up` "
                "puts relaunch/train.py on the training's PYTHONPATH (~/.relaunch/NAME/python), the one of the "
                "relaunch that starts its guard")
