@@ -157,7 +157,7 @@ trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 
 def test_hf_trainer_under_torchrun(tmp_path) -> None:
     argv = [f"{VENV}/bin/python", f"{VENV}/bin/torchrun", "--nproc_per_node", "2", "train_hf.py",
-            "--output_dir", f"{HOME}/out", "--save_steps", "10"]
+            "--enable_jit_checkpoint", "--output_dir", f"{HOME}/out", "--save_steps", "10"]
     s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv),
               proc(12, 11, [f"{VENV}/bin/python", "-u", "train_hf.py"]),
               proc(13, 11, [f"{VENV}/bin/python", "-u", "train_hf.py"])], panes=[pane("hf", 10)])
@@ -168,8 +168,9 @@ def test_hf_trainer_under_torchrun(tmp_path) -> None:
     assert recipe["checkpoint"]["dir"] == "~/out" and recipe["checkpoint"]["layout"] == "hf-trainer"
     assert recipe["run"]["nproc_per_node"] == 2
     assert recipe["run"]["command"] == (
-        "torchrun --nproc_per_node {{ nproc_per_node }} train_hf.py --output_dir ~/out --save_steps 10 "
-        '{% if checkpoint %}--resume_from_checkpoint "{{ checkpoint }}"{% endif %}')
+        "torchrun --nproc_per_node {{ nproc_per_node }} train_hf.py --enable_jit_checkpoint --output_dir ~/out "
+        '--save_steps 10 {% if checkpoint %}--resume_from_checkpoint "{{ checkpoint }}"{% endif %}')
+    assert recipe["env"]["vars"] == {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}
     assert a.newest == "checkpoint-10"             # checkpoint-20 has no trainer_state.json: not complete
     assert recipe["run"]["ready"] == r"\{'loss': "
 

@@ -795,9 +795,10 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
             came = (f"its PYTHONPATH ({shown(path).replace(home.rstrip('/') + '/', '~/')})" if path and home
                     else "outside the venv and the program's folder")
             kept = ""
-        b.fact("relaunch.train", "from `up`", f"the program imports relaunch.train, today from {came}{kept}; `up` "
-               "puts relaunch/train.py on the training's PYTHONPATH (~/.relaunch/NAME/python), the one of the "
-               "relaunch that starts its guard")
+        uses = f"the program imports relaunch.train, today from {came}" if "relaunch.train" in pf.imports else \
+            f"the program does not import relaunch; {came}"
+        b.fact("relaunch.train", "from `up`", f"{uses}{kept}; `up` puts relaunch/train.py on the training's "
+               "PYTHONPATH (~/.relaunch/NAME/python), the one of the relaunch that starts its guard")
     for callout in callouts:
         b.warnings.append(f"lock: {callout}")
     if "env.index_url" not in ctx.set_keys:
@@ -993,8 +994,7 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
 
 
 _SECTIONS = ["training", "name", "provider", "ssh", "run.command", "resume", "run.workdir", "env", "relaunch.train",
-             "checkpoint",
-             "checkpoints", "run"]
+             "checkpoint", "checkpoints", "run"]
 
 
 def _fact_order(fact: Fact) -> int:
