@@ -48,7 +48,7 @@ from test_trainers import ARGS, EXAMPLE_LOCK, EXAMPLES, LOCKS, TOLERANCE, close,
 from relaunch import sandbox as sb
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, SAVE_EVERY, SLEEP = 40, 10, 0.2
+STEPS, SAVE_EVERY, SLEEP = 40, 10, 0.1
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,9 @@ def boxes(ssh_key: Path, ssh: SSH, tmp_path_factory: pytest.TempPathFactory) -> 
         shutil.copy(REPO / name, src / name)
     for name in ("relaunch", "recipes", "templates"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "store"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(wheels), str(src)], check=True, capture_output=True, timeout=300)
+    # built while the instances boot and the user's uv is installed
+    build = subprocess.Popen([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                              str(wheels), str(src)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     factory = SandboxFactory(ssh_key)
     try:
         first = factory(index_dir=index, command_log=True, disk="6G")
@@ -140,8 +141,13 @@ def boxes(ssh_key: Path, ssh: SSH, tmp_path_factory: pytest.TempPathFactory) -> 
         # the user's uv, from the index (as `pip install uv` would bring it)
         ssh(first, f"python3.11 -m venv ~/tools && ~/tools/bin/pip install -q --index-url {first.index_url} uv",
             timeout=300)
+        output, _ = build.communicate(timeout=300)
+        assert build.returncode == 0, output.decode(errors="replace")
         yield Boxes(first, second, next(wheels.glob("relaunch-*.whl")))
     finally:
+        if build.poll() is None:
+            build.kill()
+            build.wait()
         factory.destroy_all()
 
 
