@@ -671,15 +671,21 @@ def dist_info(site):
             meta = read_text(os.path.join(path, "PKG-INFO") if os.path.isdir(path) else path, 256 * 1024) or ""
         else:
             continue
-        fields = {}
+        fields, requires = {}, []
         for line in meta.splitlines():
             if not line.strip():
                 break
             key, sep, value = line.partition(":")
             if sep and key in ("Name", "Version") and key not in fields:
                 fields[key] = value.strip()
+            elif sep and key == "Requires-Dist":
+                requires.append(value.strip())
         if "Name" not in fields or "Version" not in fields:
             continue
+        # the import names it provides (for "does the program import this package itself?")
+        top_text = read_text(os.path.join(site, name, "top_level.txt"), 16 * 1024) if name.endswith(".dist-info") \
+            else None
+        top = [t.strip() for t in (top_text or "").splitlines() if t.strip()][:50]
         direct = None
         raw = read_text(os.path.join(site, name, "direct_url.json"), 64 * 1024) if name.endswith(".dist-info") \
             else None
@@ -688,7 +694,8 @@ def dist_info(site):
                 direct = json.loads(scrub(raw))
             except ValueError:
                 direct = None
-        dists.append({"name": fields["Name"], "version": fields["Version"], "direct": direct})
+        dists.append({"name": fields["Name"], "version": fields["Version"], "direct": direct, "requires": requires,
+                      "top": top})
     return dists
 
 

@@ -157,7 +157,7 @@ trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 
 def test_hf_trainer_under_torchrun(tmp_path) -> None:
     argv = [f"{VENV}/bin/python", f"{VENV}/bin/torchrun", "--nproc_per_node", "2", "train_hf.py",
-            "--output_dir", f"{HOME}/out", "--save_steps", "10"]
+            "--enable_jit_checkpoint", "--output_dir", f"{HOME}/out", "--save_steps", "10"]
     s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv),
               proc(12, 11, [f"{VENV}/bin/python", "-u", "train_hf.py"]),
               proc(13, 11, [f"{VENV}/bin/python", "-u", "train_hf.py"])], panes=[pane("hf", 10)])
@@ -168,8 +168,9 @@ def test_hf_trainer_under_torchrun(tmp_path) -> None:
     assert recipe["checkpoint"]["dir"] == "~/out" and recipe["checkpoint"]["layout"] == "hf-trainer"
     assert recipe["run"]["nproc_per_node"] == 2
     assert recipe["run"]["command"] == (
-        "torchrun --nproc_per_node {{ nproc_per_node }} train_hf.py --output_dir ~/out --save_steps 10 "
-        '{% if checkpoint %}--resume_from_checkpoint "{{ checkpoint }}"{% endif %}')
+        "torchrun --nproc_per_node {{ nproc_per_node }} train_hf.py --enable_jit_checkpoint --output_dir ~/out "
+        '--save_steps 10 {% if checkpoint %}--resume_from_checkpoint "{{ checkpoint }}"{% endif %}')
+    assert recipe["env"]["vars"] == {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}
     assert a.newest == "checkpoint-10"             # checkpoint-20 has no trainer_state.json: not complete
     assert recipe["run"]["ready"] == r"\{'loss': "
 
@@ -202,15 +203,20 @@ def test_lightning_with_a_checkpoint_folder_named_in_the_script(tmp_path) -> Non
 
 def test_accelerate_launch_with_its_default_config_and_project_dir(tmp_path) -> None:
     config = f"{HOME}/.cache/huggingface/accelerate/default_config.yaml"
-    argv = [f"{VENV}/bin/python", f"{VENV}/bin/accelerate", "launch", "--num_processes=2", "train_acc.py",
-            "--project_dir", "acc", "--resume", ""]
+    argv = [f"{VENV}/bin/python", f"{VENV}/bin/accelerate", "launch", "--multi_gpu", "--num_processes=2",
+            "train_acc.py", "--project_dir", "acc", "--resume", ""]
     s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv)], panes=[pane("acc", 10)])
     d = detail(11, files={f"{HOME}/work/train_acc.py": "from accelerate import Accelerator\n",
                           config: "compute_environment: LOCAL_MACHINE\nnum_processes: 2\n"})
     _, recipe = adopted(s, d, {f"{HOME}/work/acc": entries("checkpoints/checkpoint_0/model.safetensors")}, tmp_path)
     assert recipe["checkpoint"]["dir"] == "~/work/acc" and recipe["checkpoint"]["layout"] == "accelerate"
-    assert recipe["run"]["command"] == ('accelerate launch --num_processes={{ nproc_per_node }} train_acc.py '
+    # --num_processes counts the processes of every machine; --multi_gpu refuses one process
+    assert recipe["run"]["command"] == ('accelerate launch {% if world_size > 1 %}--multi_gpu{% endif %} '
+                                        '--num_processes={{ world_size }} train_acc.py '
                                         '--project_dir acc --resume "{{ checkpoint }}"')
+    assert recipe["run"]["nproc_per_node"] == 2
+    # the launcher kills its processes 30 s after passing the stop signal on: as long as run.stop.timeout
+    assert recipe["env"]["vars"] == {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}
     assert recipe["env"]["files"][".cache/huggingface/accelerate/default_config.yaml"] == \
         "~/.cache/huggingface/accelerate/default_config.yaml"
 
@@ -249,6 +255,121 @@ def _dists(rows: list[tuple[str, str, dict[str, Any] | None]]) -> list[Any]:
 
     return [Dist(n, v, d) for n, v, d in rows]
 
+
+
+# -- relaunch.train: `up` brings its own --------------------------------------------------------------------
+TRAIN_WITH_RELAUNCH = """
+import argparse
+import rich
+from relaunch import train as relaunch_train
+p = argparse.ArgumentParser()
+p.add_argument("--output_dir")
+p.add_argument("--resume_from_checkpoint", default="")
+"""
+RELAUNCH_TRAIN = "import os\nNOTICE = os.environ.get('RELAUNCH_NOTICE')\n"
+
+
+def _dist(name: str, version: str, requires: list[str] = (), top: list[str] = ()) -> dict[str, Any]:
+    return {"name": name, "version": version, "direct": None, "requires": list(requires), "top": list(top)}
+
+
+def test_relaunch_in_the_venv_and_what_only_it_needs_stay_out_of_the_lock(tmp_path) -> None:
+    """`pip install relaunch` in the training's venv: relaunch and the packages nothing else needs
+    (fabric, paramiko and theirs) are left out; what another package needs (pyyaml for
+    transformers) or the program imports itself (rich) stays."""
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, [f"{VENV}/bin/python", "train.py", "--output_dir",
+                                                                   f"{HOME}/out"])], panes=[pane("hf", 10)])
+    dists = [_dist("relaunch", "0.1.0", ["fabric>=3.2,<4", "paramiko>=3.4", "pyyaml>=6", "rich>=13",
+                                         "pytest>=8; extra == 'test'"], ["relaunch"]),
+             _dist("fabric", "3.2.3", ["invoke>=2.0", "paramiko>=2.4"], ["fabric"]),
+             _dist("invoke", "2.2.1", [], ["invoke"]), _dist("paramiko", "5.1.0", ["bcrypt>=3.2"], ["paramiko"]),
+             _dist("bcrypt", "5.0.0", [], ["bcrypt"]), _dist("PyYAML", "6.0.4", [], ["_yaml", "yaml"]),
+             _dist("rich", "15.0.0", ["pygments>=2"], ["rich"]), _dist("Pygments", "2.21.0", [], ["pygments"]),
+             _dist("pytest", "8.0", [], ["pytest"]),
+             _dist("transformers", "5.24.0", ["pyyaml>=5.1"], ["transformers"]), _dist("torch", "2.13.0")]
+    d = detail(11, files={f"{HOME}/work/train.py": TRAIN_WITH_RELAUNCH}, dists=dists)
+    a, recipe = adopted(s, d, {}, tmp_path)
+    pinned = sorted(line for line in a.lock if not line.startswith("#"))
+    assert pinned == ["PyYAML==6.0.4", "Pygments==2.21.0", "pytest==8.0", "rich==15.0.0", "torch==2.13.0",
+                      "transformers==5.24.0"]
+    fact = next(f for f in a.facts if f.key == "relaunch.train")
+    assert fact.value == "from `up`" and "relaunch 0.1.0 in the venv" in fact.evidence
+    assert "bcrypt, fabric, invoke, paramiko, relaunch" in fact.evidence
+    # a program that takes more from relaunch than relaunch.train keeps it
+    d = detail(11, files={f"{HOME}/work/train.py": TRAIN_WITH_RELAUNCH + "from relaunch.layouts import Entry\n"},
+               dists=dists)
+    a, _ = adopted(s, d, {}, tmp_path / "more")
+    assert "relaunch==0.1.0" in a.lock and "fabric==3.2.3" in a.lock
+    assert any("imports relaunch.layouts" in w for w in a.warnings)
+
+
+def test_a_copy_of_relaunch_train_beside_the_script_is_not_carried_over(tmp_path) -> None:
+    """`up` puts relaunch/train.py on the training's PYTHONPATH; a copy in the workdir (env.files)
+    would come first on the path and stay at the version it was copied at."""
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, [f"{VENV}/bin/python", "train.py"])],
+             panes=[pane("hf", 10)])
+    sources = {f"{HOME}/work/train.py": TRAIN_WITH_RELAUNCH, f"{HOME}/work/relaunch/__init__.py": "",
+               f"{HOME}/work/relaunch/train.py": RELAUNCH_TRAIN}
+    d = detail(11, files={f"{HOME}/work/train.py": TRAIN_WITH_RELAUNCH}, sources=sources)
+    a, recipe = adopted(s, d, {}, tmp_path)
+    assert recipe["env"]["files"] == {"train.py": "~/work/train.py"}
+    fact = next(f for f in a.facts if f.key == "relaunch.train")
+    assert "~/work/relaunch/train.py, a copy beside the program; not copied" in fact.evidence
+    # a package of the user's own that is also named relaunch is the program's: copied
+    sources[f"{HOME}/work/relaunch/train.py"] = "def fit(): pass\n"
+    _, recipe = adopted(s, detail(11, files={f"{HOME}/work/train.py": TRAIN_WITH_RELAUNCH}, sources=sources),
+                        {}, tmp_path / "own")
+    assert set(recipe["env"]["files"]) == {"train.py", "relaunch/__init__.py", "relaunch/train.py"}
+
+
+LIGHTNING_CLI = """
+from lightning.pytorch.cli import LightningCLI
+from model import Net
+LightningCLI(Net)
+"""
+
+
+def test_lightning_cli_fit_gets_its_ckpt_path_and_default_root_dir(tmp_path) -> None:
+    """LightningCLI: `fit --trainer.default_root_dir DIR` names the folder, `--ckpt_path` resumes
+    (the script defines neither: LightningCLI does)."""
+    argv = [f"{VENV}/bin/python", "main.py", "fit", "--trainer.default_root_dir", f"{HOME}/runs",
+            "--trainer.max_steps", "100"]
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv)], panes=[pane("cli", 10)])
+    d = detail(11, files={f"{HOME}/work/main.py": LIGHTNING_CLI},
+               sources={f"{HOME}/work/main.py": LIGHTNING_CLI, f"{HOME}/work/model.py": "import torch\n"})
+    a, recipe = adopted(s, d, {f"{HOME}/runs": entries("epoch=0-step=10.ckpt")}, tmp_path)
+    assert recipe["checkpoint"] == {"dir": "~/runs", "layout": "lightning", "remote": "./store/cli"}
+    assert recipe["run"]["command"] == ("python main.py fit --trainer.default_root_dir ~/runs --trainer.max_steps 100 "
+                                        '{% if checkpoint %}--ckpt_path "{{ checkpoint }}"{% endif %}')
+    assert "LightningCLI" in a.notes["run.command"][0]
+
+
+def test_lightning_without_a_dirpath_watches_every_version_folder(tmp_path) -> None:
+    """No ModelCheckpoint(dirpath=...): Lightning saves in default_root_dir/lightning_logs/version_N/
+    checkpoints, a new version_N each run. checkpoint.dir is the folder above them, so that the
+    checkpoints of the run `up` resumes (in version_N+1) are found there too."""
+    argv = [f"{VENV}/bin/python", "main.py", "fit", "--trainer.default_root_dir", f"{HOME}/runs"]
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv)], panes=[pane("cli", 10)])
+    d = detail(11, files={f"{HOME}/work/main.py": LIGHTNING_CLI})
+    nested = entries("lightning_logs/version_0/checkpoints/epoch=0-step=10.ckpt",
+                     "lightning_logs/version_1/checkpoints/epoch=0-step=20.ckpt",
+                     "lightning_logs/version_1/hparams.yaml")
+    a, recipe = adopted(s, d, {f"{HOME}/runs": nested}, tmp_path)
+    assert recipe["checkpoint"]["dir"] == "~/runs" and recipe["checkpoint"]["layout"] == "lightning"
+    assert a.newest == "lightning_logs/version_1/checkpoints/epoch=0-step=20.ckpt"
+    assert not any("version_N" in w for w in a.warnings)
+    # nothing names the folder (Lightning's default_root_dir is the working directory): the disk does
+    from relaunch.adopt.facts import Folder
+
+    plain = f"{HOME}/work/lightning_logs"
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, [f"{VENV}/bin/python", "fit.py"])],
+             panes=[pane("pl", 10)])
+    d = detail(11, files={f"{HOME}/work/fit.py": "import lightning as L\nL.Trainer().fit(None)\n"})
+    d.folders = [Folder(f"{plain}/version_0/checkpoints", 1, 2000.0, ["epoch=0-step=10.ckpt"])]
+    a, recipe = adopted(s, d, {plain: entries("version_0/checkpoints/epoch=0-step=10.ckpt")}, tmp_path / "plain")
+    assert recipe["checkpoint"]["dir"] == "~/work/lightning_logs" and recipe["checkpoint"]["layout"] == "lightning"
+    assert a.newest == "version_0/checkpoints/epoch=0-step=10.ckpt"
+    assert "a new version_N each run" in a.notes["checkpoint.dir"][0]
 
 # -- the instance script's secrets ---------------------------------------------------------------------------
 def _instance_script() -> Any:

@@ -164,6 +164,8 @@ class Dist:
     name: str
     version: str
     direct: dict[str, Any] | None = None
+    requires: list[str] = field(default_factory=list)    # its Requires-Dist lines
+    top: list[str] = field(default_factory=list)         # the import names it provides (top_level.txt)
 
 
 @dataclass

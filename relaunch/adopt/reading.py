@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..layouts import Entry, complete_checkpoints, detect_layout
-from ..recipe.model import ENV_NAME_RE, NAME_RE
+from ..recipe.model import ENV_NAME_RE, NAME_RE, Stop
 from .candidates import Candidate
 from .commandline import NNODES_FLAGS, NPROC_FLAGS, Invocation, flag_value, invocation, normal_flag, options
 from .facts import MARK, Detail, Dist, EnvRoot, Scan
@@ -53,9 +53,11 @@ TOOLING = {"pip", "setuptools", "wheel", "distribute"}      # what `pip freeze` 
 # what an option like --out names when it is a file, not a checkpoint folder
 NOT_FOLDERS = (".json", ".jsonl", ".csv", ".txt", ".log", ".yaml", ".yml", ".pt", ".pth", ".ckpt", ".bin",
                ".safetensors", ".pkl", ".npz", ".h5", ".png", ".html")
+STOP_TIMEOUT = Stop().timeout       # run.stop.timeout when the recipe says none
 _JINJA = re.compile(r"\{\{|\{%|\{#|\}\}|%\}|#\}")
 # places in the command's words that adopt fills with a template (never text from the instance)
-CKPT, RESUME, NPROC = "\x01ckpt", "\x01resume:", "\x01nproc:"
+CKPT, RESUME, NPROC, WORLD = "\x01ckpt", "\x01resume:", "\x01nproc:", "\x01world:"
+MULTI_GPU = "\x01multi_gpu"
 
 
 @dataclass
@@ -435,6 +437,8 @@ class ProgramFiles:
     roots: list[str]
     copy: list[tuple[str, str]]            # (instance path, why)
     warnings: list[str]
+    imports: set[str] = field(default_factory=set)   # every module the program's own files import
+    relaunch_train: str = ""               # a copy of relaunch/train.py beside the program: not carried over
 
     def text(self, detail: Detail) -> str:
         """All of their text, for reading names out of it (checkpoint folders, options)."""
@@ -476,9 +480,23 @@ def program_files(call: Invocation, cwd: str, home: str, detail: Detail) -> Prog
             main = modules.get(call.target + ".__main__")
             if main and main != path:
                 copy.append((main, f"{call.target}/__main__.py"))
+    modules = module_files(detail.sources, roots)
+    by_path = {path: module for module, path in modules.items()}
+    relaunch_train = ""
     for path in import_closure(start, detail.sources, roots):
+        module = by_path.get(path, "")
+        if is_relaunch_train(module, detail.sources.get(path)):
+            relaunch_train = path
+            continue
         if all(path != x for x, _ in copy):
             copy.append((path, "imported by the program"))
+    if relaunch_train:        # its package's __init__.py (if any) goes with it: `up` provides the package
+        copy = [(path, why) for path, why in copy if by_path.get(path) != "relaunch"]
+    imports: set[str] = set()
+    for path, module in [*start, *((x, by_path.get(x, "")) for x, _ in copy if x.endswith(".py"))]:
+        info = detail.sources.get(path) or detail.paths.get(path)
+        if info is not None and info.text:
+            imports |= imported(info.text, module)
     resume_values = {o.value for o in options(call.args) if o.written in RESUME_OPTIONS}
     for arg in [*call.args, *call.launcher_words]:
         for value in [arg, arg.split("=", 1)[1] if "=" in arg else ""]:
@@ -505,7 +523,56 @@ def program_files(call: Invocation, cwd: str, home: str, detail: Detail) -> Prog
         copy.append((default, "accelerate launch reads it (the command gives no --config_file)"))
     if detail.sources_capped:
         warnings.append(f"there are many Python files under {', '.join(roots)}: only some were read for imports")
-    return ProgramFiles(script_path, script_text, roots, copy, warnings)
+    return ProgramFiles(script_path, script_text, roots, copy, warnings, imports, relaunch_train)
+
+
+def is_relaunch_train(module: str, info: Any) -> bool:
+    """relaunch's own relaunch/train.py, copied beside the program by hand (it reads the guard's
+    notice record, RELAUNCH_NOTICE), as opposed to a package of the user's that is also named so."""
+    return module == "relaunch.train" and info is not None and "RELAUNCH_NOTICE" in (info.text or "")
+
+
+def requirement_name(line: str) -> str:
+    """The normal name a Requires-Dist line needs; "" for one that only an extra asks for."""
+    name, _, marker = line.partition(";")
+    if re.search(r"\bextra\s*==", marker):
+        return ""
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", name)
+    return re.sub(r"[-_.]+", "-", m.group(1)).lower() if m else ""
+
+
+def without_relaunch(dists: list[Dist], imports: set[str]) -> tuple[list[Dist], list[str], str]:
+    """(the dists for the lock, the names left out, a warning): relaunch itself and the packages
+    only it needs (fabric, paramiko, ...), when the program takes nothing from relaunch but
+    relaunch.train, which `up` puts on the training's PYTHONPATH. A package the program imports
+    itself stays, and so does everything another package needs."""
+    def normal(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    by = {normal(d.name): d for d in dists}
+    if "relaunch" not in by:
+        return dists, [], ""
+    more = sorted(m for m in imports if m.startswith("relaunch.") and m != "relaunch.train")
+    if more:
+        return dists, [], (f"the program imports {', '.join(more)} from relaunch: relaunch stays in the lock (`up` "
+                           "provides relaunch.train only)")
+
+    def closure(start: set[str]) -> set[str]:
+        seen, todo = set(), list(start)
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in by:
+                continue
+            seen.add(name)
+            todo += [r for r in map(requirement_name, by[name].requires) if r]
+        return seen
+
+    reach = closure({"relaunch"})
+    others = closure({n for n in by if n not in reach})
+    tops = {m.split(".", 1)[0] for m in imports}
+    used = {n for n in reach - {"relaunch"} if set(by[n].top or [n.replace("-", "_")]) & tops}
+    drop = reach - others - closure(used)
+    return [d for d in dists if normal(d.name) not in drop], sorted(by[n].name for n in drop), ""
 
 
 # -- the whole recipe ---------------------------------------------------------------------------------
@@ -568,6 +635,10 @@ def _resume(call: Invocation, flags: dict[str, tuple[int, str]], script: str) ->
         flag = defined[0]
         return [*args, RESUME + flag], (f"{script}:{flags[flag][0]} defines {flag}; added so that `up` resumes "
                                         "from the checkpoint it restores (left out on a fresh start)"), True, ""
+    if "_cli" in flags and "fit" in args:
+        return [*args, RESUME + "--ckpt_path"], (
+            f"{script} runs LightningCLI, whose fit subcommand takes --ckpt_path: added (left out on a fresh "
+            "start)"), True, ""
     if "_hf" in flags:
         return [*args, RESUME + "--resume_from_checkpoint"], (
             f"{script} parses TrainingArguments (HfArgumentParser): --resume_from_checkpoint added (left out on "
@@ -586,9 +657,11 @@ def _command(call: Invocation, args: list[str], home: str, launcher_words: list[
             return shell_word(arg[:-len(CKPT)], home) + '"{{ checkpoint }}"'
         if arg.startswith(RESUME):
             return "{% if checkpoint %}" + arg[len(RESUME):] + ' "{{ checkpoint }}"{% endif %}'
-        if arg.startswith(NPROC):
-            return shell_word(arg[len(NPROC):], home) + "{{ nproc_per_node }}" if arg != NPROC else \
-                "{{ nproc_per_node }}"
+        for mark, variable in ((NPROC, "{{ nproc_per_node }}"), (WORLD, "{{ world_size }}")):
+            if arg.startswith(mark):
+                return shell_word(arg[len(mark):], home) + variable if arg != mark else variable
+        if arg == MULTI_GPU:
+            return "{% if world_size > 1 %}--multi_gpu{% endif %}"
         return shell_word(arg, home)
 
     head: list[str] = []
@@ -702,10 +775,30 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
         b.warnings.append(f"the training runs on {c.root.exe}, outside any venv ({env_root(c)[1]}): `up` makes a "
                           f"venv (~/venvs/{name}) from the lock")
     sites = ", ".join(tilde(s, home) for s in (root.site if root else [])) or "no site-packages"
-    lock, callouts = lock_lines(root.dists if root else [], sites)
+    dists, left_out, rwarning = without_relaunch(root.dists if root else [], pf.imports)
+    if rwarning:
+        b.warnings.append(rwarning)
+    lock, callouts = lock_lines(dists, sites)
     where = f"the pip freeze of {sites}"
     pinned = [line for line in lock if line and not line.startswith("#")]
     b.put("env.lock", "requirements.lock", where, show=f"requirements.lock ({len(pinned)} packages)")
+    if "relaunch.train" in pf.imports or left_out:
+        if left_out:
+            came = (f"relaunch {next(d.version for d in root.dists if d.name.lower() == 'relaunch')} in the venv"
+                    if root else "relaunch in the venv")
+            kept = f"; left out of the lock: {', '.join(left_out)} (nothing else there needs them)"
+        elif pf.relaunch_train:
+            came, kept = f"{tilde(pf.relaunch_train, home)}, a copy beside the program", "; not copied: a copy " \
+                "there would come before up's on the path and stay at the version it was copied from"
+        else:
+            path = next((v.value for v in detail.env if v.name == "PYTHONPATH" and v.value), "")
+            came = (f"its PYTHONPATH ({shown(path).replace(home.rstrip('/') + '/', '~/')})" if path and home
+                    else "outside the venv and the program's folder")
+            kept = ""
+        uses = f"the program imports relaunch.train, today from {came}" if "relaunch.train" in pf.imports else \
+            f"the program does not import relaunch; {came}"
+        b.fact("relaunch.train", "from `up`", f"{uses}{kept}; `up` puts relaunch/train.py on the training's "
+               "PYTHONPATH (~/.relaunch/NAME/python), the one of the relaunch that starts its guard")
     for callout in callouts:
         b.warnings.append(f"lock: {callout}")
     if "env.index_url" not in ctx.set_keys:
@@ -754,6 +847,8 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
     flags = source_flags(script_text or "") if script_text else {}
     if script_text and re.search(r"HfArgumentParser", script_text) and re.search(r"TrainingArguments", script_text):
         flags["_hf"] = (0, "--resume_from_checkpoint")
+    if script_text and re.search(r"\bLightningCLI\(", script_text):
+        flags["_cli"] = (0, "--ckpt_path")
     launcher_words = list(call.launcher_words)
     nproc, nwhy = 0, ""
     if call.launcher:
@@ -766,7 +861,14 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
             nproc, nwhy = int(value), f"{call.launcher}'s {written}"
             if single:
                 word = launcher_words[at]
-                launcher_words[at] = NPROC + (word[:-len(value)] if word != value else "")
+                # accelerate's --num_processes counts every process of every machine: the world size
+                mark = WORLD if call.launcher == "accelerate" else NPROC
+                launcher_words[at] = mark + (word[:-len(value)] if word != value else "")
+                if call.launcher == "accelerate":
+                    nwhy += " (the processes of all machines: run.command says {{ world_size }} there)"
+        if call.launcher == "accelerate" and "--multi_gpu" in launcher_words:
+            # accelerate refuses --multi_gpu for one process: a resume on one GPU would not start
+            launcher_words[launcher_words.index("--multi_gpu")] = MULTI_GPU
         if not single:
             b.warnings.append(f"{call.launcher} runs on several nodes ({nodes[1] if nodes else '?'}): adopt read this "
                               "node only; for a node group, give `up` every node and use {{ nnodes }}, {{ node_rank }} "
@@ -786,6 +888,15 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
             secret_names.append(secret)
             b.warnings.append(f"the command line held a secret: it now reads \"${secret}\", handed to the instance "
                               f"as env.secrets {secret}; export {secret} on this machine before `up`")
+    if call.launcher in ("torchrun", "accelerate") and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in vars_ and \
+            all(v.name != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" for v in detail.env):
+        # the guard's stop signal reaches the launcher, which passes it on and kills the processes
+        # after this many seconds: the save a notice asks for must fit, as in run.stop.timeout
+        vars_["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = f"{STOP_TIMEOUT:g}"
+        b.notes["env.vars.TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = (
+            f"{call.launcher} passes the stop signal on to its processes and kills them this many seconds later "
+            f"(30 by default): as long as run.stop.timeout ({STOP_TIMEOUT:g}), so that the save after a notice fits",
+            False)
     if vars_:
         b.put("env.vars", vars_, "the training's environment",
               show=", ".join(f"{k}={shown(v)}" for k, v in vars_.items()))
@@ -882,8 +993,8 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
                     files=files, warnings=b.warnings, newest=newest)
 
 
-_SECTIONS = ["training", "name", "provider", "ssh", "run.command", "resume", "run.workdir", "env", "checkpoint",
-             "checkpoints", "run"]
+_SECTIONS = ["training", "name", "provider", "ssh", "run.command", "resume", "run.workdir", "env", "relaunch.train",
+             "checkpoint", "checkpoints", "run"]
 
 
 def _fact_order(fact: Fact) -> int:
@@ -976,10 +1087,17 @@ def scanned_places(folders: list[Any], named: list[Place]) -> list[Place]:
     taken = {pl.path for pl in named}
     out = []
     for folder in folders:
-        if folder.dir in taken:
+        # Lightning without ModelCheckpoint(dirpath=...): a new version_N each run, so the folder to
+        # watch is lightning_logs, whose version_N/checkpoints the lightning layout reads
+        logs = re.fullmatch(r"(.*/lightning_logs)/version_\d+/checkpoints", folder.dir)
+        path = logs.group(1) if logs else folder.dir
+        if path in taken:
             continue
-        inside = next((pl for pl in named if folder.dir.startswith(pl.path.rstrip("/") + "/")), None)
+        taken.add(path)
+        inside = next((pl for pl in named if path.startswith(pl.path.rstrip("/") + "/")), None)
         why = (f"inside {inside.path} ({inside.why})" if inside else "found on the disk")
-        out.append(Place(folder.dir, f"{why}: {folder.hits} checkpoint-like entries ({', '.join(folder.sample[:3])})",
-                         1 if inside else 2))
+        what = f"{folder.hits} checkpoint-like entries ({', '.join(folder.sample[:3])})"
+        if logs:
+            what += f" in {folder.dir[len(path) + 1:]}: Lightning's logger folder, a new version_N each run"
+        out.append(Place(path, f"{why}: {what}", 1 if inside else 2))
     return out

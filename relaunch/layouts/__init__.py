@@ -18,7 +18,7 @@ from relaunch.layouts.dcp import DcpLayout
 from relaunch.layouts.deepspeed import DeepSpeedLayout
 from relaunch.layouts.files import FilesLayout
 from relaunch.layouts.hf_trainer import HfTrainerLayout
-from relaunch.layouts.lightning import LightningLayout
+from relaunch.layouts.lightning import LOGGER_DIRS, LightningLayout
 from relaunch.layouts.listing import LISTING_COMMAND, parse_listing
 
 __all__ = [
@@ -66,7 +66,8 @@ def detect_layout(entries: Iterable[Entry]) -> str:
     `.metadata` (lightning if all such folders are `*.ckpt/`), else (beyond the original rule,
     so that auto does not silently find nothing)
     deepspeed if any `global_stepN/` folder, accelerate if any `checkpoints/checkpoint_N/`,
-    lightning if any top-level `*.ckpt` file; else files.
+    lightning if any top-level `*.ckpt` file or any in Lightning's `[lightning_logs/]version_N/checkpoints/`;
+    else files.
     """
     entries = list(entries)
     paths = [e.path for e in entries]
@@ -83,7 +84,8 @@ def detect_layout(entries: Iterable[Entry]) -> str:
         return "deepspeed"
     if any(e.kind == "d" and _ACCELERATE_DIR.fullmatch(e.path) for e in entries):
         return "accelerate"
-    if any(e.kind == "f" and "/" not in e.path and e.path.endswith(".ckpt") for e in entries):
+    if any(e.kind == "f" and ("/" not in e.path and e.path.endswith(".ckpt") or LOGGER_DIRS.fullmatch(e.path))
+           for e in entries):
         return "lightning"
     return "files"
 
