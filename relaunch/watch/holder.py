@@ -127,7 +127,8 @@ class Holder:
                                  f"{LEASE_STALE / 60:.0f} min after its last renewal)")
             self.renew(ui)
         except BaseException:
-            self.release(ui, lease=False)
+            # all or nothing: a Ctrl-C that lands once the lease is written gives it back too
+            self.release(ui)
             raise
 
     # -- the store's lease ----------------------------------------------------------------------
@@ -166,18 +167,20 @@ class Holder:
     def due(self) -> bool:
         return time.monotonic() - self.renewed >= LEASE_EVERY
 
-    def release(self, ui: UI, lease: bool = True) -> None:
-        if lease:
-            try:
-                info = self._read_lease()
-                if info is not None and info.get("token") == self.token:
-                    self._write_lease(ui, None)
-            except RelaunchError:
-                pass               # it goes stale by itself
+    def release(self, ui: UI) -> None:
+        """Give back the local lock and, when it is still ours, the store's lease; nothing when
+        `take()` did not get the lock (the state file then belongs to the watch that has it)."""
+        if self._lock is None:
+            return
+        try:
+            info = self._read_lease()
+            if info is not None and info.get("token") == self.token:
+                self._write_lease(ui, None)
+        except RelaunchError:
+            pass                   # it goes stale by itself
         self.note(ended=iso(time.time()))
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
+        self._lock.close()
+        self._lock = None
 
     # -- what status shows ----------------------------------------------------------------------
     def note(self, **fields: Any) -> None:
