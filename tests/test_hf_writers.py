@@ -86,8 +86,9 @@ class Writer:
 
         cp, record, staged = self._stage(step, variant)
         api = HfApi(endpoint=self.url, token=self.token)
-        info = api.create_commit(REPO, [CommitOperationAdd(f"{SUB}/{e.path}", str(staged / e.path)) for e in cp.files],
-                                 commit_message=f"upload {cp.name}")   # what `hf upload` does: no parent
+        incoming = f"{SUB}/{self.store.incoming(cp)}"       # where `hf upload` on the instance puts it: no parent
+        info = api.create_commit(REPO, [CommitOperationAdd(f"{incoming}/{e.path}", str(staged / e.path))
+                                        for e in cp.files], commit_message=f"upload {cp.name}")
         hashes = {e.path: FileHash(e.path, e.size, {"sha256": record.files[e.path].sha256,
                                                     "gitblob": git_blob_id(staged / e.path)}) for e in cp.files}
         self.store.accept_upload(cp, hashes, f"{self.url}/{REPO}/commit/{info.oid}", self.host)
@@ -429,4 +430,48 @@ def test_two_instances_evacuated_at_once_both_end_safe_with_both_records(via, tm
     assert refused(hub) >= 1                  # the held one was refused (the head moved), merged, committed again
     assert_no_secret(tmp_path / "machine-0", results, hub.token)
     assert_no_secret(tmp_path / "machine-1", results, hub.token)
+
+
+@pytest.mark.parametrize("via", ["local", "instance"])
+def test_two_instances_evacuating_one_name_with_other_bytes_at_once_one_refuses(via, tmp_path, sandbox, ssh, ssh_key,
+                                                                                 package_index, hf_hub):
+    """Both instances hold ckpt-30, each with bytes of its own (two runs writing one store), and are
+    evacuated at once. The first one's record is held at the hub until the second one's upload is
+    on its way, and that upload (a slow one) lands only after the first evacuation said `safe to
+    destroy`: on a store that records the name with other bytes. The second refuses (exit 6) and
+    overwrites nothing: the store records the first one's ckpt-30 and holds its bytes."""
+    insts = [sandbox(index_dir=package_index), sandbox(index_dir=package_index)]
+    hub = hf_hub(bind=host_side_address(insts[0]), lfs_threshold=1000)
+    hub.create_repo(REPO, private=True)
+    env = hub_env(hub, tmp_path)
+    recipe = hf_recipe(tmp_path, "hfrace", ssh_key, insts[0], f"hf:{REPO}/{SUB}", layout="files", via=via, keep=2)
+    name = "ckpt-00000030.pt"
+    hashes = [plant_file(ssh, inst, 30)[name] for inst in insts]
+    assert hashes[0] != hashes[1]
+
+    def recorded() -> bool:
+        return MANIFEST in stored(hub) and name in names(hub)
+
+    uploading, ended = threading.Event(), [threading.Event(), threading.Event()]
+    waited: list[bool] = []
+
+    def second_upload() -> None:
+        uploading.set()
+        waited.append(ended[0].wait(timeout=90) and recorded())
+
+    hub.before_commit("relaunch: manifest", lambda: waited.append(uploading.wait(timeout=60)))
+    hub.before_commit(f"(step 30) from root@{insts[1].address}", second_upload)
+
+    first, second = _evacuate_both(recipe, insts, tmp_path, env, ended)
+    assert waited == [True, True], [first.stderr, second.stderr]   # the upload was on its way, and met the record
+    assert first.returncode == 0, first.stderr
+    assert "safe to destroy" in first.stderr
+    assert second.returncode == 6, second.stderr
+    assert f"{name} is already recorded in the store with different files" in second.stderr
+    assert "refusing to overwrite" in second.stderr and "DO NOT destroy" in second.stderr
+    assert "safe to destroy" not in second.stderr and "Traceback" not in second.stderr
+    assert names(hub) == [name]
+    assert manifest(hub).checkpoints[name].host == f"root@{insts[0].address}"
+    assert_every_record_intact(hub)           # the record's file holds the first one's bytes
+    assert hashlib.sha256(stored(hub)[name]).hexdigest() == hashes[0]
 
