@@ -122,3 +122,62 @@ def test_a_save_that_did_not_finish_is_reported_as_it_lands(tmp_path):
     marker.touch()
     got = parse_hashes(b"".join(json.dumps(d).encode() + b"\n" for d in follower.result().values()))
     assert got["ckpt.pt"].problem.startswith("truncated zip")
+
+
+
+def test_a_checkpoint_re_saved_at_the_same_size_during_the_copy_is_read_again(tmp_path):
+    """Real rsync lands the followed temp under its final name; before the follower looks, the
+    checkpoint is saved again there at the same size with other bytes (another inode, the same
+    length). Size alone cannot tell the two apart, the inode does: the hash is of the bytes in place."""
+    import signal
+
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.mkdir()
+    dest.mkdir()
+    size = 3_000_000
+    (src / "w.pt").write_bytes(os.urandom(size))
+    marker = tmp_path / "copied"
+    follower = Follower(dest, marker, ["w.pt"])
+    copy = subprocess.Popen(["rsync", "-a", "--partial-dir=.rsync-partial", "--bwlimit=1000", f"{src}/", f"{dest}/"])
+
+    def following() -> bool:
+        """The follower holds rsync's temp (`.w.pt.XXXXXX`) open."""
+        for fd in Path(f"/proc/{follower.proc.pid}/fd").iterdir():
+            try:
+                target = Path(os.readlink(fd))
+            except OSError:
+                continue
+            if target.parent == dest and target.name.startswith(".w.pt."):
+                return True
+        return False
+
+    held = False
+    try:
+        deadline = time.monotonic() + 60
+        while not following():
+            assert copy.poll() is None and time.monotonic() < deadline, "the follower never opened rsync's temp"
+            time.sleep(0.02)
+        # held while rsync ends (its temp renamed to w.pt) and the checkpoint is saved again: the
+        # follower's next look finds the size it read under the final name, and another inode
+        follower.proc.send_signal(signal.SIGSTOP)
+        held = True
+        assert copy.poll() is None, "rsync ended before the follower was held"
+        assert copy.wait(timeout=60) == 0
+        landed = (dest / "w.pt").stat().st_ino
+        resaved = os.urandom(size)
+        (dest / "w.pt.saving").write_bytes(resaved)
+        os.replace(dest / "w.pt.saving", dest / "w.pt")
+        assert (dest / "w.pt").stat().st_ino != landed and (dest / "w.pt").stat().st_size == size
+        marker.touch()
+    finally:
+        if copy.poll() is None:
+            copy.kill()
+            copy.wait()
+        if held:
+            follower.proc.send_signal(signal.SIGCONT)
+        if not marker.exists():
+            follower.proc.kill()
+    got = follower.result()["w.pt"]
+    assert got["size"] == size
+    assert got["sha256"] == hashlib.sha256(resaved).hexdigest() != sha(src / "w.pt")
+    assert not got.get("followed")                     # read again in full, not vouched for from the temp

@@ -19,10 +19,13 @@ import hashlib
 import json
 import multiprocessing
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import host_side_address
 from test_hf_store import assert_no_secret, hf_recipe, hub_env, plant_file
 
 from e2e import run_cli
@@ -83,8 +86,9 @@ class Writer:
 
         cp, record, staged = self._stage(step, variant)
         api = HfApi(endpoint=self.url, token=self.token)
-        info = api.create_commit(REPO, [CommitOperationAdd(f"{SUB}/{e.path}", str(staged / e.path)) for e in cp.files],
-                                 commit_message=f"upload {cp.name}")   # what `hf upload` does: no parent
+        incoming = f"{SUB}/{self.store.incoming(cp)}"       # where `hf upload` on the instance puts it: no parent
+        info = api.create_commit(REPO, [CommitOperationAdd(f"{incoming}/{e.path}", str(staged / e.path))
+                                        for e in cp.files], commit_message=f"upload {cp.name}")
         hashes = {e.path: FileHash(e.path, e.size, {"sha256": record.files[e.path].sha256,
                                                     "gitblob": git_blob_id(staged / e.path)}) for e in cp.files}
         self.store.accept_upload(cp, hashes, f"{self.url}/{REPO}/commit/{info.oid}", self.host)
@@ -369,3 +373,105 @@ def test_evacuate_merges_another_writers_record_and_refuses_a_conflicting_one(tm
     assert "ckpt-00000020.pt" in names(hub)
     assert_every_record_intact(hub)
     assert_no_secret(home, [merged, conflict], hub.token)
+
+
+# -- two instances evacuated at once, from two machines ----------------------------------------------
+def _evacuate_both(recipe: Path, insts: list, tmp_path: Path, env: dict[str, str],
+                   ended: list[threading.Event] | None = None) -> list:
+    """`relaunch evacuate RECIPE HOST` for each instance at the same moment, each as from its own
+    machine (its own RELAUNCH_HOME: the local lock serialises one machine's writers only);
+    `ended[n]` is set once the n-th has exited."""
+    def evacuate(n: int) -> Any:
+        try:
+            return run_cli("evacuate", str(recipe), insts[n].host, home=tmp_path / f"machine-{n}", env=env,
+                           timeout=180)
+        finally:
+            if ended is not None:
+                ended[n].set()
+
+    with ThreadPoolExecutor(len(insts)) as pool:
+        return list(pool.map(evacuate, range(len(insts))))
+
+
+@pytest.mark.parametrize("via", ["local", "instance"])
+def test_two_instances_evacuated_at_once_both_end_safe_with_both_records(via, tmp_path, sandbox, ssh, ssh_key,
+                                                                          package_index, hf_hub):
+    """Two instances, each holding its own checkpoint, evacuated into one Hub store by two `relaunch
+    evacuate` at once. The first manifest commit is held at the hub until the other one arrives:
+    both are in flight on the same head; the other lands, the held one is refused (412: the head
+    moved), and its writer merges and commits again. Both say `safe to destroy`; the store lists
+    both, every file with its bytes."""
+    insts = [sandbox(index_dir=package_index), sandbox(index_dir=package_index)]
+    hub = hf_hub(bind=host_side_address(insts[0]), lfs_threshold=1000)    # both instances reach it there
+    hub.create_repo(REPO, private=True)
+    env = hub_env(hub, tmp_path)
+    recipe = hf_recipe(tmp_path, "hfrace", ssh_key, insts[0], f"hf:{REPO}/{SUB}", layout="files", via=via, keep=2)
+    held: dict[str, str] = {}                 # each instance's checkpoint: name -> sha256
+    for inst, step in zip(insts, (10, 20), strict=True):
+        held |= plant_file(ssh, inst, step)
+    other_arrived = threading.Event()
+    waited: list[bool] = []
+    hub.before_commit("relaunch: manifest", lambda: waited.append(other_arrived.wait(timeout=60)))
+    hub.before_commit("relaunch: manifest", other_arrived.set)
+
+    results = _evacuate_both(recipe, insts, tmp_path, env)
+    for result in results:
+        assert result.returncode == 0, result.stderr
+        assert "safe to destroy" in result.stderr and "Traceback" not in result.stderr
+    assert waited == [True]                   # both manifest commits were in flight at once
+    assert names(hub) == ["ckpt-00000010.pt", "ckpt-00000020.pt"]
+    assert {p: manifest(hub).checkpoints[p].host for p in held} == {
+        "ckpt-00000010.pt": f"root@{insts[0].address}", "ckpt-00000020.pt": f"root@{insts[1].address}"}
+    assert_every_record_intact(hub)
+    files = stored(hub)
+    assert {p: hashlib.sha256(files[p]).hexdigest() for p in held} == held
+    history = manifest_history(hub)           # no commit ever dropped a record another one made
+    assert all(before <= after for before, after in zip(history, history[1:], strict=False)), history
+    assert refused(hub) >= 1                  # the held one was refused (the head moved), merged, committed again
+    assert_no_secret(tmp_path / "machine-0", results, hub.token)
+    assert_no_secret(tmp_path / "machine-1", results, hub.token)
+
+
+@pytest.mark.parametrize("via", ["local", "instance"])
+def test_two_instances_evacuating_one_name_with_other_bytes_at_once_one_refuses(via, tmp_path, sandbox, ssh, ssh_key,
+                                                                                 package_index, hf_hub):
+    """Both instances hold ckpt-30, each with bytes of its own (two runs writing one store), and are
+    evacuated at once. The first one's record is held at the hub until the second one's upload is
+    on its way, and that upload (a slow one) lands only after the first evacuation said `safe to
+    destroy`: on a store that records the name with other bytes. The second refuses (exit 6) and
+    overwrites nothing: the store records the first one's ckpt-30 and holds its bytes."""
+    insts = [sandbox(index_dir=package_index), sandbox(index_dir=package_index)]
+    hub = hf_hub(bind=host_side_address(insts[0]), lfs_threshold=1000)
+    hub.create_repo(REPO, private=True)
+    env = hub_env(hub, tmp_path)
+    recipe = hf_recipe(tmp_path, "hfrace", ssh_key, insts[0], f"hf:{REPO}/{SUB}", layout="files", via=via, keep=2)
+    name = "ckpt-00000030.pt"
+    hashes = [plant_file(ssh, inst, 30)[name] for inst in insts]
+    assert hashes[0] != hashes[1]
+
+    def recorded() -> bool:
+        return MANIFEST in stored(hub) and name in names(hub)
+
+    uploading, ended = threading.Event(), [threading.Event(), threading.Event()]
+    waited: list[bool] = []
+
+    def second_upload() -> None:
+        uploading.set()
+        waited.append(ended[0].wait(timeout=90) and recorded())
+
+    hub.before_commit("relaunch: manifest", lambda: waited.append(uploading.wait(timeout=60)))
+    hub.before_commit(f"(step 30) from root@{insts[1].address}", second_upload)
+
+    first, second = _evacuate_both(recipe, insts, tmp_path, env, ended)
+    assert waited == [True, True], [first.stderr, second.stderr]   # the upload was on its way, and met the record
+    assert first.returncode == 0, first.stderr
+    assert "safe to destroy" in first.stderr
+    assert second.returncode == 6, second.stderr
+    assert f"{name} is already recorded in the store with different files" in second.stderr
+    assert "refusing to overwrite" in second.stderr and "DO NOT destroy" in second.stderr
+    assert "safe to destroy" not in second.stderr and "Traceback" not in second.stderr
+    assert names(hub) == [name]
+    assert manifest(hub).checkpoints[name].host == f"root@{insts[0].address}"
+    assert_every_record_intact(hub)           # the record's file holds the first one's bytes
+    assert hashlib.sha256(stored(hub)[name]).hexdigest() == hashes[0]
+

@@ -59,3 +59,22 @@ def test_plan_then_up_runs_exactly_the_planned_commands(tmp_path, sandbox, ssh, 
     assert ssh(new, "cat ~/setup.txt").stdout == "set up\n"
     assert ssh(new, "ls ~/ckpt").stdout.split() == ["ckpt-00000005.pt"]
     assert "exact-secret-value-42" not in planned.stdout + planned.stderr + up.stdout + up.stderr
+
+
+def test_each_env_files_upload_gets_a_deadline_from_the_files_size_as_plan_reads_it(tmp_path, sandbox, ssh_key):
+    """The facts `plan` (and `up`) read hold each env.files file's size here: a 500 MB file (sparse,
+    nothing written) gets a minute plus as long as rsync's rate for the slowest planned link needs,
+    a small one the minute (tests/test_units.py computes the same from facts it makes itself)."""
+    from relaunch.transports.rsync import DEADLINE_PER_GIB
+
+    inst = sandbox()
+    (tmp_path / "train.py").write_text("print('step 1 loss 0.5')\n")
+    with open(tmp_path / "shard.bin", "wb") as shard:
+        shard.truncate(500 * 1024**2)
+    recipe = plain_recipe(tmp_path, name="sizes", key=ssh_key,
+                          env={"files": {"train.py": "~/train.py", "shard.bin": "~/data/shard.bin"}})
+    planned = run_cli("plan", str(recipe), inst.host, "--json", home=tmp_path / "state")
+    assert planned.returncode == 0, planned.stderr
+    deadlines = {a["title"].split()[1].rsplit("/", 1)[1]: a["deadline"] for a in json.loads(planned.stdout)["actions"]
+                 if a["title"].startswith("upload ") and a["title"].split()[1].startswith(str(tmp_path))}
+    assert deadlines == {"train.py": 60, "shard.bin": round(60 + DEADLINE_PER_GIB * 500 / 1024)}

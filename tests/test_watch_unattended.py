@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -26,6 +27,7 @@ from test_watch import go_silent
 from relaunch import sandbox as sb
 from relaunch.sandbox.instance import RUN_DIR
 from relaunch.sandbox.network import netns, veths
+from relaunch.store import CheckpointRecord, FileRecord, LocalStore, StoreManifest, utc_now
 
 HERE = Path(__file__).parent
 TRAINER = HERE / "spot_trainer.py"
@@ -324,6 +326,67 @@ def test_a_replaced_instance_that_answers_again_has_its_training_ended_and_is_sa
     finally:
         for n in rented.read_text().split():
             sb.destroy(n)
+
+
+# -- steps lost are what training did, not what it saved -------------------------------------------
+def test_steps_lost_are_counted_from_this_runs_log_when_it_is_ahead_of_the_checkpoints(tmp_path, sandbox, ssh,
+                                                                                       ssh_key):
+    """The store holds step 40; training resumes from it and saves nothing more for a long while
+    (every 100000 steps) while its log goes on: 41, 42, ... The instance goes silent: the steps lost
+    in the history are the log's newest step minus 40 (the checkpoints alone say 0). The log also
+    holds an earlier run's lines, up to step 900, before this run's start line, and the watch looks
+    while this run has printed no step yet: those are not this run's steps."""
+    home, inst = tmp_path / "state", sandbox(command_log=True)
+    name, size, verified = "ahead", 50_000, 40
+    # the trainer starts once ~/go exists: the watch looks at a log whose last step is the earlier run's
+    recipe = spot_recipe(tmp_path, name, ssh_key, size=size, ssh={"wait": 5}, guard={"every": 1},
+                         checkpoint={"every": 2},
+                         run={"command": 'while [ ! -e ~/go ]; do sleep 0.2; done; python ~/spot_trainer.py '
+                                         f'"{{{{ checkpoint }}}}" --size {size} --every 100000 --sleep 0.5'},
+                         recover={"command": "echo 'no capacity' >&2; exit 7", "lost_after": 3, "attempts": 1,
+                                  "timeout": 30})
+    store = tmp_path / "store"
+    saved = f"ckpt-{verified:08d}.pt"
+    data = content(verified, size)
+    store.mkdir()
+    (store / saved).write_bytes(data)
+    LocalStore(store).save_manifest(StoreManifest(name, {saved: CheckpointRecord(
+        saved, verified, {saved: FileRecord(size, hashlib.sha256(data).hexdigest())}, utc_now(),
+        "root@192.0.2.1:22")}))
+    earlier = ["=== relaunch: start 2026-12-01T10:00:00Z on vm (checkpoint: none)", "fresh start",
+               *(f"step {s} loss {s}" for s in (898, 899, 900))]
+    ssh(inst, f"printf '%s\\n' {shlex.join(earlier)} > ~/{name}.log")
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    before = len(sb.commands(inst.name))
+
+    def looks() -> int:
+        """The watch's looks the instance was asked for so far (one at a time: the one before a
+        look that arrived has answered)."""
+        return sum("--rebalance" in c for c in sb.commands(inst.name)[before:])
+
+    with watching(recipe, home, tmp_path) as watch:
+        wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+        wait_for("a look before this run's first step", lambda: looks() >= 2, timeout=60)
+        ssh(inst, "touch ~/go")
+        wait_for("the log to run ahead of the checkpoints", lambda: steps_on(ssh, inst, name) > verified, timeout=60)
+        ahead = looks()
+        wait_for("a look at the log ahead", lambda: looks() >= ahead + 2, timeout=60)
+        go_silent(inst)
+        watch.wait(timeout=180)
+    err = err_of(tmp_path)
+    assert watch.returncode == 3, err
+    assert "the instance is lost" in err
+    log = sb.run_in(inst.name, ["cat", f"/root/{name}.log"], capture_output=True, text=True, timeout=30).stdout
+    assert f"resumed from /root/ckpt/{saved} at step {verified}" in log
+    assert sb.run_in(inst.name, ["ls", "/root/ckpt"], capture_output=True, text=True, timeout=30).stdout.split() == [
+        saved]                                                      # nothing newer was ever saved
+    this_run = [int(line.split()[1]) for line in log.split(f"at step {verified}\n", 1)[1].splitlines()
+                if line.startswith("step ")]
+    [entry] = history(store)
+    assert entry["cause"] == "lost" and entry["newest_verified_step"] == verified
+    seen = entry["newest_seen_step"]
+    assert seen in this_run and seen > verified                    # what this run's log showed last, not 900
+    assert entry["steps_lost"] == seen - verified
 
 
 # -- transient is not fatal; a refusal ends it ---------------------------------------------------

@@ -36,11 +36,17 @@ from the merged manifest (records another writer made since this one last read c
 `keep` but are not dropped), commits the manifest first, then deletes, against the head, only
 files that no record at that head lists. `via: local` uploads are made against the head too,
 and refused before any byte is sent when that head records the checkpoint's name with other
-files (`hf upload` on the instance cannot be held to a parent revision).
+files. `hf upload` on the instance cannot be held to a parent revision, and may land long after
+the store was read (a slow link): it puts the checkpoint under `.relaunch/incoming/<tag>/`, where
+nothing is ever recorded; verified there, it is moved into place by one commit from this
+machine against the head (LFS files copied by reference, small regular ones sent again), refused
+when that head records the name with other files. So no writer's upload ever replaces the bytes
+of a checkpoint another one recorded, however late it lands.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -85,6 +91,7 @@ _AUTH = re.compile(r"\b401 Unauthorized\b|\b403 Forbidden\b|Invalid credentials"
 _NOT_FOUND = re.compile(r"not found|RepositoryNotFound|does not exist", re.I)
 # commits tried while other writers keep moving the head (each retry re-reads and merges)
 COMMIT_TRIES = 8
+INCOMING = f"{META_DIR}/incoming"          # where the instance's `hf upload` puts a checkpoint
 
 log = logging.getLogger("relaunch.hf")
 
@@ -625,11 +632,28 @@ class HfStore(Store):
             return CheckpointError(f"{self.label}: {text}", "check checkpoint.remote; nothing was put in place")
         return None
 
+    @staticmethod
+    def incoming(cp: Checkpoint) -> str:
+        """The store folder the instance uploads cp into (never a recorded path): one per save,
+        named by its files' names, sizes and times, the same for every part of a group's
+        checkpoint. Two writers meeting there cannot mix bytes: each moves into place what its
+        own upload's commit holds."""
+        tag = hashlib.sha256(json.dumps([cp.name, sorted((e.path, e.size, e.mtime) for e in cp.files)]).encode())
+        return f"{INCOMING}/{tag.hexdigest()[:16]}"
+
+    def plan_receive_parts(self, parts: list[tuple[Job, Checkpoint]], cp: Checkpoint,
+                           again: bool = False) -> list[Action]:
+        return [dataclasses.replace(a, host=job.host) if a.where != LOCAL else a
+                for job, part in parts for a in self._receive(job, part, self.incoming(cp))]
+
     def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
+        return self._receive(job, cp, self.incoming(cp))
+
+    def _receive(self, job: Job, cp: Checkpoint, incoming: str) -> list[Action]:
         write, load, remove = self._credentials(job, "evacuate", "evacuate")
         total = sum(e.size for e in cp.files)
-        args = ["upload", self.repo_id, cp.name, self._rp(cp.name), "--private", "--format", "json",
-                "--commit-message", f"relaunch: {cp.name} (step {cp.step}) from {job.host}"]
+        args = ["upload", self.repo_id, cp.name, self._rp(f"{incoming}/{cp.name}"), "--private", "--format", "json",
+                "--commit-message", f"relaunch: incoming {cp.name} (step {cp.step}) from {job.host}"]
         upload = Action("evacuate", f"the instance uploads {cp.name} (step {cp.step}, {human(total)}) to {self.label}",
                         command=f"cd {shlex.quote(job.copy_from)} && {self._hf_command(job, load, args)}",
                         deadline=rsync.deadline_for(total), fails_as="evacuate", produces=f"upload:{cp.name}",
@@ -642,7 +666,8 @@ class HfStore(Store):
     def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref | list[Ref],
                     about: dict[str, Any] | None = None) -> list[Action]:
         # a node group's parts upload one after another: the last upload's commit holds them all
-        return [Action("evacuate", f"verify {cp.name} in the repo at the commit its upload made, record it",
+        return [Action("evacuate", f"verify {cp.name} in the repo at the commit its upload made, move it into place "
+                                   "(refused if another writer recorded that name), record it",
                        where=LOCAL, call="store.accept_upload", fails_as="evacuate", produces=f"verified:{cp.name}",
                        deadline=store_deadline(cp_bytes(cp)),
                        args={"cp": cp, "hashes": hashes, "upload": Ref(f"upload:{cp.name}"), "host": job.host,
@@ -650,6 +675,8 @@ class HfStore(Store):
 
     def accept_upload(self, cp: Checkpoint, hashes: Hashes, upload: str, host: str,
                       about: dict[str, Any] | None = None) -> str:
+        """Verify the instance's upload in its incoming folder at the commit it made, move it into
+        place against the head, verify it there and record it."""
         record = expected_record(cp, hashes, host, about)
         hashes = merged(hashes)
         found = _COMMIT.search(upload or "")
@@ -657,13 +684,52 @@ class HfStore(Store):
         if sha is None:
             raise EvacuationError(f"{self.label}: the repo {self.repo_id} does not exist after the upload")
         blobs = {p: h.hashes.get("gitblob", "") for p, h in hashes.items()}
+        incoming = self.incoming(cp)
         snap = self._snapshot(sha)
-        problems = self._compare(snap, record.files, lambda paths: blobs)
+        landed = Snapshot(sha, {p[len(incoming) + 1:]: f for p, f in snap.files.items()
+                                if p.startswith(incoming + "/")})
+        problems = self._compare(landed, record.files, lambda paths: blobs)
         if problems:
             raise EvacuationError(f"{self.label}: {cp.name} did not verify in the repo: {problems[0]}")
+        placed = self._place(cp, record, landed, incoming, host)
+        snap = self._snapshot(placed)
+        problems = self._compare(snap, record.files, lambda paths: blobs)
+        if problems:
+            raise EvacuationError(f"{self.label}: {cp.name} did not verify in the repo after it was moved into place: "
+                                  f"{problems[0]}")
         self._verified[cp.name] = {p: snap.files[p] for p in record.files}
         self.record(record)
-        return f"{self.hash_name} {sha[:12]}"
+        return f"{self.hash_name} {placed[:12]}"
+
+    def _place(self, cp: Checkpoint, record: CheckpointRecord, landed: Snapshot, incoming: str, host: str) -> str:
+        """One commit on the head: the upload's files copied from `incoming` (at the commit the
+        upload made) to their own paths, and removed from `incoming`. Refused, and only the
+        upload removed, when the head records cp's name with other files; nothing is copied
+        where the head already holds the very same blob. Returns the commit that holds them."""
+        from huggingface_hub import CommitOperationCopy, CommitOperationDelete
+
+        want = {p: (f.size, f.sha256) for p, f in record.files.items()}
+
+        def attempt() -> tuple[str, CheckpointRecord | None]:
+            snap = self._head_snapshot()
+            recorded = self._manifest_at(snap).checkpoints.get(cp.name)
+            theirs = recorded if recorded is not None and {
+                p: (f.size, f.sha256) for p, f in recorded.files.items()} != want else None
+            ops: list[Any] = [] if theirs is not None else [
+                CommitOperationCopy(self._rp(f"{incoming}/{p}"), self._rp(p), src_revision=landed.sha)
+                for p in sorted(record.files) if snap.files.get(p) != landed.files[p]]
+            ops += [CommitOperationDelete(self._rp(f"{incoming}/{p}")) for p in sorted(record.files)
+                    if f"{incoming}/{p}" in snap.files]
+            if not ops:
+                return snap.sha, theirs
+            message = (f"relaunch: {cp.name} (step {cp.step}) from {host}" if theirs is None else
+                       f"relaunch: {cp.name} from {host} not placed (the store records other files under that name)")
+            return self._commit(ops, message, snap.sha, f"moving {cp.name} into place"), theirs
+
+        sha, theirs = self._against_head(attempt, f"moving {cp.name} into place")
+        if theirs is not None:
+            raise conflict_error(self.label, theirs)
+        return str(sha)
 
     def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
         sha = self._revision
