@@ -111,11 +111,6 @@ class InstancePaths:
         return f"{self.state}/secrets.env"
 
     @property
-    def store_env(self) -> str:
-        """Store credentials while one copy runs (never the training's secrets file)."""
-        return f"{self.state}/store.env"
-
-    @property
     def lock(self) -> str:
         return f"{self.state}/requirements.lock"
 

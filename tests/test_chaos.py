@@ -8,9 +8,10 @@ fill up), or a real `rclone serve s3` copied to through the instance (so that cr
 
     RELAUNCH_CHAOS_SCHEDULES=N   how many schedules (CI runs a small fixed budget)
     RELAUNCH_CHAOS_STEPS=N       steps per schedule
+    RELAUNCH_CHAOS_FIRST=S       the first seed (a long run after an earlier one tries new schedules)
     RELAUNCH_CHAOS_SEED=S        replay one schedule (a failure prints its seed and steps)
 
-The long run, documented in the README: RELAUNCH_CHAOS_SCHEDULES=200 python -m pytest tests/test_chaos.py
+The long run, and what the long runs found: docs/guarantees.md, "Faults searched".
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from relaunch import sandbox as sb
 
 SCHEDULES = int(os.environ.get("RELAUNCH_CHAOS_SCHEDULES", "3"))
 STEPS = int(os.environ.get("RELAUNCH_CHAOS_STEPS", "9"))
-SEEDS = [int(os.environ["RELAUNCH_CHAOS_SEED"])] if os.environ.get("RELAUNCH_CHAOS_SEED") else list(range(SCHEDULES))
+FIRST = int(os.environ.get("RELAUNCH_CHAOS_FIRST", "0"))
+SEEDS = ([int(os.environ["RELAUNCH_CHAOS_SEED"])] if os.environ.get("RELAUNCH_CHAOS_SEED")
+         else list(range(FIRST, FIRST + SCHEDULES)))
 DEADLINE = 300            # no command may take longer, whatever the fault
 CONTRACT = {0, 3, 4, 5, 6, 130}   # 1 is a bug, 2 is bad input: neither may appear here
 TRAINER = Path(__file__).with_name("chaos_trainer.py")

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 import zipfile
 from io import BytesIO
 from pathlib import Path
@@ -385,6 +386,38 @@ def test_store_credentials_reach_the_instance_only_for_a_copy(tmp_path, sandbox,
         assert secret not in leftovers
     assert "train-token-value-7" in ssh(second, "cat ~/.relaunch/creds/secrets.env").stdout
     assert ssh(second, "ls ~/.relaunch/creds/store.env 2>/dev/null || true").stdout == ""
+
+
+def test_a_relaunch_killed_as_the_copy_starts_leaves_no_credentials_on_the_instance(tmp_path, sandbox, ssh, ssh_key,
+                                                                                   s3_remote, package_index):
+    """kill -9 of relaunch at the moment the instance gets the store's credentials. They used to go
+    to a file first, removed by the copy when it started: relaunch killed in between (found by the
+    chaos test's long run) left the file on the instance's disk for good."""
+    from conftest import host_side_address
+
+    inst = sandbox(index_dir=package_index, command_log=True)
+    s3 = s3_remote(bind=host_side_address(inst))
+    secret = s3.env[f"RCLONE_CONFIG_{s3.name.upper()}_SECRET_ACCESS_KEY"]
+    recipe = plain_recipe(tmp_path, name="killedcreds", key=ssh_key, env={"index_url": inst.index_url},
+                          checkpoint={"remote": f"rclone:{s3.name}:{s3.bucket}/k", "via": "instance"})
+    plant(ssh, inst, 5)
+    proc = start_cli("evacuate", str(recipe), inst.host, home=tmp_path / "state", env=s3.env, err=tmp_path / "err")
+    try:
+        # the first command that hands the credentials over (a file of them, or the copy itself)
+        wait_for("the credentials handed over", lambda: any(
+            "store.env" in c or "--files-from0 - " in c for c in sb.commands(inst.name)), timeout=300, every=0.01)
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+    time.sleep(3)                              # whatever was on its way lands
+    # nothing of it on a command line there (checked before the grep below, which names it)
+    assert not [c[:300] for c in sb.commands(inst.name) if secret in c]
+    on_disk = ssh(inst, f"grep -rl -- {secret} ~ /tmp 2>/dev/null; true").stdout.strip()
+    assert on_disk == "", f"the store's secret is on the instance's disk: {on_disk}"
+    # the next evacuate copies and verifies as always
+    again = run_cli("evacuate", str(recipe), inst.host, home=tmp_path / "state", env=s3.env)
+    assert again.returncode == 0 and "safe to destroy" in again.stderr, again.stderr
 
 
 # -- 13. messages ------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ transports/tools.py); and what makes a copy trustworthy (the layouts that say wh
 is complete, the hashes on both ends, the manifest written last, the store lock) is relaunch's
 code on this machine. So the copy is `relaunch watch`'s: it looks at the guard every
 `guard.every` seconds and, on a notice, runs the same evacuation as `relaunch evacuate`; for a
-`via: instance` store that is still the instance uploading directly, with the credentials in a
-0600 file that exists only while that copy runs. Without a watch running, the notice still ends
+`via: instance` store that is still the instance uploading directly, with the credentials on
+that copy's stdin only. Without a watch running, the notice still ends
 in a finished save on the instance's disk (kept on a stop or hibernation; AWS, and Azure's
 Deallocate) and a notice record that `relaunch status` shows.
 """

@@ -15,8 +15,8 @@ primitives: instance -> rsync -> a cache on this machine (verified) -> HfApi -> 
 and the reverse for a restore.
 
 Credentials: this machine's HF_TOKEN (else the token `hf auth login` stored), as the `hf` CLI
-does; it is not a training secret, so it needs no place in env.secrets. On the instance it exists
-only in a 0600 file while one copy runs (`credential_actions`). These variables of this machine
+does; it is not a training secret, so it needs no place in env.secrets. On the instance it reaches
+only the stdin of the one `hf` command that copies (`credentials_stdin`), never its disk. These variables of this machine
 are passed to the instance's `hf` as they are (they are not secret): see PASSED_VARS.
 
 A repo that holds no relaunch manifest but a Trainer's `last-checkpoint/` (push_to_hub with
@@ -74,7 +74,7 @@ from ..store import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, Loca
 from ..ui import UI, human, redact
 from . import rsync
 from .base import Hashes, Store, cp_bytes, expected_record, merged, store_deadline, store_wait
-from .tools import credential_actions, tool_action, tool_path
+from .tools import credentials_stdin, tool_action, tool_path
 
 # Not secret: handed to the instance's `hf` on its command line when set on this machine.
 # HF_ENDPOINT points at a mirror (or the tests' fake hub); the others tune the client.
@@ -617,11 +617,9 @@ class HfStore(Store):
         passed = "".join(f"export {k}={shlex.quote(os.environ[k])}; " for k in PASSED_VARS if os.environ.get(k))
         return f"{load}{passed}{shlex.quote(tool_path(job, 'hf'))} {shlex.join(args)}"
 
-    def _credentials(self, job: Job, step: str, fails_as: str) -> tuple[list[Action], str, list[Action]]:
-        if not self.token:
-            return [], "", []
-        write, load, remove = credential_actions(job, step, {"HF_TOKEN": self.token}, fails_as)
-        return [write], load, [remove]
+    def _credentials(self) -> tuple[str, bytes | None, tuple[str, ...]]:
+        load, head, secret = credentials_stdin({"HF_TOKEN": self.token} if self.token else {})
+        return load, head or None, secret
 
     def explain(self, status: int | None, output: str) -> RelaunchError | None:
         """The `hf` CLI's failure as one line of ours: an auth refusal is exit 3, a missing repo 5."""
@@ -650,18 +648,19 @@ class HfStore(Store):
         return self._receive(job, cp, self.incoming(cp))
 
     def _receive(self, job: Job, cp: Checkpoint, incoming: str) -> list[Action]:
-        write, load, remove = self._credentials(job, "evacuate", "evacuate")
+        load, stdin, secret = self._credentials()
         total = sum(e.size for e in cp.files)
         args = ["upload", self.repo_id, cp.name, self._rp(f"{incoming}/{cp.name}"), "--private", "--format", "json",
                 "--commit-message", f"relaunch: incoming {cp.name} (step {cp.step}) from {job.host}"]
         upload = Action("evacuate", f"the instance uploads {cp.name} (step {cp.step}, {human(total)}) to {self.label}",
                         command=f"cd {shlex.quote(job.copy_from)} && {self._hf_command(job, load, args)}",
+                        stdin=stdin, secret=secret,
                         deadline=rsync.deadline_for(total), fails_as="evacuate", produces=f"upload:{cp.name}",
                         parse="text", explain="store.explain", outcomes={"re:No such file": "vanished"},
                         say=f"the instance uploads {cp.name} to {self.label}", progress="time")
         return [Action("evacuate", f"create the repo {self.repo_id} (private) unless it exists", where=LOCAL,
                        call="store.ensure_repo", deadline=store_deadline(), fails_as="evacuate"),
-                tool_action(job, "hf", "evacuate", "evacuate"), *write, upload, *remove]
+                tool_action(job, "hf", "evacuate", "evacuate"), upload]
 
     def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref | list[Ref],
                     about: dict[str, Any] | None = None) -> list[Action]:
@@ -737,13 +736,14 @@ class HfStore(Store):
             raise self._missing_error()
         files = sorted(record.files)
         total = sum(f.size for f in record.files.values())
-        write, load, remove = self._credentials(job, "checkpoint", "checkpoint")
+        load, stdin, secret = self._credentials()
         q = shlex.quote
         tmp = f"{job.paths.ckpt_dir}/.relaunch-hf-download"     # same filesystem: the move is a rename
         args = ["download", self.repo_id, *[self._rp(p) for p in files], "--revision", sha, "--local-dir", tmp,
                 "--format", "json"]
         download = Action("checkpoint", f"the instance downloads {record.name} ({human(total)}) from {self.label}",
                           command=f"rm -rf -- {q(tmp)} && mkdir -p -- {q(tmp)} && {self._hf_command(job, load, args)}",
+                          stdin=stdin, secret=secret,
                           deadline=rsync.deadline_for(total), fails_as="checkpoint", explain="store.explain",
                           hint="nothing is lost; rerun `relaunch up`",
                           say=f"the instance downloads {record.name} ({len(files)} file(s)) from {self.label}",
@@ -753,7 +753,7 @@ class HfStore(Store):
                       command=f"mkdir -p -- {q(incoming)} && mv -T -- {q(tmp + '/' + self._rp(record.name))} "
                               f"{q(incoming + '/' + record.name)}", fails_as="checkpoint")
         clean = Action("checkpoint", f"remove {tmp}", command=f"rm -rf -- {q(tmp)}", always=True, fails_as="checkpoint")
-        return [tool_action(job, "hf", "checkpoint", "checkpoint"), *write, download, move, *remove, clean]
+        return [tool_action(job, "hf", "checkpoint", "checkpoint"), download, move, clean]
 
     # -- via local: primitives for the relay -------------------------------------------------------
     landed_hashes = ("sha256",)

