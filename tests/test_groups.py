@@ -179,3 +179,38 @@ def test_drill_on_two_nodes_resumed_on_one_prints_its_table_and_a_record(tmp_pat
     store = tmp_path / "work" / "store" / "example-dist" / ".relaunch"
     record = json.loads(next(store.glob("drill-*.json")).read_text())
     assert record["rows"] == result["rows"]
+
+
+def test_a_stop_save_that_outlasts_torchruns_own_30_s_still_finishes(tmp_path, sandbox, ssh, ssh_key, package_index):
+    """torchrun SIGKILLs its ranks 30 s after the stop signal reaches it (it gets the signal with
+    them: the process group), while `evacuate --stop` waits run.stop.timeout. A save that takes
+    40 s (a big model's DCP checkpoint) was killed half-way and the run's newest step lost."""
+    from e2e import write_recipe
+
+    inst = sandbox(index_dir=package_index)
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(EXAMPLE / "requirements.lock", work / "requirements.lock")
+    shutil.copy(Path(__file__).with_name("slow_stop_trainer.py"), work / "slow_stop_trainer.py")
+    recipe = write_recipe(work, {
+        "name": "slowstop",
+        "ssh": {"key": str(ssh_key), "wait": 30},
+        "env": {"python": "3.11", "venv": "~/venvs/example", "installer": "uv", "lock": "requirements.lock",
+                "index_url": inst.index_url, "files": {"slow_stop_trainer.py": "~/work/slow_stop_trainer.py"}},
+        "checkpoint": {"dir": "~/ckpt", "layout": "files", "pattern": "ckpt-*.pt", "keep": 3,
+                       "remote": str(tmp_path / "store")},
+        "run": {"command": "torchrun --standalone --nproc-per-node 2 slow_stop_trainer.py ~/ckpt 40",
+                "workdir": "~/work", "ready": r"^step \d+", "stop": {"signal": "TERM", "timeout": 90}},
+    })
+    home = tmp_path / "state"
+    up = run_cli("up", str(recipe), inst.host, home=home)
+    assert up.returncode == 0, up.stderr
+    wait_for("a first save", lambda: ssh(inst, "ls ~/ckpt 2>/dev/null", check=False).stdout.strip(), timeout=120)
+    evac = run_cli("evacuate", str(recipe), inst.host, "--stop", "--json", home=home, timeout=600)
+    assert evac.returncode == 0 and "safe to destroy" in evac.stderr, evac.stderr
+    log = ssh(inst, "cat ~/slowstop.log").stdout
+    stopped = re.search(r"^stopped at step (\d+)$", log, re.M)
+    assert stopped, f"the ranks were killed before their save finished:\n{log[-2000:]}"
+    step = int(stopped[1])
+    assert json.loads(evac.stdout)["newest_step"] == step
+    assert (tmp_path / "store" / f"ckpt-{step:08d}.pt").read_bytes() == f"step {step}\n".encode() * 200

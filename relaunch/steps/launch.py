@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from pathlib import Path
 
@@ -14,6 +15,17 @@ from .env import exports
 from .guard import guard_paths, plan_guard
 
 WATCH_SLACK = 30.0       # seconds beyond the grace for the watch itself (python start, a slow box)
+SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+
+def launcher_env(job: Job) -> dict[str, str]:
+    """torchrun SIGKILLs its ranks 30 s after the stop signal reaches it (with every rank: the
+    process group), however long run.stop.timeout waits: a save that takes longer (a big model's
+    DCP checkpoint, a loaded box) was cut short. It waits run.stop.timeout too, unless the recipe's
+    env.vars says otherwise (a `--shutdown-timeout` in the command wins over both)."""
+    if SHUTDOWN in job.recipe.env.vars:
+        return {}
+    return {SHUTDOWN: str(math.ceil(job.recipe.run.stop.timeout))}
 
 
 def render_run_script(job: Job) -> str:
@@ -21,7 +33,7 @@ def render_run_script(job: Job) -> str:
     paths = job.paths
     return scripts.render("run.sh.j2", name=job.recipe.name, session=job.recipe.run.session, command=command,
                           workdir=paths.workdir, venv=paths.venv, secrets_file=paths.secrets_file,
-                          exports=exports(job, values), log=paths.log, status_file=paths.status_file,
+                          exports=exports(job, {**launcher_env(job), **values}), log=paths.log, status_file=paths.status_file,
                           pgid_file=paths.pgid_file, python_path=paths.python_path,
                           stop_signal=job.recipe.run.stop.signal, notice_file=guard_paths(job).notice,
                           templates=job.recipe.templates)
