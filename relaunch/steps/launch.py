@@ -33,7 +33,8 @@ def render_run_script(job: Job) -> str:
     paths = job.paths
     return scripts.render("run.sh.j2", name=job.recipe.name, session=job.recipe.run.session, command=command,
                           workdir=paths.workdir, venv=paths.venv, secrets_file=paths.secrets_file,
-                          exports=exports(job, {**launcher_env(job), **values}), log=paths.log, status_file=paths.status_file,
+                          exports=exports(job, {**launcher_env(job), **values}), log=paths.log,
+                          status_file=paths.status_file,
                           pgid_file=paths.pgid_file, python_path=paths.python_path,
                           stop_signal=job.recipe.run.stop.signal, notice_file=guard_paths(job).notice,
                           templates=job.recipe.templates)

@@ -15,9 +15,10 @@ primitives: instance -> rsync -> a cache on this machine (verified) -> HfApi -> 
 and the reverse for a restore.
 
 Credentials: this machine's HF_TOKEN (else the token `hf auth login` stored), as the `hf` CLI
-does; it is not a training secret, so it needs no place in env.secrets. On the instance it reaches
-only the stdin of the one `hf` command that copies (`credentials_stdin`), never its disk. These variables of this machine
-are passed to the instance's `hf` as they are (they are not secret): see PASSED_VARS.
+does; it is not a training secret, so it needs no place in env.secrets. On the instance it
+reaches only the stdin of the one `hf` command that copies (`credentials_stdin`), never its disk.
+These variables of this machine are passed to the instance's `hf` as they are (they are not
+secret): see PASSED_VARS.
 
 A repo that holds no relaunch manifest but a Trainer's `last-checkpoint/` (push_to_hub with
 hub_strategy="checkpoint") is read as a store with that one checkpoint, so `up` can resume from

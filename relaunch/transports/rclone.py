@@ -8,7 +8,8 @@ both sides know (sha256 where the remote has it, else md5 computed from the same
 downloads to compute sha256 when they share none: `rclone check` silently passes in that case.
 
 This class is the `via: instance` store (the instance runs rclone with the remote's definition
-on its stdin, never on its disk); `via: local` wraps it in a Relay (relay.py) using its local primitives.
+on its stdin, never on its disk); `via: local` wraps it in a Relay (relay.py) using its local
+primitives.
 """
 
 from __future__ import annotations
@@ -305,8 +306,8 @@ class RcloneStore(Store):
         command = (f"{load}{shlex.quote(tool_path(job, 'rclone'))} {STATS} copy --immutable --files-from0 - "
                    f"{shlex.quote(job.copy_from + '/')} {shlex.quote(self._path())}")
         copy = Action("evacuate", f"the instance uploads {cp.name} (step {cp.step}, {human(total)}) to {self.label}",
-                      command=command, stdin=head + paths_stdin(files), secret=secret, deadline=rsync.deadline_for(total),
-                      progress="rclone", size=total,
+                      command=command, stdin=head + paths_stdin(files), secret=secret,
+                      deadline=rsync.deadline_for(total), progress="rclone", size=total,
                       fails_as="evacuate", outcomes={"re:no such file or directory": "vanished"},
                       explain="store.explain", say=f"the instance uploads {cp.name} to {self.label}")
         return [tool_action(job, "rclone", "evacuate", "evacuate"), copy]
@@ -318,8 +319,8 @@ class RcloneStore(Store):
         command = (f"{load}{shlex.quote(tool_path(job, 'rclone'))} {STATS} copy --files-from0 - "
                    f"{shlex.quote(self._path())} {shlex.quote(incoming + '/')}")
         copy = Action("checkpoint", f"the instance downloads {record.name} ({human(total)}) from {self.label}",
-                      command=command, stdin=head + paths_stdin(files), secret=secret, deadline=rsync.deadline_for(total),
-                      progress="rclone", size=total,
+                      command=command, stdin=head + paths_stdin(files), secret=secret,
+                      deadline=rsync.deadline_for(total), progress="rclone", size=total,
                       fails_as="checkpoint", hint="nothing is lost; rerun `relaunch up`", explain="store.explain",
                       say=f"the instance downloads {record.name} ({human(total)}) from {self.label}")
         return [tool_action(job, "rclone", "checkpoint", "checkpoint"), copy]
