@@ -10,13 +10,14 @@ from .cycle import connected, open_group, open_host
 from .gather import gather, gather_group
 from .history import Interruption, read_history
 from .host.spec import HostSpec
-from .job import Lag, drift
+from .job import Lag, StoreState, drift
 from .recipe import Recipe
 from .steps.checkpoint import instance_checkpoints
 from .steps.guard import LOOK_DEADLINE as GUARD_LOOK_DEADLINE, guard_session, look_command, parse_look, \
     source_lines
 from .steps.launch import tail_command
 from .transports import open_store
+from .transports.base import Store
 from .errors import RelaunchError, shorten
 from .ui import UI, human
 from .watch.holder import read_state
@@ -40,15 +41,29 @@ class Status(Lag):
     notice: dict[str, Any] | None = None         # the guard's notice record, when one came
     interruptions: list[dict[str, Any]] = field(default_factory=list)   # the last ones, from the store
     watch: dict[str, Any] | None = None          # the last `relaunch watch` of this recipe and store here
+    store_error: str = ""                        # the store did not answer: what it said
+
+
+def read_store(store: Store, ui: UI) -> tuple[StoreState | None, str]:
+    """The store's state, or why it cannot be read: a look at the instance is still worth having
+    when the store is down (an S3 outage, a Hub 5xx, credentials gone), so it is said, not fatal."""
+    try:
+        return store.read(False), ""
+    except RelaunchError as exc:
+        why = shorten(exc.message, 200)
+        ui.warn(f"the store {store.label} did not answer; the instance is shown without it: {why}")
+        return None, why
 
 
 def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
     store = open_store(recipe)
     node, remote = open_host(recipe, spec, ui)
     with remote:
-        job = gather(remote, recipe, node, store)
+        job = gather(remote, recipe, node)
+        job.facts.store, store_error = read_store(store, ui)
         facts, paths = job.facts.host, job.paths
-        result = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt)
+        result = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt,
+                        store_error=store_error)
         if facts.session_since.isdigit():
             result.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
         tail = remote.exec(tail_command(paths.log, lines), deadline=LOOK_DEADLINE)
@@ -75,11 +90,16 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
                             "rebalance": seen.rebalance}
             result.notice = seen.notice
         try:
-            result.interruptions = [e.as_dict() for e in read_history(store)[-HISTORY_SHOWN:]]
+            if not store_error:
+                result.interruptions = [e.as_dict() for e in read_history(store)[-HISTORY_SHOWN:]]
         except RelaunchError as exc:
             ui.warn(f"could not read the history of interruptions from {store.label}: {shorten(exc.message, 200)}")
         result.watch = read_state(recipe.name, store.label)
         return result
+
+
+def in_store_unknown(s: Status) -> str:
+    return f"unknown: the store did not answer ({s.store_error})" if s.store_error else "none"
 
 
 def render(s: Status, recipe: Recipe) -> str:
@@ -91,7 +111,7 @@ def render(s: Status, recipe: Recipe) -> str:
     else:
         out.append("  gpu  none (nvidia-smi not found)")
     on_instance = f"{s.newest} (step {s.newest_step})" if s.newest else "none yet"
-    in_store = f"{s.stored} (step {s.stored_step})" if s.stored else "none"
+    in_store = f"{s.stored} (step {s.stored_step})" if s.stored else in_store_unknown(s)
     out.append(f"  newest checkpoint on the instance: {on_instance}")
     out.append(f"  newest verified in the store:      {in_store}")
     if s.lag_steps is not None:
@@ -116,14 +136,18 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
     store = open_store(recipe)
     pairs = open_group(recipe, specs, ui)
     with connected(pairs) as remotes:
-        jobs = gather_group(pairs, recipe, store)
+        jobs = gather_group(pairs, recipe)
+        state, store_error = read_store(store, ui)
+        for job in jobs:
+            job.facts.store = state
         group = instance_checkpoints(jobs[0])
         manifest = jobs[0].facts.store.manifest if jobs[0].facts.store else None
         stored = manifest.newest() if manifest else None
         found = []
         for job in jobs:
             facts = job.facts.host
-            one = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt, gpus=facts.gpus)
+            one = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt, gpus=facts.gpus,
+                         store_error=store_error)
             if facts.session_since.isdigit():
                 one.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
             tail = remotes[job.host].exec(tail_command(job.paths.log, lines), deadline=LOOK_DEADLINE)
@@ -153,7 +177,7 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     out.append(f"newest checkpoint complete across the group: "
                f"{f'{first.newest} (step {first.newest_step})' if first.newest else 'none yet'}")
     out.append(f"newest verified in the store:                "
-               f"{f'{first.stored} (step {first.stored_step})' if first.stored else 'none'}")
+               f"{f'{first.stored} (step {first.stored_step})' if first.stored else in_store_unknown(first)}")
     if first.lag_steps is not None:
         minutes = f", {first.lag_seconds / 60:.1f} min" if first.lag_seconds is not None else ""
         out.append(f"a loss right now would cost: {first.lag_steps} steps{minutes}")

@@ -135,6 +135,26 @@ def test_status_reports_the_lag_and_exits_4_once_training_died(tmp_path, sandbox
     assert gone.returncode == 3
 
 
+def test_status_shows_the_instance_when_the_store_does_not_answer(tmp_path, sandbox, ssh, ssh_key, s3_remote):
+    """An S3 outage is when a user most wants to know whether training still runs."""
+    home, inst = tmp_path / "state", sandbox()
+    s3 = s3_remote()
+    recipe = plain_recipe(tmp_path, name="storedown", key=ssh_key, command="echo training; sleep 600",
+                          checkpoint={"remote": f"rclone:{s3.name}:{s3.bucket}/d", "via": "local"})
+    assert run_cli("up", str(recipe), inst.host, home=home, env=s3.env).returncode == 0
+    plant(ssh, inst, 100)
+    s3.stop()
+    result = run_cli("status", str(recipe), home=home, env=s3.env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "tmux session storedown: ALIVE" in result.stdout
+    assert "newest checkpoint on the instance: ckpt-00000100.pt (step 100)" in result.stdout
+    assert "newest verified in the store:      unknown: the store did not answer" in result.stdout
+    assert f"the store rclone:{s3.name}:{s3.bucket}/d did not answer" in result.stderr
+    assert "Traceback" not in result.stderr
+    data = json.loads(run_cli("status", str(recipe), "--json", home=home, env=s3.env, timeout=300).stdout)
+    assert data["alive"] and data["newest_step"] == 100 and data["stored_step"] is None and data["store_error"]
+
+
 def test_evacuate_stop_saves_and_stops_training_then_evacuates(tmp_path, sandbox, ssh, ssh_key, package_index):
     home, inst = tmp_path / "state", sandbox(index_dir=package_index)
     recipe = example_recipe(tmp_path / "work", name="stopping", layout="files", key=ssh_key,
