@@ -374,6 +374,17 @@ def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept
         return UpResult(job.host, status, job.checkpoint, job.step)
 
 
+def prepare(recipe: Recipe, spec: HostSpec, ui: UI) -> None:
+    """Preflight and the env (venv, lock, env.files, env.setup) on an instance that joins a group
+    later: a replacement rented while the shrunk group trains. The `up` on the whole group then
+    finds them made (nothing to install) and the others stop only for the save, its copy and the
+    start."""
+    node, remote = open_host(recipe, spec, ui)
+    with remote:
+        job = gather(remote, recipe, node, listing=False)
+        executor_for(job, remote, None, ui).run([*plan_preflight(job, 0), *plan_env(job)])
+
+
 def _not_held(job: Job, store: Store, damaged: set[str], wanted: str | None, ui: UI) -> bool:
     """Is the store's checkpoint `up` would restore listed in the manifest but not held by the store
     (deleted by hand, a lifecycle rule, a disk fault)? Then, like a damaged one, it is not used:

@@ -584,6 +584,12 @@ def test_a_group_that_loses_a_node_trains_on_the_one_left_and_grows_back_with_a_
         assert watch.returncode == 130, err
         assert "1 of 2 nodes lost" in err and "recover.shrink: training goes on on the 1 node(s) left now" in err
         assert "growing back to 2 nodes" in err
+        # the replacement's env was made while node 0 trained alone, not while the group waited:
+        # its venv is older than the moment training stopped to grow back
+        assert err.index(f"recover: making the env on {third.host}") < err.index("growing back to 2 nodes")
+        grow = next(h for h in history(store) if h["cause"] == "grow")
+        made = float(ssh(third, "stat -c %Y ~/venvs/example/bin/activate").stdout)
+        assert made < grow["at_epoch"], (made, grow)
         log = ssh(n0, "cat ~/example-dist.log").stdout
         assert f"at step {shrunk['step']} (world size 2, grad_accum 4)" in log
         assert f"at step {grown['step']} (world size 4, grad_accum 2)" in log

@@ -589,7 +589,7 @@ class Watch:
             results = self.bring_up(left)
             self.grow_after = results[0].step
             if self.recipe.recover.command:
-                self.renting = self.chores.submit(self.rent_many, entry, len(gone))
+                self.renting = self.chores.submit(self.rent_and_prepare, entry, len(gone))
         else:
             rented = self.rent_many(entry, len(gone))
             if left:
@@ -607,6 +607,22 @@ class Watch:
 
     def rent_many(self, entry: history.Interruption, count: int) -> list[rent.Rented]:
         return [self.rent_one(entry, n) for n in range(count)]
+
+    def rent_and_prepare(self, entry: history.Interruption, count: int) -> list[rent.Rented]:
+        """recover.shrink: the replacements are rented while the shrunk group trains, and their env
+        is made then too, so that growing back installs nothing while training is stopped."""
+        spares = self.rent_many(entry, count)
+        for found in spares:
+            self._post("say", f"recover: making the env on {found.spec} while the group trains (preflight, venv, "
+                              "lock, env.files, env.setup)")
+            try:
+                cycle.prepare(self.current(self.recipe.ssh.wait), found.spec, self.inner)
+            except (Interrupted, UsageError):
+                raise
+            except RelaunchError as exc:
+                self._post("warn", f"recover: the env on {found.spec} could not be made ahead "
+                                   f"({_first_line(exc)}); the `up` that grows the group back makes it")
+        return spares
 
     def rent_one(self, entry: history.Interruption, n: int) -> rent.Rented:
         """recover.command until it names a HOST that answers with an accepted key. Once it has
