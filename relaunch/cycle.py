@@ -374,12 +374,13 @@ def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept
         return UpResult(job.host, status, job.checkpoint, job.step)
 
 
-def prepare(recipe: Recipe, spec: HostSpec, ui: UI) -> None:
-    """Preflight and the env (venv, lock, env.files, env.setup) on an instance that joins a group
-    later: a replacement rented while the shrunk group trains. The `up` on the whole group then
-    finds them made (nothing to install) and the others stop only for the save, its copy and the
-    start."""
-    node, remote = open_host(recipe, spec, ui)
+def prepare(recipe: Recipe, group: list[HostSpec], rank: int, ui: UI) -> None:
+    """Preflight and the env (venv, lock, env.files, env.setup) on node `rank` of the group it is
+    to join later (a replacement rented while the shrunk group trains), rendered as that node
+    (`{{ node_rank }}`, `{{ nnodes }}`, `{{ master_addr }}`). The `up` on the whole group then
+    finds them made, and the others stop only for the save, its copy and the start."""
+    master = make_target(recipe, group[0]).address
+    node, remote = open_host(recipe, group[rank], ui, rank=rank, nnodes=len(group), master_addr=master)
     with remote:
         job = gather(remote, recipe, node, listing=False)
         executor_for(job, remote, None, ui).run([*plan_preflight(job, 0), *plan_env(job)])

@@ -612,11 +612,12 @@ class Watch:
         """recover.shrink: the replacements are rented while the shrunk group trains, and their env
         is made then too, so that growing back installs nothing while training is stopped."""
         spares = self.rent_many(entry, count)
-        for found in spares:
+        group = [*self.specs, *(r.spec for r in spares)]           # as growing back will make it
+        for rank, found in enumerate(spares, start=len(self.specs)):
             self._post("say", f"recover: making the env on {found.spec} while the group trains (preflight, venv, "
                               "lock, env.files, env.setup)")
             try:
-                cycle.prepare(self.current(self.recipe.ssh.wait), found.spec, self.inner)
+                cycle.prepare(self.current(self.recipe.ssh.wait), group, rank, self.inner)
             except (Interrupted, UsageError):
                 raise
             except RelaunchError as exc:
