@@ -131,7 +131,9 @@ def open_group(recipe: Recipe, specs: list[HostSpec], ui: UI,
             remote.close()
         spec, exc = failed[0]
         if isinstance(exc, RelaunchError):
-            raise type(exc)(f"{len(failed)} of {len(specs)} nodes could not be reached; first, {spec}: {exc.message}",
+            named = exc.message if exc.message.startswith(f"{make_target(recipe, spec).label}:") else \
+                f"{spec}: {exc.message}"               # most messages name their host already
+            raise type(exc)(f"{len(failed)} of {len(specs)} nodes could not be reached; first, {named}",
                             exc.hint, exc.refused)
         raise exc  # type: ignore[misc]
     return pairs  # type: ignore[return-value]
