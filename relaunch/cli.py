@@ -590,14 +590,17 @@ def sandbox() -> None:
               help="Public key to authorize (default: relaunch's sandbox key).")
 @click.option("--index", "index", type=click.Path(exists=True, file_okay=False), default=None,
               help="Serve this package index (a folder with simple/) inside the instance on 127.0.0.1:8765.")
+@click.option("--address", default=None,
+              help="This free address of the sandbox's range (one a destroyed instance had: providers reuse "
+                   "addresses); default: the next free one.")
 @click.option("--json", "as_json", is_flag=True)
 def sandbox_create(name: str, user: str, disk: str, rate: str | None, key: str | None, index: str | None,
-                   as_json: bool) -> None:
+                   address: str | None, as_json: bool) -> None:
     """Create instance NAME and print how to reach it."""
     from . import sandbox as sb
 
     inst = sb.create(name, user=user, authorized_key=Path(key) if key else None, disk=disk, rate=rate,
-                     index_dir=Path(index) if index else None)
+                     index_dir=Path(index) if index else None, address=address)
     if as_json:
         emit(True, {**inst.__dict__, "host": inst.host, "key": str(sb.default_key()) if key is None else None})
         return

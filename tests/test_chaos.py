@@ -404,8 +404,10 @@ def lose_instance(world: World, rng: random.Random) -> None:
     verified = world.newest_verified()
     old = world.inst
     sb.destroy(old.name)
-    world.inst = world.sandbox(rate="8mbit", index_dir=world.index_dir) if world.index_dir else \
-        world.sandbox(rate="8mbit")
+    # providers reuse addresses: most often the new one gets the old address (and a new host key)
+    where = {"address": old.address} if rng.random() < 0.8 else {}
+    world.inst = world.sandbox(rate="8mbit", index_dir=world.index_dir, **where) if world.index_dir else \
+        world.sandbox(rate="8mbit", **where)
     world.trace.append(f"lose {old.host}; new instance {world.inst.host}")
     got = run(world, rng, ["up", str(world.recipe), world.inst.host], "none")
     if world.inst.address == old.address:

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ def test_changed_host_key_is_refused_until_accepted(tmp_path, sandbox, ssh_key):
     recorded = (home / "known_hosts").read_text()
 
     sb.destroy(first.name)                      # the provider gives the address to a new instance
-    second = sandbox()
+    second = sandbox(address=first.address)
     assert second.address == first.address and second.host_key_fingerprint != first.host_key_fingerprint
 
     for command in (["plan", str(recipe), second.host], ["up", str(recipe), second.host]):
@@ -227,7 +228,9 @@ def test_an_index_token_is_never_on_a_command_line_in_plan_output_or_in_readable
     and relaunch shows it as `https://***@host/simple`."""
     home = tmp_path / "state"
     inst = sandbox(index_dir=package_index)
-    token = "SECRET123"
+    # one token per run: the instances share this machine's process table, and the other
+    # installer's run greps its own token (on a command line, for this test's `ps`) meanwhile
+    token = f"SECRET{uuid.uuid4().hex[:12]}"
     # the sandbox's index ignores userinfo, so the install works with it as with a real one's token
     url = inst.index_url.replace("http://", f"http://tok:{token}@")
     lock = tmp_path / "requirements.lock"

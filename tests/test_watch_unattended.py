@@ -216,7 +216,8 @@ def test_a_replacement_at_an_address_seen_before_is_accepted_with_its_new_key(tm
     home, first = tmp_path / "state", sandbox()
     work = tmp_path / "work"
     recipe = spot_recipe(work, "reused", ssh_key, every=10, guard={"every": 1}, checkpoint={"every": 2},
-                         recover={"command": f"relaunch sandbox destroy {first.name} >&2 && ./rent-sandbox.sh | "
+                         recover={"command": f"relaunch sandbox destroy {first.name} >&2 && "
+                                             f"RELAUNCH_SANDBOX_ADDRESS={first.address} ./rent-sandbox.sh | "
                                              "cut -d' ' -f1", "lost_after": 4, "attempts": 2, "timeout": 120})
     shutil.copy(EXAMPLE / "rent-sandbox.sh", work / "rent-sandbox.sh")
     rented = work / "rented.txt"
@@ -231,7 +232,8 @@ def test_a_replacement_at_an_address_seen_before_is_accepted_with_its_new_key(tm
             names = rented.read_text().split()
             assert len(names) == 1
             second = sb.get(names[0])
-            # the precondition of this test: the provider (the sandbox) gave the old address to the new one
+            # the precondition of this test: the provider (the sandbox, asked to) gave the old address to
+            # the new one
             assert second.address == first.address and second.host_key_fingerprint != first.host_key_fingerprint
             assert up["status"] == "started"
             after = len(events(tmp_path))

@@ -337,6 +337,7 @@ def create(
     boot_delay: float = 0.0,
     key_delay: float = 0.0,
     command_log: bool = False,
+    address: str | None = None,
 ) -> Instance:
     """Create and boot instance `name`; returns once sshd accepts TCP (at once with boot_delay).
 
@@ -348,7 +349,8 @@ def create(
     command_log: sshd logs every command it is asked to run, byte for byte, for `commands(name)`;
     a session without a command (a login shell) logs nothing. SFTP still works, through
     /usr/lib/openssh/sftp-server instead of sshd's own: each SFTP session logs that program's path
-    as its command. Other subsystems are not supported on such an instance.
+    as its command. Other subsystems are not supported on such an instance. address: this free
+    address of the range (one a destroyed instance had), else the next free one.
     """
     _check_name(name)
     if user not in USERS:
@@ -378,7 +380,7 @@ def create(
         RUN_DIR.chmod(0o755)  # sshd reads authorized_keys as the login user
         folder.mkdir(mode=0o755)
         try:
-            slot, net = network.claim(name, folder)
+            slot, net = network.claim(name, folder, address)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             network.release(name, RUN_DIR)

@@ -176,7 +176,10 @@ def range_of(world: Path) -> IPv4Network | None:
     return recorded if recorded is not None else (LEGACY_RANGE if instance_names(world) else None)
 
 
-def _free_slot() -> int:
+NEXT_SLOT = MACHINE_DIR / ".next-slot"
+
+
+def _used_slots() -> set[int]:
     used = set()
     for world in sandbox_dirs():
         for slot_file in world.glob("*/slot"):
@@ -186,15 +189,39 @@ def _free_slot() -> int:
         m = re.fullmatch(r"rlv(\d+)[hi]", dev.name)
         if m:
             used.add(int(m.group(1)))
-    for slot in range(1, 255):
+    return used
+
+
+def _free_slot() -> int:
+    """The next free slot after the last one given (round robin, as a PID): a slot just freed is
+    not given again at once, so that an address stays the one who freed it asks for (`address=`),
+    as a provider hands a released address to the next instance of the same account."""
+    used = _used_slots()
+    start = 1
+    with contextlib.suppress(OSError, ValueError):
+        start = int(NEXT_SLOT.read_text())
+    if not 1 <= start <= 254:
+        start = 1
+    for slot in [*range(start, 255), *range(1, start)]:
         if slot not in used:
+            NEXT_SLOT.write_text(f"{slot % 254 + 1}\n")
             return slot
     raise UsageError("no free sandbox slot (254 instances exist)", hint="relaunch sandbox list / destroy NAME")
 
 
-def claim(name: str, folder: Path) -> tuple[int, IPv4Network]:
-    """Claim instance `name`, whose folder in its sandbox dir was just made: a slot, and the dir's
-    range (chosen now if the dir has none). Call under machine_lock(). Returns (slot, range)."""
+def slot_of(address: str, net: IPv4Network) -> int:
+    """The slot whose instance address is `address` in range `net` (X.Y.N.2 -> N)."""
+    for slot in range(1, 255):
+        if addresses(slot, net)[1] == address:
+            return slot
+    raise UsageError(f"{address} is no sandbox instance address of the range {net}",
+                     hint=f"an instance address is {addresses(1, net)[1]}, {addresses(2, net)[1]}, ...")
+
+
+def claim(name: str, folder: Path, address: str | None = None) -> tuple[int, IPv4Network]:
+    """Claim instance `name`, whose folder in its sandbox dir was just made: a slot (the one of
+    `address` when given, refused when taken), and the dir's range (chosen now if the dir has
+    none). Call under machine_lock(). Returns (slot, range)."""
     world = folder.parent
     net = range_of(world)
     if net is None:
@@ -202,7 +229,12 @@ def claim(name: str, folder: Path) -> tuple[int, IPv4Network]:
         routes = json.loads(run(["ip", "-j", "-4", "route", "show", "table", "all"]).stdout or "[]")
         net = choose_range(routes, taken)
     (world / ".range").write_text(f"{net}\n")
-    slot = _free_slot()
+    if address is None:
+        slot = _free_slot()
+    else:
+        slot = slot_of(address, net)
+        if slot in _used_slots():
+            raise UsageError(f"the sandbox address {address} is taken", hint="relaunch sandbox list")
     (folder / "slot").write_text(f"{slot}\n")
     CLAIMS.mkdir(parents=True, exist_ok=True)
     (CLAIMS / f"{name}.json").write_text(json.dumps({"dir": str(world)}) + "\n")
