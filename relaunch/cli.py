@@ -338,15 +338,20 @@ def check(recipe: str, explain: bool, overrides: tuple[str, ...], as_json: bool,
     """Validate a recipe (extends resolved, templates rendered) without touching any host."""
     from .recipe import check_recipe
     from .recipe.explain import explain as explained, explain_text
+    from .recipe.render import disk_findings
 
     r = load(recipe, overrides)
     notes = check_recipe(r)
+    warnings, disk_notes = disk_findings(r)
+    notes += disk_notes
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
     for note in notes:
         click.echo(f"note: {note}", err=True)
     if explain and not as_json:
         click.echo(redact(explain_text(r)), nl=False)
     click.echo(f"{recipe}: ok (recipe {r.name})", err=as_json or explain)
-    result: dict[str, Any] = {"ok": True, "name": r.name, "notes": notes}
+    result: dict[str, Any] = {"ok": True, "name": r.name, "notes": notes, "warnings": warnings}
     if explain:
         result |= {"files": r.files, "values": [e.as_dict() for e in explained(r)]}
     emit(as_json, result)
@@ -400,8 +405,9 @@ def init(path: str | None, provider: str | None, layout: str | None, remote: str
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def providers(as_json: bool) -> None:
-    """List the provider presets: SSH user and port, whether the disk survives a stop, the reclaim
-    notice the instance gets, one note, and the documentation each fact comes from."""
+    """List the provider presets: SSH user and port, whether the disk survives a stop, which disks a
+    stop or a reclaim wipes, the reclaim notice the instance gets, one note, and the documentation
+    each fact comes from. Each has a base recipe, `extends: [providers/NAME]`."""
     from .recipe import load_providers
 
     presets = load_providers()
@@ -413,6 +419,9 @@ def providers(as_json: bool) -> None:
     for name, p in presets.items():
         click.echo(f"{name:<14} {p.user or '?':<11} {p.port or '?'!s:<5} {yes_no[p.disk_survives_stop]:<10} "
                    f"{p.reclaim_notice or '?':<8} {p.notes}")
+        for disk in p.disks:
+            fate = ", ".join(f"{what} {getattr(disk, what)}" for what in ("stop", "reclaim") if getattr(disk, what))
+            click.echo(f"{'':<14} disk {disk.path} ({disk.name}): {fate or 'fate not documented'}")
         for source in p.sources:
             click.echo(f"{'':<14} source: {source}")
     click.echo("? = not known from a source (recipes/providers.yaml says where each value comes from)")

@@ -22,6 +22,8 @@ done
 if [ "$(id -u)" = 0 ] || sudo -n true 2>/dev/null; then echo "can_root=1"; else echo "can_root=0"; fi
 free_at() { d=$1; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; df -Pk "$d" | awk 'NR==2 {printf "%.0f\n", $4*1024}'; }
 echo "free_ckpt=$(free_at "$ckpt")"
+total_at() { d=$1; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; df -Pk "$d" | awk 'NR==2 {printf "%.0f\n", $2*1024}'; }
+echo "total_ckpt=$(total_at "$ckpt")"
 echo "free_venv=$(free_at "$venv")"
 if command -v tmux >/dev/null 2>&1 && tmux has-session -t "=$session" 2>/dev/null; then
   echo "session_alive=1"

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from e2e import REPO, run_cli
-from relaunch.recipe import load_recipe
+from relaunch.recipe import load_providers, load_recipe
 from relaunch.recipe.reference import fields, reference
 
 
@@ -41,6 +41,11 @@ def test_every_recipe_under_recipes_passes_check(tmp_path: Path) -> None:
     for path in recipes:
         out = run_cli("check", str(path), home=tmp_path)
         assert out.returncode == 0, f"{path}: {out.stderr}"
+        merged |= {Path(f).resolve() for f in load_recipe(path).files}
+    # the provider bases are what `relaunch init --provider NAME` extends
+    for provider in load_providers():
+        path = tmp_path / f"init-{provider}.yaml"
+        assert run_cli("init", str(path), "--provider", provider, home=tmp_path).returncode == 0
         merged |= {Path(f).resolve() for f in load_recipe(path).files}
     bases = [p for p in shipped if p not in recipes]
     assert bases and all(p.resolve() in merged for p in bases), "a base recipe no recipe extends"

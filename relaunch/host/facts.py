@@ -23,6 +23,7 @@ class HostFacts:
     tools: dict[str, bool] = field(default_factory=dict)
     can_root: bool = False
     free_ckpt: int = 0
+    total_ckpt: int = 0           # size of the disk checkpoint.dir is on
     free_venv: int = 0
     session_alive: bool = False
     session_since: str = ""
@@ -94,6 +95,7 @@ def parse_facts(text: str) -> HostFacts:
     facts.tools = {k[4:]: v == "1" for k, v in values.items() if k.startswith("has_")}
     facts.can_root = values.get("can_root") == "1"
     facts.free_ckpt = _number(values.get("free_ckpt"))
+    facts.total_ckpt = _number(values.get("total_ckpt"))
     facts.free_venv = _number(values.get("free_venv"))
     facts.session_alive = values.get("session_alive") == "1"
     facts.session_since = values.get("session_since", "")

@@ -235,6 +235,17 @@ def sample_context(recipe: Recipe) -> dict[str, Any]:
     )
 
 
+def disk_findings(recipe: Recipe) -> tuple[list[str], list[str]]:
+    """(warnings, notes) about where checkpoint.dir and env.venv sit on the provider's disks, for
+    `relaunch check`: rendered with the sample context, `~` as the home ssh.user would have."""
+    from relaunch.recipe.disks import recipe_disk_warnings
+
+    ctx = sample_context(recipe)
+    home = ctx["home"]
+    paths = {key: render_text(recipe, str(recipe.value(key)), ctx, key) for key in ("checkpoint.dir", "env.venv")}
+    return recipe_disk_warnings(recipe, home, paths)
+
+
 def check_recipe(recipe: Recipe) -> list[str]:
     """Render every string with a sample context and check the local files the recipe names.
 

@@ -7,6 +7,7 @@ import shlex
 from ..errors import EnvError
 from ..job import Job
 from ..plan import Action
+from ..recipe.disks import recipe_disk_warnings, too_small
 from ..ui import human
 
 GiB = 1024**3
@@ -28,6 +29,27 @@ def apt_command(packages: list[str], root: bool) -> str:
             f"{sudo}env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {names}")
 
 
+def newest_bytes(job: Job) -> int:
+    """The size of the newest complete checkpoint, on the instance or in the store (0: none yet)."""
+    from .checkpoint import instance_checkpoints
+
+    sizes = [sum(e.size for e in cp.files) for cp in instance_checkpoints(job)[-1:]]
+    store = job.facts.store
+    record = store.manifest.newest() if store and store.manifest else None
+    if record is not None:
+        sizes.append(sum(f.size for f in record.files.values()))
+    return max(sizes, default=0)
+
+
+def disk_warnings(job: Job) -> list[str]:
+    """Where checkpoint.dir and env.venv sit, against the provider's disks and this disk's size."""
+    paths = job.paths
+    warnings, notes = recipe_disk_warnings(job.recipe, job.facts.host.home,
+                                           {"checkpoint.dir": paths.ckpt_dir, "env.venv": paths.venv})
+    small = too_small(paths.ckpt_dir, job.facts.host.total_ckpt, newest_bytes(job))
+    return [f"warning: {w}" for w in [*warnings, *([small] if small else [])]] + [f"note: {n}" for n in notes]
+
+
 def summary(job: Job) -> list[str]:
     """What the instance has, as facts (printed before anything is planned), and warnings."""
     facts, paths = job.facts.host, job.paths
@@ -41,7 +63,7 @@ def summary(job: Job) -> list[str]:
              f"checkpoints, GPUs: {gpus}"]
     if facts.free_venv < GiB:
         lines.append(f"warning: only {human(facts.free_venv)} free where the venv goes ({paths.venv})")
-    return lines
+    return lines + disk_warnings(job)
 
 
 def plan_preflight(job: Job, checkpoint_bytes: int) -> list[Action]:
