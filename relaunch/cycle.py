@@ -41,6 +41,7 @@ from .steps.env import plan_env
 from .steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan_copy, plan_meta, plan_unpin
 from .steps.guard import newest_logged_step
 from .steps.launch import attach_command, plan_launch, tail_command
+from .steps.notices import protection
 from .steps.preflight import plan_preflight, summary
 from .steps.stop import STILL_RUNNING, end_command, plan_stop, signal_command
 from .transports import Damaged, Mismatch, Store, Vanished, open_store
@@ -342,7 +343,7 @@ def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept
         damaged: set[str] = set()           # store records whose bytes failed their check twice
         suspect: set[str] = set()           # ... once: copied again before they count as damaged
         while True:
-            job = gather(remote, recipe, node, store)
+            job = gather(remote, recipe, node, store, notices=True)
             _say_facts(job, store, ui)
             if _not_held(job, store, damaged, wanted, ui):
                 continue
@@ -418,6 +419,9 @@ def _say_facts(job: Job, store: Store, ui: UI) -> None:
         ui.warn(f"{job.host}: {name} on the instance is a save that did not finish ({why}); not used")
     for line in summary(job):
         ui.step(job.host, "preflight", line)
+    if not job.facts.host.session_alive:
+        for line in protection(job, job.facts.notices).lines():
+            ui.step(job.host, "guard", line)
 
 
 def _launched(job: Job, watch: dict[str, Any], ui: UI) -> str:
@@ -457,7 +461,7 @@ def up_group(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = Fals
         tried: set[str] = set()             # group checkpoints already sent to the store once
         known = group_known_hosts([node for node, _ in pairs])
         while True:
-            jobs = gather_group(pairs, recipe, store)
+            jobs = gather_group(pairs, recipe, store, notices=True)
             for job in jobs:
                 _say_facts(job, store, ui)
             newer = unsaved_group_checkpoint(jobs[0])

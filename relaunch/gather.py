@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shlex
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from .errors import CheckpointError, ConnectError, EnvError, RelaunchError, remote_failure
 from .host.connection import HOME_COMMAND, Remote, environ_secrets
@@ -89,9 +90,21 @@ def _check(remote: Remote, result: object, what: str, error: type[RelaunchError]
     raise remote_failure(error, remote.label, what, command or result.command, result.status, result.output)
 
 
+def read_notices(remote: Remote, job: Job) -> dict[str, dict[str, Any]]:
+    """Which guard sources can fire here: the guard script's own one look at each (steps/notices.py)."""
+    from .steps.notices import PROBE_DEADLINE, parse_probe, probe_script
+
+    if not job.recipe.guard.enabled or not job.recipe.guard.sources:
+        return {}
+    result = remote.exec("bash -s", stdin=probe_script(job).encode(), deadline=PROBE_DEADLINE)
+    _check(remote, result, "asking which notice sources can fire (guard.py's probe)", EnvError, PROBE_DEADLINE)
+    return parse_probe(result.text)
+
+
 def gather(remote: Remote, recipe: Recipe, node: Node, store: Store | None = None, *, listing: bool = True,
-           writing: bool = False) -> Job:
-    """The job on this node with every fact planning needs (the store only when given)."""
+           writing: bool = False, notices: bool = False) -> Job:
+    """The job on this node with every fact planning needs (the store only when given; which notice
+    sources can fire only when `notices`)."""
     job = Job(recipe, node, Facts(host=HostFacts(home=remote.home)))
     host = read_host(remote, job)
     job = Job(recipe, node, Facts(host=host))
@@ -111,6 +124,10 @@ def gather(remote: Remote, recipe: Recipe, node: Node, store: Store | None = Non
         if facts.listing:
             facts.damaged = read_damaged(remote, job)
             facts.reads.append(hash_command(paths.ckpt_dir, facts.host.python, ()))
+    if notices:
+        facts.notices = read_notices(remote, job)
+        if facts.notices:
+            facts.reads.append("bash -s")            # stdin of bash -s: guard.py, probing
     facts.lock = read_lock(recipe.env.lock)
     # the store's own credentials go to the instance only for a copy, never into training's file
     facts.withheld = [n for n in recipe.env.secrets if store is not None and store.is_credential(n)]
@@ -151,14 +168,14 @@ def read_required(remotes: dict[str, Remote], job: Job, holders: dict[str, list[
 
 
 def gather_group(pairs: list[tuple[Node, Remote]], recipe: Recipe, store: Store | None = None, *,
-                 writing: bool = False) -> list[Job]:
+                 writing: bool = False, notices: bool = False) -> list[Job]:
     """Every node's facts (read at the same time), then one view of the group: the checkpoint
     folders of all nodes merged (which node holds what), shared by every node's job."""
     if len(pairs) == 1:
         node, remote = pairs[0]
-        return [gather(remote, recipe, node, store, writing=writing)]
+        return [gather(remote, recipe, node, store, writing=writing, notices=notices)]
     with ThreadPoolExecutor(max_workers=len(pairs), thread_name_prefix="gather") as pool:
-        jobs = list(pool.map(lambda pair: gather(pair[1], recipe, pair[0]), pairs))
+        jobs = list(pool.map(lambda pair: gather(pair[1], recipe, pair[0], notices=notices), pairs))
     remotes = {job.host: remote for job, (_, remote) in zip(jobs, pairs, strict=True)}
     state = store.read(writing) if store is not None else None
     damaged: dict[str, str] = {}

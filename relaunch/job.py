@@ -65,6 +65,7 @@ class Facts:
     holders: dict[str, list[str]] | None = None
     required: dict[str, list[str]] = field(default_factory=dict)  # DCP checkpoint -> files its metadata needs
     reads: list[str] = field(default_factory=list)         # the commands that read the instance
+    notices: dict[str, dict[str, Any]] = field(default_factory=dict)  # guard source -> can it fire here, why
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -76,7 +77,7 @@ class Facts:
             "lock": self.lock, "secrets": self.secrets, "modes": self.modes, "sizes": self.sizes,
             "reads": self.reads,
             "withheld": self.withheld, "damaged": self.damaged, "holders": self.holders,
-            "required": self.required,
+            "required": self.required, "notices": self.notices,
         }
 
     @classmethod
@@ -94,6 +95,7 @@ class Facts:
             reads=list(data.get("reads", [])), withheld=list(data.get("withheld", [])),
             damaged=dict(data.get("damaged", {})), holders=data.get("holders"),
             required={k: list(v) for k, v in data.get("required", {}).items()},
+            notices={k: dict(v) for k, v in data.get("notices", {}).items()},
         )
 
 

@@ -16,6 +16,7 @@ from .steps.checkpoint import instance_checkpoints
 from .steps.guard import LOOK_DEADLINE as GUARD_LOOK_DEADLINE, guard_session, look_command, parse_look, \
     source_lines
 from .steps.launch import tail_command
+from .steps.notices import protection
 from .transports import open_store
 from .transports.base import Store
 from .errors import RelaunchError, shorten
@@ -42,6 +43,7 @@ class Status(Lag):
     interruptions: list[dict[str, Any]] = field(default_factory=list)   # the last ones, from the store
     watch: dict[str, Any] | None = None          # the last `relaunch watch` of this recipe and store here
     store_error: str = ""                        # the store did not answer: what it said
+    notices: dict[str, Any] | None = None        # which guard sources can fire here, the loss bound when none
 
 
 def read_store(store: Store, ui: UI) -> tuple[StoreState | None, str]:
@@ -59,11 +61,12 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
     store = open_store(recipe)
     node, remote = open_host(recipe, spec, ui)
     with remote:
-        job = gather(remote, recipe, node)
+        job = gather(remote, recipe, node, notices=True)
         job.facts.store, store_error = read_store(store, ui)
+        notices = protection(job, job.facts.notices)
         facts, paths = job.facts.host, job.paths
         result = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt,
-                        store_error=store_error)
+                        store_error=store_error, notices=notices.as_dict())
         if facts.session_since.isdigit():
             result.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
         tail = remote.exec(tail_command(paths.log, lines), deadline=LOOK_DEADLINE)
@@ -121,6 +124,9 @@ def render(s: Status, recipe: Recipe) -> str:
     out.append("  env: " + ("matches the lock" if not s.drift else f"{len(s.drift)} difference(s) from the lock: "
                             + "; ".join(s.drift[:5])))
     out += _guard_lines(s, recipe)
+    if s.notices:
+        out.append("  notices that can reach this run:")
+        out += ["    " + line for line in s.notices["said"]]
     out += watch_lines(s.watch)
     if s.interruptions:
         out.append(f"  interruptions (the last {len(s.interruptions)}, .relaunch/history.jsonl in the store):")
@@ -136,7 +142,7 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
     store = open_store(recipe)
     pairs = open_group(recipe, specs, ui)
     with connected(pairs) as remotes:
-        jobs = gather_group(pairs, recipe)
+        jobs = gather_group(pairs, recipe, notices=True)
         state, store_error = read_store(store, ui)
         for job in jobs:
             job.facts.store = state
@@ -147,7 +153,7 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
         for job in jobs:
             facts = job.facts.host
             one = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt, gpus=facts.gpus,
-                         store_error=store_error)
+                         store_error=store_error, notices=protection(job, job.facts.notices).as_dict())
             if facts.session_since.isdigit():
                 one.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
             tail = remotes[job.host].exec(tail_command(job.paths.log, lines), deadline=LOOK_DEADLINE)
@@ -181,6 +187,9 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     if first.lag_steps is not None:
         minutes = f", {first.lag_seconds / 60:.1f} min" if first.lag_seconds is not None else ""
         out.append(f"a loss right now would cost: {first.lag_steps} steps{minutes}")
+    for s in statuses:
+        if s.notices:
+            out.append(f"notices that can reach {s.host}: {s.notices['said'][-1]}")
     out += [line[2:] for line in watch_lines(first.watch)]
     if first.log_tail:
         out.append(f"last lines of {recipe.run.log} on {first.host}:")

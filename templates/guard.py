@@ -33,18 +33,21 @@ import threading
 import time
 import urllib.parse
 
-CONFIG = json.load(open(sys.argv[1]))
-FOLDER = CONFIG["folder"]
+# `relaunch up` and `status` ask once, before anything starts, which sources can fire on this instance:
+# RELAUNCH_GUARD_PROBE holds a config of the sources alone, and the script prints what each one did.
+PROBE = os.environ.get("RELAUNCH_GUARD_PROBE")
+CONFIG = json.loads(PROBE) if PROBE else json.load(open(sys.argv[1]))
+FOLDER = CONFIG.get("folder", "")
 STATE = os.path.join(FOLDER, "state.json")
 NOTICE = os.path.join(FOLDER, "notice.json")
 REBALANCE = os.path.join(FOLDER, "rebalance.json")
 LOG = os.path.join(FOLDER, "guard.log")
 HOST, _, PORT = CONFIG.get("metadata", "169.254.169.254").partition(":")
 PORT = int(PORT or 80)
-EVERY = float(CONFIG["every"])
-CONNECT_TIMEOUT = 2.0
-READ_TIMEOUT = 5.0
-AZURE_FIRST_READ = 120.0      # Azure documents up to two minutes for the first Scheduled Events call
+EVERY = float(CONFIG.get("every", 5))
+CONNECT_TIMEOUT = 1.0 if PROBE else 2.0     # a probe waits on nothing: `up` is waiting on it
+READ_TIMEOUT = 3.0 if PROBE else 5.0
+AZURE_FIRST_READ = READ_TIMEOUT if PROBE else 120.0   # Azure documents up to two minutes for the first call
 TRIES = 3                     # looks without a proper answer before a source is switched off
 
 lock = threading.RLock()       # reentrant: the SIGTERM handler runs in the main thread
@@ -426,5 +429,56 @@ def main():
     return 0
 
 
+# PID 1 decides whether a stop's SIGTERM reaches the guard: an init that ends every process at a
+# shutdown does; one that passes signals to its own child only does not reach the tmux sessions
+# training and the guard run in; anything else (a container's start script) gets the TERM alone,
+# and the SIGKILL that follows ends the rest.
+SHUTS_DOWN_ALL = ("systemd", "init", "openrc-init", "runit", "s6-svscan", "my_init")
+CHILD_ONLY = ("tini", "dumb-init", "docker-init", "catatonit")
+
+
+def sigterm_reaches():
+    comm = read("/proc/1/comm") or "?"
+    if comm in SHUTS_DOWN_ALL:
+        return True, f"PID 1 is {comm}: a shutdown sends SIGTERM to every process, the guard's too"
+    if comm in CHILD_ONLY:
+        return False, (f"PID 1 is {comm}, which passes a stop's SIGTERM to its own child only, not to the tmux "
+                       "sessions training and the guard run in")
+    return False, (f"PID 1 is {comm}, not an init: a stop's SIGTERM reaches it alone, and the SIGKILL that "
+                   "follows ends training unwarned")
+
+
+def probe_one(name):
+    if name == "sigterm":
+        fires, why = sigterm_reaches()
+        return {"fires": fires, "why": why}
+    if name.startswith("file:"):
+        return {"fires": None, "why": "fires when {} appears: whatever writes it decides".format(name[len("file:"):])}
+    source = make_source(name)
+    if source is None:
+        return {"fires": False, "why": "not a source this guard knows"}
+    try:
+        found = source.look(True)
+    except NoAnswer as exc:
+        return {"fires": False, "why": str(exc)}
+    if found and not getattr(source, "advice", False):
+        return {"fires": True, "why": "answers, and shows a notice already: {}".format(found["detail"])}
+    return {"fires": True, "why": "answers as its service does"}
+
+
+def probe():
+    """One look at every source at once; prints {source: {"fires": true|false|null, "why": ...}}."""
+    found = {}
+    threads = [threading.Thread(target=lambda n=name: found.__setitem__(n, probe_one(n)), daemon=True)
+               for name in CONFIG["sources"]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    print(json.dumps({name: found.get(name, {"fires": False, "why": "no answer within 30s"})
+                      for name in CONFIG["sources"]}, sort_keys=True))
+    return 0
+
+
 STARTED = iso(time.time())
-sys.exit(main())
+sys.exit(probe() if PROBE else main())
