@@ -592,7 +592,8 @@ def sandbox() -> None:
 
 @sandbox.command("create")
 @click.argument("name")
-@click.option("--user", type=click.Choice(["root", "ubuntu"]), default="root", show_default=True)
+@click.option("--user", type=click.Choice(["root", "ubuntu"]), default="root", show_default=True,
+              help="The login user: root, or ubuntu with passwordless sudo (as on cloud images).")
 @click.option("--disk", default="4G", show_default=True, help="Size of the instance's private home (tmpfs).")
 @click.option("--rate", default=None, help="Shape the link, e.g. 100mbit (tc tbf).")
 @click.option("--key", "key", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -602,7 +603,7 @@ def sandbox() -> None:
 @click.option("--address", default=None,
               help="This free address of the sandbox's range (one a destroyed instance had: providers reuse "
                    "addresses); default: the next free one.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def sandbox_create(name: str, user: str, disk: str, rate: str | None, key: str | None, index: str | None,
                    address: str | None, as_json: bool) -> None:
     """Create instance NAME and print how to reach it."""
@@ -622,7 +623,7 @@ def sandbox_create(name: str, user: str, disk: str, rate: str | None, key: str |
 
 @sandbox.command("destroy")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def sandbox_destroy(name: str, as_json: bool) -> None:
     """Destroy instance NAME: its processes, disk, address and namespace."""
     from . import sandbox as sb
@@ -635,7 +636,7 @@ def sandbox_destroy(name: str, as_json: bool) -> None:
 
 
 @sandbox.command("list")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def sandbox_list(as_json: bool) -> None:
     """List the sandbox instances."""
     from . import sandbox as sb
