@@ -59,7 +59,7 @@ def load(recipe_path: str, overrides: tuple[str, ...]) -> Any:
     check_recipe(recipe)        # templates too: a typo is exit 2 before any host is contacted
     # secret values never reach the screen or the debug log, whatever prints them
     redact.add(os.environ.get(name, "") for name in recipe.env.secrets)
-    redact.add_urls([u for u in (recipe.env.index_url, *recipe.env.extra_index_urls) if u])
+    redact.add_urls([u for u in (recipe.env.index_url, *recipe.env.extra_index_urls, recipe.env.python_mirror) if u])
     return recipe
 
 

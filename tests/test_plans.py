@@ -74,8 +74,9 @@ def job_for(case: dict[str, Any], state: Path) -> tuple[Job, Store]:
 
 def shown(actions: list[Action], state: Path) -> list[dict[str, Any]]:
     text = json.dumps([action_dict(a) for a in actions], indent=1)
-    text = text.replace(str(REPO), "<repo>").replace(str(state), "<state>")
+    # <bin> first: a checkout's own venv (<repo>/.venv/bin) is still <bin>
     text = text.replace(str(Path(sys.executable).parent), "<bin>")
+    text = text.replace(str(REPO), "<repo>").replace(str(state), "<state>")
     return json.loads(text)
 
 
