@@ -121,7 +121,8 @@ class Env(_Section):
                                            "pip", "uv")
     lock: Path | None = _key("A pinned `pip freeze` (relative to the recipe file); `relaunch freeze` writes it.",
                              "requirements.lock", None)
-    index_url: str | None = _key("Package index for the lock (a freeze does not record indexes); a token in it "
+    index_url: str | None = _key("Package index for the lock (`relaunch freeze` writes the one the instance's pip "
+                                 "or uv uses, unless it holds a token); a token in it "
                                  "(https://user:token@host/simple) reaches pip and uv through their environment, "
                                  "never a command line, and is shown as https://***@host/simple.",
                                  "https://download.pytorch.org/whl/cu124", None)
