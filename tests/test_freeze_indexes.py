@@ -62,6 +62,14 @@ def test_both_tools_the_installers_default_first_the_others_an_extra() -> None:
     assert (combined(doc, "pip").index_url, combined(doc, "pip").extra) == (CU, [PYPI])
 
 
+def test_every_instance_script_is_python_3_8() -> None:
+    """The scripts that run with the instance's python3 (Ubuntu 20.04 ships 3.8) use no newer syntax."""
+    import ast
+
+    for script in sorted((REPO / "templates").glob("*.py")):
+        ast.parse(script.read_text(), str(script), feature_version=(3, 8))
+
+
 def test_the_reader_runs_on_python_3_8(tmp_path: Path) -> None:
     """templates/indexes.py runs on the instance with the venv's Python, which may be 3.8."""
     pythons = sorted(Path("/root/.pyenv/versions").glob("3.8.*/bin/python3.8"))

@@ -301,3 +301,25 @@ def test_a_venv_is_reused_only_while_its_python_runs_and_is_env_python(state: Pa
     assert titles["other"][0] == ("make /root/venvs/planned again (its Python is 3.10.12, env.python is 3.11) "
                                   "and install 2 pinned packages")
     assert titles["broken"][0].startswith("make /root/venvs/planned again (its Python is broken")
+
+
+def test_an_install_failure_names_the_indexes_searched_and_a_python_uv_could_not_get(state: Path) -> None:
+    from relaunch.cycle import Checks
+    from relaunch.ui import UI
+
+    extra = "http://127.0.0.1:8766/simple/"
+    job, _ = job_for({"facts": "facts-root.json", "store": "local", "set": [f"env.extra_index_urls=[{extra}]"]},
+                     state)
+    checks = Checks(UI(quiet=True), job.host, job.recipe)
+    uv_said = ("relaunch-env-phase lock\n  x No solution found when resolving dependencies:\n  Because there is no "
+               "version of rlcufake==1.0+cu999 and you require rlcufake==1.0+cu999, we can conclude that ...\n")
+    error = checks.install_failure(1, uv_said)
+    assert error is not None and error.message == (f"{job.host}: env: installing the lock failed: there is no version "
+                                                   "of rlcufake==1.0+cu999 and you require rlcufake==1.0+cu999")
+    assert (error.hint or "").startswith(f"the indexes searched: http://127.0.0.1:8765/simple/ + {extra} "
+                                         "(UV_INDEX_STRATEGY=unsafe-best-match: each pin from whichever index has it)")
+    providing = "relaunch-env-phase python\nerror: No download found for request: cpython-3.12-linux-x86_64-gnu\n"
+    error = checks.install_failure(1, providing)
+    assert error is not None and error.message == (f"{job.host}: env: uv could not provide Python 3.11: No download "
+                                                   "found for request: cpython-3.12-linux-x86_64-gnu")
+    assert "uv's default download source" in (error.hint or "")
