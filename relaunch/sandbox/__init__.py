@@ -26,6 +26,7 @@ Every decision on names, slots, ranges and "the last one" is taken under one mac
 so several processes may create and destroy instances at once.
 """
 
+from .images import PROFILES
 from .index import build_index
 from .instance import (
     INDEX_PORT,
@@ -37,13 +38,17 @@ from .instance import (
     destroy,
     get,
     list_instances,
+    pid1,
     run_in,
     set_link,
     set_silent,
+    state,
 )
+from .power import pause, resume, start, stop
 
 __all__ = [
     "INDEX_PORT",
+    "PROFILES",
     "RUN_DIR",
     "Instance",
     "build_index",
@@ -53,7 +58,13 @@ __all__ = [
     "destroy",
     "get",
     "list_instances",
+    "pause",
+    "pid1",
+    "resume",
     "run_in",
     "set_link",
     "set_silent",
+    "start",
+    "state",
+    "stop",
 ]
