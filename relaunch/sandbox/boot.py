@@ -18,7 +18,8 @@ an empty tmpfs, /tmp private. Every other image (images.py) adds:
   one) whose upper layer, in the instance's folder (`layers/`), holds whiteouts (character device
   0:0) for this machine's python3*, pip*, pydoc* ..., symlinks python3 and pythonX.Y to the image's
   Python (pythons.relocatable), and an `apt-get`/`apt` that refuses: an instance shares this
-  machine's /usr, and a package installed in it would change this machine.
+  machine's /usr, and a package installed in it would change this machine. Its standard library
+  shows as /usr/lib/pythonX.Y (an overlay on /usr/lib), where a venv looks for it.
 """
 
 from __future__ import annotations
@@ -204,32 +205,37 @@ def _path_folders() -> list[str]:
 
 
 def make_layers(folder: Path, image: Image) -> list[tuple[str, str]]:
-    """Build the upper layers of the PATH folders the image changes; [(folder, layer)] to overlay."""
+    """Build the upper layers of the folders the image changes; [(folder, layer)] to overlay."""
     if not image.own_pid_namespace:
         return []
-    links: dict[str, str] = {}
-    if image.python:
-        build = pythons.relocatable(image.python, image.python_variant)
-        links = {"python3": str(build.executable), f"python{image.python}": str(build.executable)}
-    layers = []
+    # name -> what it is in the layer: "hide" (a whiteout), "apt" (the stub), or a symlink's target
+    changes: dict[str, dict[str, str]] = {}
     for target in _path_folders():
         names = sorted(os.listdir(target))
-        hide = [n for n in names if image.python and any(fnmatch.fnmatch(n, p) for p in PYTHON_PROGRAMS)]
-        stubs = [n for n in APT_PROGRAMS if n in names or target == "/usr/bin"]
-        here = links if target == "/usr/bin" else {}
-        if not hide and not stubs and not here:
+        found = changes.setdefault(target, {})
+        if image.python:
+            found.update({n: "hide" for n in names if any(fnmatch.fnmatch(n, p) for p in PYTHON_PROGRAMS)})
+        found.update({n: "apt" for n in APT_PROGRAMS if n in names or target == "/usr/bin"})
+    if image.python:
+        build = pythons.relocatable(image.python, image.python_variant)
+        changes["/usr/bin"].update({"python3": str(build.executable), f"python{image.python}": str(build.executable)})
+        # the standard library where the image has it: a venv's python (pyvenv.cfg: home = /usr/bin)
+        # finds its prefix by looking for lib/pythonX.Y/os.py above /usr/bin, not through the symlink
+        changes["/usr/lib"] = {f"python{image.python}": str(build.root / "lib" / f"python{image.python}")}
+    layers = []
+    for target, entries in changes.items():
+        if not entries:
             continue
         layer = folder / "layers" / target.strip("/").replace("/", "-")
         layer.mkdir(parents=True)
-        for n in hide:
-            os.mknod(layer / n, stat.S_IFCHR | 0o600, os.makedev(0, 0))  # overlayfs's whiteout
-        for n in stubs:
-            (layer / n).write_text(APT_STUB)
-            (layer / n).chmod(0o755)
-        for n, dest in here.items():
-            with contextlib.suppress(FileNotFoundError):
-                (layer / n).unlink()  # a whiteout of this machine's python3
-            (layer / n).symlink_to(dest)
+        for n, what in entries.items():
+            if what == "hide":
+                os.mknod(layer / n, stat.S_IFCHR | 0o600, os.makedev(0, 0))  # overlayfs's whiteout
+            elif what == "apt":
+                (layer / n).write_text(APT_STUB)
+                (layer / n).chmod(0o755)
+            else:
+                (layer / n).symlink_to(what)
         layers.append((target, str(layer)))
     return layers
 

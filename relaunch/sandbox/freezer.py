@@ -2,9 +2,10 @@
 
 The processes are stopped by the kernel's cgroup freezer, not signalled: nothing inside can tell,
 sshd included (a connection gets no answer), and after a thaw each goes on where it was, same PID.
-An instance that can pause is booted inside a cgroup of its own, `relaunch-<name>`, in whichever
+An instance that can pause is booted inside a cgroup of its own, in whichever
 hierarchy this machine has: cgroup v2 (`cgroup.freeze`) or the v1 `freezer` controller
-(`freezer.state`). Its processes are children of the boot process, so they are all in it.
+(`freezer.state`). Its name, `relaunch-sandbox-<name>`, is all destroy needs to find it (instance
+names are unique on this machine). Its processes are children of the boot process, so they are all in it.
 
 A v1-frozen process does not die of SIGKILL until thawed: destroy and stop thaw first.
 """
@@ -12,7 +13,6 @@ A v1-frozen process does not die of SIGKILL until thawed: destroy and stop thaw 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,12 +89,13 @@ def hierarchies() -> dict[str, Path]:
     return found
 
 
-def create(name: str, prefer: tuple[str, ...] = KINDS) -> Cgroup:
-    """The cgroup of instance `name`, made in the first hierarchy of `prefer` that this machine has."""
+def create(name: str, prefer: tuple[str, ...] | None = None) -> Cgroup:
+    """The cgroup of instance `name`, made in the first hierarchy of `prefer` (default: KINDS) that
+    this machine has."""
     found = hierarchies()
-    for kind in prefer:
+    for kind in prefer or KINDS:
         if kind in found:
-            cgroup = Cgroup(kind, found[kind] / f"relaunch-{name}")
+            cgroup = Cgroup(kind, found[kind] / f"relaunch-sandbox-{name}")
             cgroup.path.mkdir(exist_ok=True)
             if kind == "v2" and not (cgroup.path / "cgroup.freeze").exists():  # a kernel before 5.2
                 cgroup.path.rmdir()
@@ -104,7 +105,7 @@ def create(name: str, prefer: tuple[str, ...] = KINDS) -> Cgroup:
                      "needs", hint="mount one, e.g. mount -t cgroup2 none /sys/fs/cgroup/unified")
 
 
-def pids(cgroup: Cgroup) -> list[int]:
-    with contextlib.suppress(OSError):
-        return [int(p) for p in cgroup.enter_file().read_text().split() if p.isdigit() and int(p) != os.getpid()]
-    return []
+def of(name: str) -> list[Cgroup]:
+    """The cgroups instance `name` has (any hierarchy; none unless its image pauses)."""
+    found = [Cgroup(kind, root / f"relaunch-sandbox-{name}") for kind, root in hierarchies().items()]
+    return [cgroup for cgroup in found if cgroup.path.is_dir()]

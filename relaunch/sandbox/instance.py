@@ -126,6 +126,14 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+def _state(pid: int) -> str | None:
+    """The state letter of a process (R, S, D, Z ...), None if there is none."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _spawn(name: str, role: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     """Start a background process in its own session and remember it in <state>/<role>.pid."""
     with open(log, "ab") as out:
@@ -306,7 +314,6 @@ def _boot(
     cgroup = None
     if image.can_pause:
         cgroup = freezer.create(name)
-        (folder / "cgroup").write_text(f"{cgroup.kind} {cgroup.path}\n")
 
     inst = Instance(name, address, user, port, home, fingerprint, None, image.name)
     meta = {**asdict(inst), "slot": slot, "range": str(net), "veth": [host_dev, inst_dev], "disk": sizes["home"],
@@ -469,31 +476,34 @@ def _kill_all(name: str) -> None:
     netns), then everything in its netns (sshd, the image's PID 1 and every process under it,
     tmux servers, trainers, nohup'd jobs: `ip netns pids` sees into nested PID namespaces)."""
     folder = _folder(name)
-    cgroup = _cgroup_of(folder)
-    if cgroup is not None and cgroup.frozen():
-        cgroup.freeze(False)  # a frozen process does not die until thawed
+    for cgroup in freezer.of(name):
+        if cgroup.frozen():
+            cgroup.freeze(False)  # a frozen process does not die until thawed
     if folder.exists():
         _kill_recorded(folder)
     deadline = time.monotonic() + 10
+    killed: dict[int, str | None] = {}
     while pids := _netns_pids(name):
         for pid in pids:
+            killed.setdefault(pid, _start_time(pid))
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         _reap(name)
         if time.monotonic() > deadline:
             raise RelaunchError(f"sandbox {name}: processes {pids} survived SIGKILL")
         time.sleep(0.02)
+    # A dying process leaves its namespaces (and `ip netns pids`) before the kernel has released its
+    # files: its listening socket still accepts for a moment. Gone means a zombie, or no process.
+    deadline = time.monotonic() + 30
+    while left := [pid for pid, start in killed.items() if _start_time(pid) == start and _state(pid) != "Z"]:
+        _reap(name)
+        if time.monotonic() > deadline:
+            raise RelaunchError(f"sandbox {name}: processes did not exit 30s after SIGKILL: "
+                                + "; ".join(f"{pid} ({_state(pid)}) {_cmdline(pid)[:60]!r}" for pid in left))
+        time.sleep(0.02)
     _reap(name, wait=True)
     for pid_file in folder.glob("*.pid"):
         pid_file.unlink()
-
-
-def _cgroup_of(folder: Path) -> freezer.Cgroup | None:
-    """The instance's freezer cgroup, from the file written as it was made (before instance.json)."""
-    with contextlib.suppress(OSError, ValueError):
-        kind, path = (folder / "cgroup").read_text().split(maxsplit=1)
-        return freezer.Cgroup(kind, Path(path.strip()))
-    return None
 
 
 def destroy(name: str) -> bool:
@@ -519,8 +529,7 @@ def destroy(name: str) -> bool:
     existed = folder.exists() or netns_exists(name) or (slot is not None and network.link_exists(veths(slot)[0]))
 
     _kill_all(name)
-    cgroup = _cgroup_of(folder)
-    if cgroup is not None:
+    for cgroup in freezer.of(name):
         cgroup.remove()
     if folder.exists():
         boot.unmount_disks(folder)

@@ -30,6 +30,7 @@ from .instance import (
     _require_root,
     _save,
     _serve_index,
+    _state,
     pid1,
 )
 
@@ -62,20 +63,11 @@ def stop(name: str, grace: float | None = None) -> float:
             os.kill(first, signal.SIGTERM)
         # a VM's init exits once its processes are gone; a container's PID 1 never heard it
         deadline = time.monotonic() + grace
-        while os.path.exists(f"/proc/{first}") and _alive(first) and time.monotonic() < deadline:
+        while _state(first) not in (None, "Z") and time.monotonic() < deadline:
             time.sleep(0.05)
     _kill_all(name)
     _save(_folder(name), {**meta, "state": "stopped", "index_url": meta.get("index_url")})
     return grace
-
-
-def _alive(pid: int) -> bool:
-    """Not a zombie (PID 1 dead but not yet reaped by the boot process counts as gone)."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def start(name: str) -> None:
