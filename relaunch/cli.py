@@ -606,7 +606,8 @@ def demo(workdir: str, keep: bool, as_json: bool) -> None:
 # -- sandbox -------------------------------------------------------------------------------
 @cli.group()
 def sandbox() -> None:
-    """Throwaway local instances (Linux, root): own address, real sshd, empty private disk."""
+    """Throwaway local instances (Linux, root): own address, real sshd, empty private disk; --image
+    reproduces a provider's stock image, and stop/start/pause/resume do what its provider does."""
 
 
 def _image_names() -> list[str]:

@@ -6,6 +6,8 @@ user's home is an empty tmpfs (the instance's "disk"), /tmp is private, and this
 configuration is masked (a real instance has none). Every instance gets a fresh ed25519 host key,
 like a new cloud instance, and reaches no package registry: `index.build_index` prepares a local
 PEP 503 index on this machine that the instance can serve to itself. Its network is `network`'s.
+An image profile (images.py) adds its own PID 1, Python, disks and port (boot.py); power.py stops,
+starts, pauses and resumes it.
 
 Everything needed to find an instance again lives in `RUN_DIR/<name>/` (the CLI creates in one
 process and destroys in another). RUN_DIR, the sandbox dir, is /run/relaunch-sandbox unless
