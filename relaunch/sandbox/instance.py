@@ -481,10 +481,11 @@ def _kill_all(name: str) -> None:
     for cgroup in freezer.of(name):
         if cgroup.frozen():
             cgroup.freeze(False)  # a frozen process does not die until thawed
+    # who is there before anything is killed: killing the boot process group or a PID 1 kills others
+    killed: dict[int, str | None] = {pid: _start_time(pid) for pid in _netns_pids(name)}
     if folder.exists():
         _kill_recorded(folder)
     deadline = time.monotonic() + 10
-    killed: dict[int, str | None] = {}
     while pids := _netns_pids(name):
         for pid in pids:
             killed.setdefault(pid, _start_time(pid))
