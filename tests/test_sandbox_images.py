@@ -249,3 +249,31 @@ def test_cli_images_create_stop_start_pause_and_bad_input(tmp_path: Path, ssh_ke
     finally:
         run_cli("sandbox", "destroy", name, home=home, timeout=120)
     assert _machine_traces(name) == {"mounts": [], "netns": False, "cgroups": []}
+
+
+def test_default_image_stop_kills_everything_at_once_wipes_home_and_start_serves_again(sandbox, ssh,
+                                                                                         tmp_path: Path) -> None:
+    index = tmp_path / "index"
+    (index / "simple").mkdir(parents=True)
+    (index / "simple" / "index.html").write_text("<a href='mpmath/'>mpmath</a>\n")
+    inst = sandbox(index_dir=index)
+    fetch = f"python3 -c \"import urllib.request; print(urllib.request.urlopen('{inst.index_url}').read().decode())\""
+    assert "mpmath" in ssh(inst, fetch).stdout
+    # a process that would write a marker on TERM: the default image's stop sends none
+    marker = sb.RUN_DIR / inst.name / "term"  # the instance's folder: seen here, gone with it
+    ssh(inst, f"echo kept > ~/f; nohup bash -c 'trap \"echo TERM > {marker}\" TERM; "
+              "echo $$ > ~/pid; while :; do sleep 0.1; done' >/dev/null 2>&1 &")
+    wait_for("the trapping process", lambda: ssh(inst, "cat ~/pid", check=False).stdout.strip(), timeout=30,
+             every=0.1)
+    assert sb.stop(inst.name) == 0.0 and sb.state(inst.name) == "stopped"
+    assert subprocess.run(["ip", "netns", "pids", f"rl-{inst.name}"], capture_output=True, text=True).stdout == ""
+    assert not marker.exists()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((inst.address, 22), timeout=5).close()
+
+    sb.start(inst.name)
+    assert sb.get(inst.name) == inst and sb.state(inst.name) == "running"
+    assert ssh(inst, "ls -A ~ | wc -l").stdout.strip() == "0"  # home wiped
+    assert "mpmath" in ssh(inst, fetch).stdout  # the package index is served again
+    assert (sb.RUN_DIR / inst.name / "sshd.pid").exists()
+    assert sb.run_in(inst.name, ["true"]).returncode == 0
