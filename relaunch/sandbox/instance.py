@@ -498,7 +498,8 @@ def _kill_all(name: str) -> None:
     # A dying process leaves its namespaces (and `ip netns pids`) before the kernel has released its
     # files: its listening socket still accepts for a moment. Gone means a zombie, or no process.
     deadline = time.monotonic() + 30
-    while left := [pid for pid, start in killed.items() if _start_time(pid) == start and _state(pid) != "Z"]:
+    while left := [pid for pid, start in killed.items()
+                   if start is not None and _start_time(pid) == start and _state(pid) not in (None, "Z")]:
         _reap(name)
         if time.monotonic() > deadline:
             raise RelaunchError(f"sandbox {name}: processes did not exit 30s after SIGKILL: "
@@ -624,7 +625,11 @@ def pid1(name: str) -> int | None:
     if boot_pid is None:
         return None
     with contextlib.suppress(OSError, ValueError, IndexError):
-        return int(Path(f"/proc/{boot_pid}/task/{boot_pid}/children").read_text().split()[0])
+        child = int(Path(f"/proc/{boot_pid}/task/{boot_pid}/children").read_text().split()[0])
+        # (not a delayed boot's `sleep`): PID 1 of a namespace below this one
+        nspid = next(ln for ln in Path(f"/proc/{child}/status").read_text().splitlines() if ln.startswith("NSpid:"))
+        if nspid.split()[1:] == [str(child), "1"]:
+            return child
     return None
 
 
