@@ -22,7 +22,7 @@ from relaunch import sandbox as sb
 from relaunch.errors import UsageError
 from relaunch.sandbox import freezer, images, instance, network, pythons
 
-# what each stock image shows (FACTS.md, "Stock images"); "~" is the login user's home
+# what each stock image shows (the providers' documentation: recipes/providers.yaml); "~" is the login user's home
 EXPECTED: dict[str, dict] = {
     "ubuntu-22.04": {"user": "ubuntu", "python": "3.10", "venv": True, "pid1": "init", "mapped_port": False,
                      "term_reaches_processes": True, "survive": ["~"], "wiped": []},
@@ -31,7 +31,7 @@ EXPECTED: dict[str, dict] = {
     "runpod": {"user": "root", "python": "3.11", "venv": True, "pid1": "start.sh", "mapped_port": True,
                "term_reaches_processes": False, "survive": ["/workspace"], "wiped": ["~"]},
     "vast": {"user": "root", "python": "3.11", "venv": True, "pid1": "start.sh", "mapped_port": True,
-             "term_reaches_processes": False, "survive": ["/workspace"], "wiped": ["~"]},
+             "term_reaches_processes": False, "survive": ["~", "/workspace"], "wiped": []},
     "lambda": {"user": "ubuntu", "python": "3.10", "venv": True, "pid1": "init", "mapped_port": False,
                "term_reaches_processes": True, "survive": ["~", "/lambda/nfs/{name}"], "wiped": []},
     "aws-dlami": {"user": "ubuntu", "python": "3.10", "venv": True, "pid1": "init", "mapped_port": False,

@@ -5,8 +5,8 @@ makes them real: users, PATH, mount and PID namespaces, disks). What no profile 
 GPU, the provider's API and console, real disk sizes and speeds, the public network, cloud-init)
 is listed in docs/providers.md.
 
-Sources (the providers' documentation, not tried on a real box here): /work/shared/FACTS.md,
-"Stock images".
+Sources: the providers' documentation, as the catalogue (recipes/providers.yaml) cites it; not tried
+on a real box here.
 """
 
 from __future__ import annotations
@@ -71,10 +71,11 @@ def _vm(name: str, python: str, summary: str, variant: str = "", volumes: tuple[
                  volumes=volumes, stop_grace=30.0, can_pause=False, summary=summary)
 
 
-def _container(name: str, stop_grace: float, can_pause: bool, summary: str) -> Image:
-    """A GPU cloud's container: root, a start script as PID 1, /workspace kept, the container disk
-    (home) wiped by a stop, this machine's Python (the images ship one)."""
-    return Image(name, kind="container", user="root", python=None, python_variant="", home_survives_stop=False,
+def _container(name: str, stop_grace: float, can_pause: bool, summary: str, home_survives_stop: bool) -> Image:
+    """A GPU cloud's container: root, a start script as PID 1, /workspace kept, this machine's Python
+    (the images ship one); whether a stop wipes the container disk (home) is the provider's."""
+    return Image(name, kind="container", user="root", python=None, python_variant="",
+                 home_survives_stop=home_survives_stop,
                  volumes=(Volume("/workspace", survives_stop=True),), stop_grace=stop_grace, can_pause=can_pause,
                  summary=summary)
 
@@ -93,10 +94,12 @@ PROFILES: dict[str, Image] = {
             variant="no-venv"),
         _container("runpod", 5.0, False,
                    "a container: root, SSH on a mapped port, /workspace survives a stop, home is wiped; a stop's "
-                   "SIGTERM goes to PID 1 only (a start script that drops it), SIGKILL to all 5 s later"),
+                   "SIGTERM goes to PID 1 only (a start script that drops it), SIGKILL to all 5 s later",
+                   home_survives_stop=False),
         _container("vast", 10.0, True,
-                   "as runpod (SIGKILL 10 s after the TERM), and pause: an outbid instance is frozen (cgroup "
-                   "freezer), not signalled, sshd too; resume thaws it"),
+                   "a container as runpod (SIGKILL 10 s after the TERM), but a stop keeps all of its disk, home "
+                   "too; and pause: an outbid instance is frozen (cgroup freezer), not signalled, sshd too; resume "
+                   "thaws it", home_survives_stop=True),
         _vm("lambda", "3.10", "a VM: user ubuntu, Python 3.10 only; /lambda/nfs/NAME (the persistent filesystem) "
                               "and home survive a stop",
             volumes=(Volume("/lambda/nfs/{name}", survives_stop=True),)),
