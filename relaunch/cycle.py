@@ -601,7 +601,9 @@ def _stop(jobs: list[Job], executor: Executor, ui: UI) -> None:
             ui.warn(f"{job.host}: training still running after {job.recipe.run.stop.timeout:g}s (run.stop.timeout); "
                     "evacuating what is there")
         elif outcome:
-            ui.step(job.host, "stop", f"training stopped (exit {outcome.split(' ', 1)[-1].strip() or '?'})")
+            status = outcome.removeprefix("stopped").strip()
+            # no exit status: relaunch did not start that run (`relaunch adopt`), it only saw it end
+            ui.step(job.host, "stop", f"training stopped (exit {status})" if status else "training stopped")
 
 
 def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, executor: Executor, ui: UI,
