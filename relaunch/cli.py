@@ -59,7 +59,7 @@ def load(recipe_path: str, overrides: tuple[str, ...]) -> Any:
     check_recipe(recipe)        # templates too: a typo is exit 2 before any host is contacted
     # secret values never reach the screen or the debug log, whatever prints them
     redact.add(os.environ.get(name, "") for name in recipe.env.secrets)
-    redact.add_urls([u for u in (recipe.env.index_url, *recipe.env.extra_index_urls) if u])
+    redact.add_urls([u for u in (recipe.env.index_url, *recipe.env.extra_index_urls, recipe.env.python_mirror) if u])
     return recipe
 
 
@@ -261,33 +261,52 @@ def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str
 @common
 def freeze(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: bool, verbose: bool,
            yes: bool) -> None:
-    """Write the instance venv's `pip freeze` into the recipe's lock file, showing the diff first."""
+    """Write the instance venv's `pip freeze` into the recipe's lock file, and the package indexes
+    its pip and uv use into the recipe (env.index_url, env.extra_index_urls), showing the diffs first."""
     from . import cycle
-    from .freeze import instance_freeze, local_version_warning, lock_diff, lock_path, write_lock
+    from .freeze import (index_change, instance_freeze, local_version_warning, lock_diff, lock_path, write_lock,
+                         write_text)
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
     path = lock_path(r)
     spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
-    new = instance_freeze(r, spec, ui)
+    new, found = instance_freeze(r, spec, ui)
     old = path.read_text().splitlines() if path.exists() else []
     diff = lock_diff(old, new, path)
-    warning = local_version_warning(r, new)
+    change, warnings = index_change(r, found)
+    for text in warnings:
+        ui.warn(text)
+    warning = local_version_warning(r, new, change.index_url if change else None)
     if warning:
         ui.warn(warning)
-    if not diff:
-        ui.say(f"{path} already matches the instance ({len(new)} packages)")
-        emit(as_json, {"lock": str(path), "changed": False, "packages": len(new)})
+    indexes: dict[str, Any] = {"recipe": str(r.source), "changed": change is not None,
+                               "index_url": change.index_url if change else r.env.index_url,
+                               "extra_index_urls": change.extra if change else r.env.extra_index_urls,
+                               "found_on_instance": change.found.where if change else {}}
+    if not diff and change is None:
+        ui.say(f"{path} already matches the instance ({len(new)} packages), and the recipe names its indexes")
+        emit(as_json, {"lock": str(path), "changed": False, "packages": len(new), "indexes": indexes})
         return
-    click.echo("\n".join(diff))
+    shown = [*diff, *(change.diff() if change else [])]
+    # on stderr with --json: stdout holds the one JSON document
+    click.echo(redact("\n".join(shown)), err=as_json)
+    if change is not None:
+        ui.say(f"the instance's indexes: {change.found.shown()}")
+    what = " and ".join(([f"{len(new)} packages to {path}"] if diff else []) +
+                        ([f"the indexes to {change.path}"] if change else []))
     if not yes:
         if not sys.stdin.isatty():
-            raise UsageError(f"not overwriting {path} without a prompt", "rerun with --yes")
-        if not click.confirm(f"write {len(new)} packages to {path}?", default=True, err=True):
-            raise UsageError(f"{path} left unchanged")
-    write_lock(path, new)
-    ui.ok(f"wrote {path} ({len(new)} packages)")
-    emit(as_json, {"lock": str(path), "changed": True, "packages": len(new)})
+            raise UsageError(f"not writing {what} without a prompt", "rerun with --yes")
+        if not click.confirm(f"write {what}?", default=True, err=True):
+            raise UsageError("nothing written")
+    if diff:
+        write_lock(path, new)
+        ui.ok(f"wrote {path} ({len(new)} packages)")
+    if change is not None:
+        write_text(change.path, change.new)
+        ui.ok(f"wrote env.index_url / env.extra_index_urls in {change.path}")
+    emit(as_json, {"lock": str(path), "changed": bool(diff), "packages": len(new), "indexes": indexes})
 
 
 @cli.command()

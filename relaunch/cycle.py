@@ -46,6 +46,7 @@ from .steps.preflight import plan_preflight, summary
 from .steps.stop import STILL_RUNNING, end_command, plan_stop, signal_command
 from .transports import Damaged, Mismatch, Store, Vanished, open_store
 from .transports.base import store_deadline
+from .transports.tools import indexes_searched
 from .ui import UI, redact
 
 log = logging.getLogger("relaunch")
@@ -156,6 +157,8 @@ _INSTALL_ERRORS = (re.compile(r"Because (.+?)(?:, we can conclude.*)?$", re.M), 
                    re.compile(r"^(?:ERROR|error): (.+)$", re.M))
 
 
+# templates/env.sh.j2 announces what it does next: uv providing the Python, or installing the lock
+_ENV_PHASE = re.compile(r"^relaunch-env-phase (\w+)$", re.M)
 # templates/setup.sh.j2 announces each env.setup line before it runs it
 _SETUP_LINE = re.compile(r"^relaunch-setup-line (\d+)$", re.M)
 SETUP_TAIL_LINES = 15
@@ -185,14 +188,31 @@ class Checks:
                                  "again from its first line; the full output is in the debug log")
 
     def install_failure(self, status: int | None, output: str) -> RelaunchError | None:
-        """The installer's own words for the package it could not install, as the error line."""
+        """The installer's own words for the package it could not install (or for the Python uv
+        could not provide), as the error line; the hint names the indexes it searched."""
         text = redact(output)
+        phases = list(_ENV_PHASE.finditer(text))
+        providing = bool(phases) and phases[-1].group(1) == "python"
+        if providing:
+            text = text[phases[-1].end():]
         for pattern in _INSTALL_ERRORS:
             found = pattern.search(text)
-            if found:
-                return EnvError(f"{self.host}: env: installing the lock failed: {shorten(found.group(1))}",
-                                "fix that pin in env.lock (or env.index_url if the package lives on another index), "
-                                "then rerun `relaunch up`; the full output is in the debug log")
+            if not found:
+                continue
+            if providing and self.recipe is not None:
+                env = self.recipe.env
+                source = (f"env.python_mirror {redact(env.python_mirror)}" if env.python_mirror
+                          else "uv's default download source (python-build-standalone on GitHub)")
+                return EnvError(f"{self.host}: env: uv could not provide Python {env.python}: "
+                                f"{shorten(found.group(1))}",
+                                f"it downloads from {source}: an instance without internet access needs "
+                                "env.python_mirror; or pick an image that has that Python; the full output is "
+                                "in the debug log")
+            searched = f"the indexes searched: {redact(indexes_searched(self.recipe))}; " if self.recipe else ""
+            return EnvError(f"{self.host}: env: installing the lock failed: {shorten(found.group(1))}",
+                            f"{searched}fix that pin in env.lock (or env.index_url / env.extra_index_urls if the "
+                            "package lives on another index), then rerun `relaunch up`; the full output is in the "
+                            "debug log")
         return None
 
     def pinned(self, name: str, hosts: list[str], found: list[dict[str, Any] | None]) -> None:

@@ -51,9 +51,14 @@ if [ -n "${run_info:-}" ] && [ -f "$run_info" ]; then
   echo
   echo "--- end"
 fi
-# a venv whose creation was cut short has its python but no activate script (written last): not one
+# a venv whose creation was cut short has its python but no activate script (written last): not one;
+# nor is one whose python does not run (a Python uv installed where a stop wiped it)
 if [ -x "$venv/bin/python" ] && [ -f "$venv/bin/activate" ]; then
-  echo "--- freeze"
-  "$venv/bin/python" -c "$freeze_py" 2>&1
+  vv=$("$venv/bin/python" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null) || vv=""
+  echo "venv_python=$vv"
+  if [ -n "$vv" ]; then
+    echo "--- freeze"
+    "$venv/bin/python" -c "$freeze_py" 2>&1
+  fi
 fi
 echo "--- end"

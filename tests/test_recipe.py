@@ -218,6 +218,9 @@ def test_bad_name() -> None:
     ("env: {python: '3.11', installer: conda}", 3, "env.installer", "must be 'pip' or 'uv', got 'conda'"),
     ("run: {command: x, stop: {signal: NOPE}}", 5, "run.stop.signal", "'NOPE' is not a signal name"),
     ("env: {python: '3'}", 3, "env.python", 'must be MAJOR.MINOR such as "3.11"'),
+    ("env: {python: '3.12', python_mirror: 'ftp://host/py'}", 3, "env.python_mirror",
+     "must be an http://, https:// or file:// URL, got 'ftp://host/py'"),
+    ("env: {python: '3.12', python_mirror: '/srv/python'}", 3, "env.python_mirror", "must be an http://"),
     ("env: {python: '3.11', apt: tmux}", 3, "env.apt", "must be a list, got 'tmux'"),
     ("run: [python, train.py]", 5, "run", "must be a mapping of keys, got a list"),
 ])

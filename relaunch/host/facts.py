@@ -29,7 +29,8 @@ class HostFacts:
     session_since: str = ""
     gpus: list[str] = field(default_factory=list)   # nvidia-smi csv rows: name, memory, driver
     gpu_error: str = ""                             # nvidia-smi present but failed or hung
-    venv_freeze: list[str] | None = None            # None: no venv yet
+    venv_freeze: list[str] | None = None            # None: no venv yet (or one whose python does not run)
+    venv_python: str = ""                           # the venv's Python version, read by running it
     missing_apt: list[str] = field(default_factory=list)
     run: dict[str, Any] = field(default_factory=dict)  # run.json: how the last `up` started training
 
@@ -101,6 +102,7 @@ def parse_facts(text: str) -> HostFacts:
     facts.session_since = values.get("session_since", "")
     facts.gpus = sections.get("gpus", [])
     facts.gpu_error = values.get("gpu_error", "")
+    facts.venv_python = values.get("venv_python", "")
     facts.venv_freeze = sections.get("freeze")
     try:
         run = json.loads("\n".join(sections.get("run", [])) or "{}")
