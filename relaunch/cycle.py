@@ -40,7 +40,7 @@ from .steps.group import MARK, barrier, check_reshard, plan_fanout, shape, shape
 from .steps.env import plan_env
 from .steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan_copy, plan_meta, plan_unpin
 from .steps.guard import newest_logged_step
-from .steps.launch import attach_command, plan_launch, tail_command
+from .steps.launch import START_MARK, attach_command, plan_launch, tail_command
 from .steps.notices import protection
 from .steps.preflight import plan_preflight, summary
 from .steps.stop import STILL_RUNNING, end_command, plan_stop, signal_command
@@ -645,6 +645,7 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
         each.facts.store = state
     report = Report(store=store.label, verified_by=store.hash_name)
     listing = instance_checkpoints(job)
+    at_start = listing[-1] if listing else None     # what a sync round must have verified when it ends
     copied_any = False          # a copy ran (and pinned first)
     try:
         for _ in range(rounds):
@@ -679,13 +680,16 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
             for name in report.pruned:
                 ui.step(job.host, "evacuate", f"pruned {name} from the store (keep={keep})")
         newest = listing[-1] if listing else None
-        if newest is not None and newest.name in report.copied + report.already:
-            _check_in_store(jobs, store, executor, newest, report, reverify)
+        # the verdict's checkpoint: evacuate's is the newest now; a sync round's the newest when it began
+        target = newest if require_newest else at_start
+        if target is not None and target.name in report.copied + report.already:
+            _check_in_store(jobs, store, executor, target, report, reverify)
         empty = None
         if newest is None and require_newest:
-            stored = store.manifest.newest() if store.manifest else None
-            empty = verdicts.nothing_to_copy(_progress(job, executor), stored.step if stored else None, allow_empty)
-        verdict = verdicts.evacuation(report.newest, report.verified_now, empty)
+            held = _newest_held(store, executor)
+            empty = verdicts.nothing_to_copy(_progress(job, executor), held.step if held else None, allow_empty)
+        verdict = (verdicts.evacuation(report.newest, report.verified_now, empty) if require_newest else
+                   verdicts.sync_round(at_start.name if at_start else None, report.verified_now, report.newest))
         report.safe, report.why = verdict.ok, verdict.why
         if require_newest and not report.safe:
             raise EvacuationError(f"{job.host}: {verdict.why}")
@@ -738,6 +742,16 @@ def _observe_action(store: Store, record: CheckpointRecord, size_only: bool = Fa
                   deadline=store_deadline(0 if size_only else total), fails_as="evacuate")
 
 
+def _newest_held(store: Store, executor: Executor) -> CheckpointRecord | None:
+    """The newest checkpoint the store holds now, byte for byte as recorded: what the verdict on an
+    instance with nothing to copy compares with (a record whose files are gone holds no step)."""
+    records = store.manifest.ordered() if store.manifest else []
+    for record in reversed(records):
+        if not verdicts.store_holds(record, executor.run_one(_observe_action(store, record))):
+            return record
+    return None
+
+
 def _progress(job: Job, executor: Executor) -> verdicts.Progress:
     """What training did on an instance with nothing to copy: checkpoint.dir there or not, the
     step its log shows, how long its session has been alive."""
@@ -748,6 +762,9 @@ def _progress(job: Job, executor: Executor) -> verdicts.Progress:
                   produces="progress", parse="text", fails_as="evacuate")
     text = str(executor.run([read]).get("progress") or "")
     head, lines = text.splitlines()[:2], text.splitlines()[2:]
+    # this run's lines: an earlier run's higher steps above its start line are not this one's progress
+    starts = [n for n, line in enumerate(lines) if line.startswith(START_MARK)]
+    lines = lines[starts[-1] + 1:] if starts else lines
     words = dict(line.partition("=")[::2] for line in head)
     host = job.facts.host
     since, now = host.session_since, words.get("now", "")

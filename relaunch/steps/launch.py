@@ -15,6 +15,7 @@ from .env import exports
 from .guard import guard_paths, plan_guard
 
 WATCH_SLACK = 30.0       # seconds beyond the grace for the watch itself (python start, a slow box)
+START_MARK = "=== relaunch: start "     # the line run.sh writes into the log at each start
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 
@@ -37,6 +38,7 @@ def render_run_script(job: Job) -> str:
                           status_file=paths.status_file,
                           pgid_file=paths.pgid_file, python_path=paths.python_path,
                           stop_signal=job.recipe.run.stop.signal, notice_file=guard_paths(job).notice,
+                          start_mark=START_MARK,
                           templates=job.recipe.templates)
 
 
