@@ -359,7 +359,7 @@ def read(path):
 
 def start_of(pid):
     """The kernel's start time of a process (field 22 of its stat; the name before it may hold spaces)."""
-    text = read("/proc/{}/stat".format(pid))
+    text = read(f"/proc/{pid}/stat")
     return text.rsplit(")", 1)[-1].split()[19] if ")" in text else ""
 
 
