@@ -575,8 +575,10 @@ def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: boo
         raise
     except RelaunchError as exc:
         what = "the instance" if len(specs) == 1 else "any node of the group"
-        raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy {what}", exc.hint,
-                              exc.refused) from exc
+        refusal = EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy {what}", exc.hint,
+                                  exc.refused)
+        refusal.result = exc.result
+        raise refusal from exc
 
 
 def _on_every_node(recipe: Recipe, specs: list[HostSpec], ui: UI, command: Any, what: str) -> None:
@@ -692,7 +694,9 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
                    verdicts.sync_round(at_start.name if at_start else None, report.verified_now, report.newest))
         report.safe, report.why = verdict.ok, verdict.why
         if require_newest and not report.safe:
-            raise EvacuationError(f"{job.host}: {verdict.why}")
+            refusal = EvacuationError(f"{job.host}: {verdict.why}")
+            refusal.result = report.as_dict()
+            raise refusal
     except OSError as exc:
         # a full or read-only disk on this machine: nothing is deleted to make room, and what
         # was being written stays in the store's staging folder, which is never trusted
