@@ -51,8 +51,8 @@ def test_commands_without_a_host_print_one_document(tmp_path: Path) -> None:
 
 def test_commands_on_an_instance_print_one_document_on_each_exit(tmp_path, sandbox, ssh, ssh_key):
     home, inst = tmp_path / "state", sandbox()
-    recipe = plain_recipe(tmp_path / "work", name="jsondocs", key=ssh_key,
-                          command="bash -c 'i=0; while true; do i=$((i+1)); echo \"step $i loss 1.0\"; sleep 0.2; done'")
+    loop = "i=0; while true; do i=$((i+1)); echo \"step $i loss 1.0\"; sleep 0.2; done"
+    recipe = plain_recipe(tmp_path / "work", name="jsondocs", key=ssh_key, command=f"bash -c '{loop}'")
     lock = tmp_path / "work" / "requirements.lock"
     lock.write_text("")
     assert one_document(run_cli("up", str(recipe), inst.host, "--json", home=home)) is not None
