@@ -682,8 +682,12 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
             for name in report.pruned:
                 ui.step(job.host, "evacuate", f"pruned {name} from the store (keep={keep})")
         newest = listing[-1] if listing else None
-        # the verdict's checkpoint: evacuate's is the newest now; a sync round's the newest when it began
+        # the verdict's checkpoint: evacuate's is the newest now; a sync round's the newest when it
+        # began, unless the instance holds nothing that new any more (its trainer deleted it): then
+        # the newest it holds now
         target = newest if require_newest else at_start
+        if not require_newest and at_start is not None and (newest is None or newest.step < at_start.step):
+            target = newest
         if target is not None and target.name in report.copied + report.already:
             _check_in_store(jobs, store, executor, target, report, reverify)
         empty = None
@@ -691,7 +695,8 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
             held = _newest_held(store, executor)
             empty = verdicts.nothing_to_copy(_progress(job, executor), held.step if held else None, allow_empty)
         verdict = (verdicts.evacuation(report.newest, report.verified_now, empty) if require_newest else
-                   verdicts.sync_round(at_start.name if at_start else None, report.verified_now, report.newest))
+                   verdicts.sync_round(target.name if target else None, report.verified_now, report.newest,
+                                       began=at_start.name if at_start else None))
         report.safe, report.why = verdict.ok, verdict.why
         if require_newest and not report.safe:
             refusal = EvacuationError(f"{job.host}: {verdict.why}")

@@ -29,6 +29,8 @@ a = p.parse_args()
 os.makedirs(a.out, exist_ok=True)
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+with open(os.path.expanduser("~/train.pid"), "w") as f:
+    f.write(str(os.getpid()))
 step = int(open(a.resume).read()) if a.resume else 0
 while not stop:
     step += 1
@@ -63,8 +65,8 @@ def test_evacuate_stop_reaches_a_run_started_by_hand_in_tmux(tmp_path, sandbox, 
     newest = max(manifest["checkpoints"], key=lambda c: c["step"])
     assert newest["step"] == stopped and has_checkpoint(ssh, inst, "~/ckpt", stopped)
     assert (out.parent / "store" / "byhand" / newest["name"]).read_text() == str(stopped)
-    # the trainer is gone
-    assert ssh(inst, "pgrep -f '[t]rain.py --out'", check=False).returncode != 0
+    # the trainer is gone (its own pid: pgrep would see other instances' processes, they share this PID space)
+    assert ssh(inst, "kill -0 $(cat ~/train.pid)", check=False).returncode != 0
 
 
 def live_group(ssh, inst) -> int:

@@ -57,5 +57,5 @@ def test_extra_hashes_survive_the_manifest() -> None:
 
 @pytest.mark.parametrize("doc,case", cases("sync-round.json"))
 def test_sync_round(doc: dict[str, Any], case: dict[str, Any]) -> None:
-    verdict = verdicts.sync_round(case["at_start"], case["verified_now"], case["newest"])
+    verdict = verdicts.sync_round(case["at_start"], case["verified_now"], case["newest"], began=case.get("began"))
     assert (verdict.ok, verdict.why) == (case["ok"], case["why"])
