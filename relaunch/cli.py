@@ -46,7 +46,9 @@ def complete_providers(ctx: click.Context, param: click.Parameter, incomplete: s
 def common(func: Callable[..., Any]) -> Callable[..., Any]:
     func = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", shell_complete=complete_keys,
                         help="Override a recipe value (repeatable), e.g. --set checkpoint.keep=3.")(func)
-    func = click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")(func)
+    func = click.option("--json", "as_json", is_flag=True,
+                        help="One JSON document on stdout: the result, and on failure the same with error, hint, "
+                             "exit and refused; progress stays on stderr.")(func)
     func = click.option("-v", "--verbose", is_flag=True, help="Show the instance's output live.")(func)
     func = click.option("--yes", is_flag=True, help="Do not prompt.")(func)
     return func
@@ -63,9 +65,24 @@ def load(recipe_path: str, overrides: tuple[str, ...]) -> Any:
     return recipe
 
 
+# The one JSON document a command prints with --json: its result, set by emit() (the last call
+# wins) and printed when the command ends; when it fails, the same document with the error as its
+# fields (error, hint, exit, refused), never a second one.
+_document: list[Any] = []
+
+
 def emit(as_json: bool, data: Any) -> None:
     if as_json:
-        click.echo(redact(json.dumps(data, indent=2)))
+        _document[:] = [data]
+
+
+def _print_document(error: dict[str, Any] | None = None) -> None:
+    if not _document and error is None:
+        return
+    doc: Any = _document[0] if _document else {}
+    if error is not None:
+        doc = {**doc, **error} if isinstance(doc, dict) else {"results": doc, **error}
+    click.echo(redact(json.dumps(doc, indent=2)))
 
 
 def show_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
@@ -188,8 +205,16 @@ def sync(recipe: str, hosts: tuple[str, ...], every: float | None, once: bool, o
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
     specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    rounds: list[dict[str, Any]] = []
+
+    def each_round(line: str) -> None:
+        # a round's report as it comes, on stderr with the progress; stdout gets one document
+        click.echo(line, err=True)
+        rounds.append(json.loads(line))
+        emit(as_json, rounds[-1] if once else {"rounds": rounds})
+
     sync_loop(r, specs, ui, every if every is not None else r.checkpoint.every, once,
-              emit=click.echo if as_json else None)
+              emit=each_round if as_json else None)
 
 
 @cli.command()
@@ -214,8 +239,7 @@ def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple
     specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
     outcome = watch_loop(r, specs, ui, emit=click.echo if as_json else None, overrides=list(overrides),
                          take_over=take_over)
-    if as_json:
-        click.echo(json.dumps(outcome.as_dict()))
+    emit(as_json, outcome.as_dict())
 
 
 @cli.command()
@@ -797,8 +821,7 @@ def fail(as_json: bool, message: str, hint: str | None, code: int, refused: bool
     """The exit code of a failure, and with --json its JSON on stdout (the text already went to stderr);
     `refused`: the other side said no (credentials, no room, a conflicting writer): a retry changes nothing."""
     if as_json:
-        click.echo(json.dumps({"error": redact(message), "hint": redact(hint) if hint else None, "exit": code,
-                               "refused": refused}))
+        _print_document({"error": message, "hint": hint or None, "exit": code, "refused": refused})
     return code
 
 
@@ -822,10 +845,13 @@ def _main(argv: list[str] | None) -> int:
     command = args[:1]
     as_json = wants_json(args)
     not_verified = "evacuation NOT verified: DO NOT destroy the instance"
+    _document.clear()
     try:
         cli.main(args=args, prog_name="relaunch", standalone_mode=False)
+        _print_document()
         return 0
     except click.exceptions.Exit as exc:
+        _print_document()
         return exc.exit_code
     except click.ClickException as exc:
         exc.show()
@@ -841,6 +867,8 @@ def _main(argv: list[str] | None) -> int:
         return fail(as_json, message, not_verified if command == ["evacuate"] else None, Interrupted.exit_code)
     except RelaunchError as exc:
         log.debug("error", exc_info=True)
+        if exc.result is not None and not _document:
+            _document[:] = [exc.result]
         click.echo(redact(f"Error: {exc.message}"), err=True)
         if exc.hint:
             click.echo(redact(f"hint: {exc.hint}"), err=True)

@@ -53,3 +53,9 @@ def test_extra_hashes_survive_the_manifest() -> None:
     files = again.checkpoints["checkpoint-20"].files
     assert files["checkpoint-20/model.bin"].extra == {"md5": "m1m1"}
     assert files["checkpoint-20/trainer_state.json"].extra == {"gitblob": "g2g2"}
+
+
+@pytest.mark.parametrize("doc,case", cases("sync-round.json"))
+def test_sync_round(doc: dict[str, Any], case: dict[str, Any]) -> None:
+    verdict = verdicts.sync_round(case["at_start"], case["verified_now"], case["newest"], began=case.get("began"))
+    assert (verdict.ok, verdict.why) == (case["ok"], case["why"])
