@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e import EXAMPLE, run_cli, wait_for
+from e2e import EXAMPLE, plain_recipe, run_cli, wait_for
 from relaunch import sandbox as sb
 from relaunch.recipe import load_recipe
 from relaunch.sandbox.pythons import build_mirror
@@ -134,12 +134,41 @@ def assert_resumed(ssh, inst: sb.Instance, up_err: str, newest: tuple[str, int, 
     name, step, digest = newest
     assert f"step {step}" in up_err, up_err
     said = wait_for("training's 'resumed from' line", lambda: re.search(
-        rf"^resumed from (\S+) at step (\d+)$", log_text(ssh, inst), re.M), timeout=120)
+        r"^resumed from (\S+) at step (\d+)$", log_text(ssh, inst), re.M), timeout=120)
     assert int(said[2]) == step, said[0]
     restored = said[1]
     assert restored == f"{ckpt_dir}/{name}", said[0]
     assert ssh(inst, f"sha256sum {restored}").stdout.split()[0] == digest
     wait_for(f"training past step {step}", lambda: trained_past(ssh, inst, step), timeout=120)
+
+
+# What `up` and `status --json` say about the notice sources of init's recipe on each image (the base
+# recipe's guard.sources): sigterm reaches the run where PID 1 is an init (a VM), never in a container
+# whose PID 1 is a start script (runpod); no metadata service answers on a sandbox instance.
+NOTICES: dict[str, dict[str, bool]] = {
+    "ubuntu-22.04": {"sigterm": True}, "ubuntu-24.04": {"sigterm": True}, "runpod": {"sigterm": False},
+    "vast": {}, "lambda": {}, "aws-dlami": {"aws": False, "aws-rebalance": False, "sigterm": True},
+}
+
+
+def assert_notices(image: str, up_err: str, status: dict[str, Any]) -> None:
+    want = NOTICES[image]
+    notices = status["notices"]
+    assert {name: s["fires"] for name, s in notices["sources"].items()} == want, notices
+    assert notices["protected"] == any(want.values())
+    if want.get("sigterm"):
+        assert "guard: sigterm can fire: " in up_err, up_err
+        assert "guard: protected by sigterm: a notice becomes a save" in up_err, up_err
+        assert notices["loss_bound"] is None
+    else:
+        if "sigterm" in want:
+            said = next(ln for ln in up_err.splitlines() if "guard: sigterm cannot reach this run: " in ln)
+            assert "PID 1 is start.sh" in said, said
+        # the loss bound, named: the copy-off interval of init's recipe (the default, 600 s)
+        assert ("no notice can protect this run: a loss costs what was saved after the store's newest verified "
+                "checkpoint (none yet); keep `relaunch watch` or `relaunch sync` running and that is at most "
+                "checkpoint.every = 600s of copies plus one save interval") in up_err, up_err
+        assert notices["loss_bound"]["every"] == 600
 
 
 @pytest.mark.parametrize("image", list(PROVIDER))
@@ -150,14 +179,108 @@ def test_init_recipe_up_evacuate_and_resume_on_a_second_instance(image, tmp_path
     recipe = recipe_from_init(tmp_path / "work", provider, ssh_key, store)
     first = sandbox(image=image, index_dir=index_and_mirror)
     ckpt_dir = instance_dir(recipe, first)
+    host = host_of(first, provider)
 
-    up = run_cli("up", str(recipe), host_of(first, provider), home=home)
+    up = run_cli("up", str(recipe), host, home=home)
     assert up.returncode == 0, up.stderr
+    image_python = sb.PROFILES[image].python
+    if image_python not in (None, "3.11"):     # the image's Python is not the recipe's: uv provides it
+        assert f"python 3.11 from uv (the image has none; python3 is {image_python}." in up.stderr, up.stderr
+    status = run_cli("status", str(recipe), host, "--json", home=home)
+    assert status.returncode == 0, status.stderr
+    assert_notices(image, up.stderr, json.loads(status.stdout))
     wait_for("a checkpoint on the first instance", lambda: newest_step(ssh, first, ckpt_dir) >= SAVE_EVERY)
-    newest = evacuated(recipe, host_of(first, provider), home, store)
+    newest = evacuated(recipe, host, home, store)
     sb.destroy(first.name)
 
     second = sandbox(image=image, index_dir=index_and_mirror)
     up2 = run_cli("up", str(recipe), host_of(second, provider), home=home)
     assert up2.returncode == 0, up2.stderr
     assert_resumed(ssh, second, up2.stderr, newest, ckpt_dir)
+
+
+def test_a_recipe_frozen_on_runpod_resumes_on_lambda_with_the_python_uv_provides(tmp_path, sandbox, ssh, ssh_key,
+                                                                                 index_and_mirror):
+    """The recipe asks 3.11 and puts its checkpoints and venv on RunPod's /workspace. Lambda's image has
+    3.10 and no /workspace, which its user cannot make: the first `up` says so at preflight (exit 4,
+    nothing changed); with the two folders (and the command's) pointed at the home, it resumes there
+    on the Python uv provides from the offline mirror."""
+    store, home = tmp_path / "store", tmp_path / "state"
+    recipe = recipe_from_init(tmp_path / "work", "runpod", ssh_key, store)
+    first = sandbox(image="runpod", index_dir=index_and_mirror)
+    up = run_cli("up", str(recipe), first.host, home=home)
+    assert up.returncode == 0, up.stderr
+    assert "python 3.11 from uv" not in up.stderr          # runpod's image has it
+    ckpt_dir = instance_dir(recipe, first)
+    wait_for("a checkpoint on runpod", lambda: newest_step(ssh, first, ckpt_dir) >= SAVE_EVERY)
+    newest = evacuated(recipe, first.host, home, store)
+    sb.destroy(first.name)
+
+    second = sandbox(image="lambda", index_dir=index_and_mirror)
+    assert ssh(second, "command -v python3.11; python3 --version").stdout.startswith("Python 3.10.")
+    refused = run_cli("up", str(recipe), second.host, home=home)
+    assert refused.returncode == 4, refused.stderr
+    error = next(ln for ln in refused.stderr.splitlines() if ln.startswith("Error:"))
+    assert error == (f"Error: ubuntu@{second.address}: preflight: checkpoint.dir /workspace/ckpt/my-run: ubuntu "
+                     "cannot create it in /; env.venv /workspace/venvs/my-run: ubuntu cannot create it in /"), error
+    assert "--set 'checkpoint.dir=~/ckpt' --set 'env.venv=~/venvs/my-run'" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert ssh(second, "ls -A ~").stdout.strip() == ""      # nothing was changed
+
+    frozen = load_recipe(recipe)
+    command = frozen.run.command.replace(frozen.checkpoint.dir, "~/ckpt")
+    assert command != frozen.run.command
+    moved = ["--set", "provider=lambda", "--set", "checkpoint.dir=~/ckpt", "--set", "env.venv=~/venvs/my-run",
+             "--set", f"run.command={command}"]
+    up2 = run_cli("up", str(recipe), second.host, *moved, home=home)
+    assert up2.returncode == 0, up2.stderr
+    assert "python 3.11 from uv (the image has none; python3 is 3.10." in up2.stderr, up2.stderr
+    assert "warning" not in up2.stderr, up2.stderr
+    version = "~/venvs/my-run/bin/python -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])'"
+    assert ssh(second, version).stdout.strip() == "3.11"
+    assert_resumed(ssh, second, up2.stderr, newest, "/home/ubuntu/ckpt")
+
+
+def test_runpod_stopped_and_started_reuses_the_venv_and_resumes_from_workspace(tmp_path, sandbox, ssh, ssh_key,
+                                                                              index_and_mirror):
+    home = tmp_path / "state"
+    recipe = recipe_from_init(tmp_path / "work", "runpod", ssh_key, tmp_path / "store")
+    inst = sandbox(image="runpod", index_dir=index_and_mirror)
+    ckpt_dir = instance_dir(recipe, inst)
+    venv = load_recipe(recipe).env.venv.replace("{{ name }}", "my-run")
+    assert ckpt_dir.startswith("/workspace/") and venv.startswith("/workspace/")
+    up = run_cli("up", str(recipe), inst.host, home=home)
+    assert up.returncode == 0, up.stderr
+    wait_for("a checkpoint on /workspace", lambda: newest_step(ssh, inst, ckpt_dir) >= SAVE_EVERY)
+
+    sb.stop(inst.name)                       # SIGTERM to PID 1 only (dropped), SIGKILL to all 5 s later
+    sb.start(inst.name)
+    assert ssh(inst, "ls -A ~").stdout.strip() == "", "runpod's home (the container disk) survived a stop"
+    step = newest_step(ssh, inst, ckpt_dir)  # what the stop left: the newest complete checkpoint
+    name = f"ckpt-{step:08d}.pt"
+    digest = ssh(inst, f"sha256sum {ckpt_dir}/{name}").stdout.split()[0]
+
+    again = run_cli("up", str(recipe), inst.host, home=home)
+    assert again.returncode == 0, again.stderr
+    assert f"venv {venv} already matches the lock" in again.stderr, again.stderr
+    assert_resumed(ssh, inst, again.stderr, (name, step, digest), ckpt_dir)
+
+
+def test_up_on_runpod_warns_that_a_stop_wipes_a_checkpoint_dir_in_home(tmp_path, sandbox, ssh, ssh_key):
+    """A recipe that names the provider but does not extend its base: checkpoint.dir is the default ~/ckpt."""
+    recipe = plain_recipe(tmp_path, name="wiped", key=ssh_key)
+    data = yaml.safe_load(recipe.read_text())
+    data["provider"] = "runpod"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    inst = sandbox(image="runpod")
+    up = run_cli("up", str(recipe), inst.host, home=tmp_path / "state")
+    assert up.returncode == 0, up.stderr
+    assert (f"warning: {recipe}:"
+            in up.stderr and "checkpoint.dir /root/ckpt is on runpod's container disk (/), which a stop wipes: a "
+            "stopped instance comes back without its checkpoints; its volume disk (/workspace) is kept through a "
+            "stop (`extends: [providers/runpod]` puts it there)") in up.stderr, up.stderr
+    # and it is so
+    ssh(inst, "mkdir -p ~/ckpt && echo x > ~/ckpt/ckpt-00000005.pt")
+    sb.stop(inst.name)
+    sb.start(inst.name)
+    assert ssh(inst, "test -e ~/ckpt || echo gone").stdout.strip() == "gone"
