@@ -12,6 +12,8 @@ from ..ui import human
 from .env import provides_python, uv_makes_venv, venv_works
 
 GiB = 1024**3
+# where a recipe puts these by default: the home folder, which any login user can write
+HOME_DEFAULTS = {"checkpoint.dir": "~/ckpt", "env.venv": "~/venvs/{name}"}
 
 
 def missing_packages(job: Job) -> list[str]:
@@ -88,6 +90,16 @@ def plan_preflight(job: Job, checkpoint_bytes: int) -> list[Action]:
         raise EnvError(f"{job.host}: preflight: env.python is {recipe.env.python}, which uv would provide, but the "
                        "instance has no python3 at all to put uv in place with",
                        "choose an image with a python3 (any 3.8 or newer)")
+    blocked = [(key, path, folder) for key, path, folder in (("checkpoint.dir", paths.ckpt_dir, facts.ckpt_blocked),
+                                                              ("env.venv", paths.venv, facts.venv_blocked)) if folder]
+    if blocked:
+        # else the checkpoint step fails on mkdir (exit 5: "rerunning resumes", which it never would); a
+        # recipe made for one provider's disks (RunPod's /workspace) meets an image without them
+        where = "; ".join(f"{key} {path}: {facts.user} cannot create it in {folder}" for key, path, folder in blocked)
+        sets = " ".join(f"--set '{key}={HOME_DEFAULTS[key].format(name=recipe.name)}'" for key, _, _ in blocked)
+        raise EnvError(f"{job.host}: preflight: {where}",
+                       f"point it at a folder this user can write, e.g. {sets} (and the same folder in run.command), "
+                       "or extend the base recipe of this instance's provider (`relaunch providers`)")
     if checkpoint_bytes and facts.free_ckpt < checkpoint_bytes * 1.05:
         raise EnvError(
             f"{job.host}: preflight: the checkpoint needs {human(checkpoint_bytes)} but only "
