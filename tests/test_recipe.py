@@ -485,3 +485,20 @@ def test_shipped_recipes_load_and_render() -> None:
         r = load_recipe(path)
         assert isinstance(r, Recipe)
         check_recipe(r)
+
+
+def test_checkpoint_dir_is_a_template_variable(tmp_path: Path) -> None:
+    """A command written once for every provider's disks: `{{ checkpoint_dir }}` is checkpoint.dir
+    rendered (with the other variables), `~` expanded where the home is known; it may not name itself."""
+    r = load_recipe(write(tmp_path, "r.yaml", "name: run1\nenv: {python: '3.11'}\n"
+                                             "checkpoint: {remote: s, dir: '/workspace/ckpt/{{ name }}'}\n"
+                                             "run: {command: 'python t.py --out \"{{ checkpoint_dir }}\"'}\n"))
+    assert r.render("run.command", render_context(r, home="/root")) == 'python t.py --out "/workspace/ckpt/run1"'
+    home = load_recipe(write(tmp_path, "h.yaml", "name: h\nenv: {python: '3.11'}\ncheckpoint: {remote: s}\n"
+                                                 "run: {command: 'x {{ checkpoint_dir }}'}\n"))
+    assert render_context(home, home="/home/ubuntu")["checkpoint_dir"] == "/home/ubuntu/ckpt"
+    loop = load_recipe(write(tmp_path, "l.yaml", "name: l\nenv: {python: '3.11'}\n"
+                                                 "checkpoint: {remote: s, dir: '{{ checkpoint_dir }}/x'}\n"
+                                                 "run: {command: x}\n"))
+    with pytest.raises(RecipeError, match="checkpoint.dir: undefined variable 'checkpoint_dir'"):
+        render_context(loop, home="/root")

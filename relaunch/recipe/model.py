@@ -27,7 +27,7 @@ ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The template variables relaunch provides; `env.vars` may not shadow them.
 BUILTIN_VARS = (
     "name", "host", "user", "home", "checkpoint", "step", "gpus",
-    "nnodes", "node_rank", "master_addr", "world_size", "nproc_per_node", "grad_accum",
+    "nnodes", "node_rank", "master_addr", "world_size", "nproc_per_node", "grad_accum", "checkpoint_dir",
 )
 REMOTE_PREFIXES = ("rclone:", "hf:")
 # The instance scripts in templates/ a recipe's `templates:` folder may replace, by file name.
