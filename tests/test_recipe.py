@@ -497,6 +497,10 @@ def test_checkpoint_dir_is_a_template_variable(tmp_path: Path) -> None:
     home = load_recipe(write(tmp_path, "h.yaml", "name: h\nenv: {python: '3.11'}\ncheckpoint: {remote: s}\n"
                                                  "run: {command: 'x {{ checkpoint_dir }}'}\n"))
     assert render_context(home, home="/home/ubuntu")["checkpoint_dir"] == "/home/ubuntu/ckpt"
+    with_vars = load_recipe(write(tmp_path, "v.yaml", "name: v\nenv: {python: '3.11', vars: {RUN: r7}}\n"
+                                                      "checkpoint: {remote: s, dir: '~/ckpt/{{ RUN }}'}\n"
+                                                      "run: {command: x}\n"))
+    assert render_context(with_vars, home="/root")["checkpoint_dir"] == "/root/ckpt/r7"   # env.vars still work
     loop = load_recipe(write(tmp_path, "l.yaml", "name: l\nenv: {python: '3.11'}\n"
                                                  "checkpoint: {remote: s, dir: '{{ checkpoint_dir }}/x'}\n"
                                                  "run: {command: x}\n"))
