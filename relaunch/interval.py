@@ -444,3 +444,65 @@ def notice_fit(recipe: Recipe, save_time: float, copy_time: float | None) -> Not
 
 def with_history(result: Result, gaps: int, notice: NoticeFit | None) -> Result:
     return replace(result, mtbi_gaps=gaps, notice=notice)
+
+
+# -- a running training's Badput, for `relaunch status` -----------------------------------------
+@dataclass(frozen=True)
+class BadputNow:
+    """What the run pays for checkpoints at its present interval: saving's own cost (the
+    blocking time every interval) and, once the MTBI is known, what failures cost."""
+
+    costs: SaveCosts
+    interruptions: int                  # on record in the store's history
+    mtbi: float | None = None           # the mean time between them (two or more)
+    mtbi_gaps: int = 0
+
+    @property
+    def interval_seconds(self) -> float | None:
+        c = self.costs
+        return c.every * c.step_time if c.every and c.step_time else None
+
+    @property
+    def saving(self) -> float | None:
+        seconds = self.interval_seconds
+        return self.costs.blocking / seconds if seconds else None
+
+    @property
+    def failures(self) -> float | None:
+        seconds = self.interval_seconds
+        return (self.costs.save_time + seconds / 2) / self.mtbi if seconds and self.mtbi else None
+
+    @property
+    def total(self) -> float | None:
+        return None if self.saving is None or self.failures is None else self.saving + self.failures
+
+    def lines(self) -> list[str]:
+        c = self.costs
+        every = (f"every {c.every} steps ({format_duration(self.interval_seconds)} of training)"
+                 if self.interval_seconds else "interval not known yet (one save so far)")
+        out = [f"saving: {every}, blocking {format_duration(c.blocking)} + background write "
+               f"{format_duration(c.write)} per save (medians of {c.saves} saves, {c.bytes / 1e6:.3g} MB)"]
+        seen = f"{self.interruptions} interruption(s) on record"
+        if self.saving is None:
+            out.append(f"Badput now: not known until the interval is; {seen}")
+        elif self.failures is None:
+            out.append(f"Badput now: saving {format_percent(self.saving)}; failures not known: {seen} "
+                       "(the MTBI needs two; `relaunch interval RECIPE --mtbi M` for a guess)")
+        else:
+            assert self.total is not None and self.mtbi is not None
+            out.append(f"Badput now: {format_percent(self.total)} = saving {format_percent(self.saving)} + failures "
+                       f"{format_percent(self.failures)} (MTBI {format_duration(self.mtbi)} from {seen})")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self.costs), "interval_seconds": self.interval_seconds, "interruptions": self.interruptions,
+                "mtbi": self.mtbi, "mtbi_gaps": self.mtbi_gaps, "saving": self.saving, "failures": self.failures,
+                "badput": self.total}
+
+
+def badput_now(costs: SaveCosts, entries: list[Interruption]) -> BadputNow:
+    from .history import INTERRUPTIONS, mean_time_between
+
+    found = mean_time_between(entries)
+    counted = sum(1 for e in entries if e.cause in INTERRUPTIONS)
+    return BadputNow(costs, counted, *(found or (None, 0)))

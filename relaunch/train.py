@@ -705,10 +705,12 @@ class Checkpointer:
         if self.async_save:
             kind = AsyncCheckpointerType.PROCESS if self.background == "process" else AsyncCheckpointerType.THREAD
             response = dcp.async_save(state, storage_writer=writer, planner=self._planner, process_group=self._writing,
-                                      async_checkpointer_type=kind, async_stager=self._stager)
+                                      async_checkpointer_type=kind, async_stager=self._stager,
+                                      no_dist=not self.distributed)
             upload = getattr(response, "upload_completion", response)
         else:
-            dcp.save(state, storage_writer=writer, planner=self._planner, process_group=self._writing)
+            dcp.save(state, storage_writer=writer, planner=self._planner, process_group=self._writing,
+                     no_dist=not self.distributed)
             upload = None
         staged = time.monotonic()
         steps = step - self._mark_step
@@ -824,7 +826,7 @@ class Checkpointer:
         state = {k: v for k, v in state.items() if k != own}
         if own in keys:
             state[own] = b""
-        dcp.load(state, storage_reader=reader, process_group=self._control)
+        dcp.load(state, storage_reader=reader, process_group=self._control, no_dist=not self.distributed)
         if self.optimizer is not None:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
