@@ -569,6 +569,11 @@ class Checkpointer:
         self._control = dist.new_group(backend="gloo") if self.distributed else None
         self._writing = dist.new_group(backend="gloo") if self.distributed else None
         self.background = background if self.distributed else "thread"   # a process needs the group
+        if not self.distributed:
+            import warnings
+
+            # DCP warns at every save and load of one process that it is one process; so it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         hosts = [socket.gethostname()] * self.world_size
         if self.distributed:
             dist.all_gather_object(hosts, socket.gethostname(), group=self._control)
