@@ -543,7 +543,6 @@ class Checkpointer:
     def __init__(self, dir: str | os.PathLike[str], model: Any, optimizer: Any = None, *, scheduler: Any = None,
                  sampler: Any = None, keep: int = 2, prefix: str = "step-", async_save: bool = True,
                  background: str = "thread", stop: StopRequest | None = None) -> None:
-        import socket
         from concurrent.futures import ThreadPoolExecutor
 
         import torch
@@ -574,11 +573,8 @@ class Checkpointer:
 
             # DCP warns at every save and load of one process that it is one process; so it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        hosts = [socket.gethostname()] * self.world_size
-        if self.distributed:
-            dist.all_gather_object(hosts, socket.gethostname(), group=self._control)
-        # the lowest rank of each machine looks after that machine's disk
-        self.leader = hosts.index(hosts[self.rank]) == self.rank
+        os.makedirs(self.dir, exist_ok=True)
+        self.leader = self._lowest_rank_here()
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
         self._planner._cached_plans_key = f"relaunch.Checkpointer.{id(self)}"   # its own cache entry
         self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
@@ -592,12 +588,34 @@ class Checkpointer:
         self.costs: list[dict[str, Any]] = []    # every committed save: step, blocking_s, write_s, step_s, bytes
         self.restored: str | None = None
         self.extra: Any = None
-        os.makedirs(self.dir, exist_ok=True)
         if self.leader:
             self._remove_temporary()
         self._barrier(self._control)
 
     # -- collectives --------------------------------------------------------------------------
+    def _lowest_rank_here(self) -> bool:
+        """Is this the lowest rank of those that share this checkpoint folder (one disk)? That
+        rank looks after the folder: renames, keep N, what a killed run left. Every rank leaves
+        a probe file in it and looks which probes it sees: a hostname cannot tell (containers,
+        namespaces, several nodes named alike), a shared filesystem shows all of them."""
+        import uuid
+
+        if not self.distributed:
+            return True
+        import torch.distributed as dist
+
+        token = [uuid.uuid4().hex]
+        dist.broadcast_object_list(token, src=0, group=self._control)
+        prefix = f".relaunch-probe-{token[0]}-"
+        probe = os.path.join(self.dir, f"{prefix}{self.rank}")
+        with open(probe, "w"):
+            pass
+        self._barrier(self._control)
+        seen = [int(name[len(prefix):]) for name in os.listdir(self.dir) if name.startswith(prefix)]
+        self._barrier(self._control)
+        os.remove(probe)
+        return min(seen) == self.rank
+
     def _barrier(self, group: Any) -> None:
         self._reduce(0.0, group)
 
