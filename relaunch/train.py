@@ -583,6 +583,7 @@ class Checkpointer:
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relaunch-checkpoint")
         self._pending: Any = None                # the Future of the save in flight: written and committed
         self._error: BaseException | None = None
+        self._closed = False
         self.saved_step = -1                     # the newest step saved (or restored): not saved again
         self._mark, self._mark_step = time.monotonic(), 0   # the step time counts from here
         self.costs: list[dict[str, Any]] = []    # every committed save: step, blocking_s, write_s, step_s, bytes
@@ -628,6 +629,11 @@ class Checkpointer:
         tensor = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
         return float(tensor.item())
+
+    def _everyone_ok(self, error: OSError | None, what: str) -> None:
+        """Raise on every rank when any rank failed (so that none waits for it in a collective)."""
+        if self._reduce(1.0 if error else 0.0, self._writing, "MAX") > 0:
+            raise error or RuntimeError(f"{what} failed on another rank")
 
     def _agree(self, flag: bool) -> bool:
         """True on every rank when it is True on any."""
@@ -761,15 +767,23 @@ class Checkpointer:
         # A rank returns from DCP's save only after rank 0 wrote `.metadata`: every shard is
         # written. Other machines rename their own part first (without `.metadata`, not complete
         # yet); a machine that sees `.metadata` shares rank 0's disk and leaves the rename to it.
-        if self.leader and self.rank != 0 and os.path.isdir(temporary) and \
-                not os.path.exists(os.path.join(temporary, DCP_MARKER)):
-            _replace_dir(temporary, final)
+        error: OSError | None = None
+        try:
+            if self.leader and self.rank != 0 and os.path.isdir(temporary) and \
+                    not os.path.exists(os.path.join(temporary, DCP_MARKER)):
+                _replace_dir(temporary, final)
+        except OSError as exc:
+            error = exc
         total = self._reduce(float(cost["bytes"]), self._writing)
-        if self.rank == 0:
-            _replace_dir(temporary, final)       # with `.metadata`: complete from this moment
-        if self.leader:
-            self._prune()
-        self._barrier(self._writing)             # every rank knows it is committed
+        self._everyone_ok(error, f"renaming a node's part of {name}")
+        try:
+            if self.rank == 0:
+                _replace_dir(temporary, final)   # with `.metadata`: complete from this moment
+            if self.leader:
+                self._prune()
+        except OSError as exc:
+            error = exc
+        self._everyone_ok(error, f"committing {name}")   # and every rank knows it is committed
         cost["bytes"] = int(total)
         if upload is not None:
             cost["write_s"] = time.monotonic() - staged
@@ -812,6 +826,9 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the save in flight, then let go of the staging memory and the background thread."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait()
         finally:
