@@ -6,13 +6,14 @@ of saving the same FSDP2 state, side by side in one run, on 1, 2 and 4 ranks (gl
   The training waits for the copy only; the write's own time is measured too (`its write`).
 - `dcp.save`: a blocking torch.distributed.checkpoint.save of the same state dict, each rank its
   own shards (what recipes/example/train_dist.py did before).
-- `torch.save rank 0`: the full state gathered to rank 0 (get_state_dict with full_state_dict
-  and cpu_offload) and written there with torch.save, the others waiting at a barrier: the
+- `torch.save rank 0`: the full state gathered to rank 0 (each sharded tensor's full_tensor(),
+  one at a time) and written there with torch.save, the others waiting at a barrier: the
   "single-rank aggregated saving" many scripts start with.
 
 Each time is from a barrier before the save to a barrier after it (every rank is back to
 training); the methods take turns (which goes first rotates from run to run); run 0 of each
-size warms up (the stager's buffers, the cached plan, the page cache) and is not counted. Every
+size warms up (the stager's buffers, the cached plan, the page cache) and is not counted, but the
+Checkpointer's first save is shown apart: it allocates the buffers the later saves reuse. Every
 save writes to disk with fsync (DCP's sync_files, and an fsync after torch.save), under --dir.
 The state is the model's parameters and SGD's momentum, fp32, in 2048x2048 layers.
 
@@ -27,6 +28,7 @@ as markdown (docs/speed.md holds the full run's). No asserts: it measures.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WIDTH = 2048                                   # one layer: 2048 x 2048 fp32 = 16 MiB, 32 MiB with momentum
@@ -61,7 +64,7 @@ def measure_size(size: int, runs: int, out: Path, first_step: int) -> tuple[int,
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
     from relaunch import train
@@ -69,9 +72,11 @@ def measure_size(size: int, runs: int, out: Path, first_step: int) -> tuple[int,
     rank = dist.get_rank()
     layers = max(1, round(size / (2 * WIDTH * WIDTH * 4)))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
-    for layer in model:
+    model = torch.nn.Sequential()
+    for _ in range(layers):                                 # sharded one by one: never the whole model here
+        layer = torch.nn.Linear(WIDTH, WIDTH, bias=False)
         fully_shard(layer)
+        model.append(layer)
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     model(torch.randn(1, WIDTH)).sum().backward()          # momentum buffers exist from here on
@@ -87,8 +92,19 @@ def measure_size(size: int, runs: int, out: Path, first_step: int) -> tuple[int,
         msd, osd = get_state_dict(model, optimizer)
         dcp.save({"model": msd, "optim": osd, "step": step}, checkpoint_id=str(out / f"dcp-{step}"))
 
+    def gather(value: object) -> object:
+        """The full tensors on rank 0, one at a time (the other ranks keep none of them)."""
+        if isinstance(value, dict):
+            return {k: gather(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [gather(v) for v in value]
+        if hasattr(value, "full_tensor"):
+            full = value.full_tensor()
+            return full if rank == 0 else None
+        return value
+
     def gathered(step: int) -> None:
-        msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        msd, osd = (gather(part) for part in get_state_dict(model, optimizer))
         if rank == 0:
             with open(out / f"torch-{step}.pt", "wb") as handle:
                 torch.save({"model": msd, "optim": osd, "step": step}, handle)
@@ -96,7 +112,7 @@ def measure_size(size: int, runs: int, out: Path, first_step: int) -> tuple[int,
                 os.fsync(handle.fileno())
 
     saves = {"Checkpointer": checkpointer, "dcp.save": blocking_dcp, "torch.save rank 0": gathered}
-    times: dict[str, list[float]] = {name: [] for name in (*METHODS, "its write")}
+    times: dict[str, list[float]] = {name: [] for name in (*METHODS, "its write", "first Checkpointer")}
     step = first_step
     try:
         for run in range(runs + 1):
@@ -115,6 +131,8 @@ def measure_size(size: int, runs: int, out: Path, first_step: int) -> tuple[int,
                     times[name].append(blocked - began)
                     if name == "Checkpointer":
                         times["its write"].append(time.perf_counter() - blocked)
+                elif name == "Checkpointer":                # its buffers are allocated at the first save
+                    times["first Checkpointer"].append(blocked - began)
                 if rank == 0:
                     shutil.rmtree(out / f"dcp-{step}", ignore_errors=True)
                     (out / f"torch-{step}.pt").unlink(missing_ok=True)
@@ -133,25 +151,28 @@ def worker(sizes: list[int], runs: int, folder: Path, result: Path) -> None:
     for n, size in enumerate(sizes):
         out = folder / size_text(size)
         state_bytes, times = measure_size(size, runs, out, n * 100)
+        gc.collect()                                       # this size's model and staging buffers go
         found[str(state_bytes)] = times
         if rank == 0:
             medians = ", ".join(f"{k} {statistics.median(v):.3f}s" for k, v in times.items())
             print(f"save_cost: {world} rank(s), {size_text(state_bytes)}: {medians}", file=sys.stderr, flush=True)
             shutil.rmtree(out, ignore_errors=True)
+            result.write_text(json.dumps(found))          # after each size: a later failure keeps these
         dist.barrier()
-    if rank == 0:
-        result.write_text(json.dumps(found))
     dist.destroy_process_group()
 
 
 # -- the driver: one torchrun per rank count, the table, the plot ------------------------------
-def run_all(sizes: list[int], ranks: list[int], runs: int, folder: Path) -> dict[str, object]:
-    results: dict[str, object] = {"sizes": sizes, "ranks": ranks, "runs": runs, "cpus": os.cpu_count(),
-                                  "python": sys.version.split()[0], "by_ranks": {}}
+def run_all(sizes: list[int], ranks: list[int], runs: int, folder: Path, path: Path,
+            merge: bool) -> dict[str, Any]:
+    """One torchrun job per rank count; the results file is written after each (with --merge,
+    the rank counts not run now keep their earlier results)."""
     import torch
 
-    results["torch"] = torch.__version__
-    began = time.monotonic()
+    results: dict[str, Any] = json.loads(path.read_text()) if merge and path.exists() else {"by_ranks": {}}
+    results.update(sizes=sizes, runs=runs, cpus=os.cpu_count(), python=sys.version.split()[0],
+                   torch=torch.__version__)
+    results.setdefault("jobs", {})
     for n in ranks:
         with tempfile.TemporaryDirectory(dir=folder, prefix=f"save-cost-{n}-") as work:
             out = Path(work) / "result.json"
@@ -159,15 +180,22 @@ def run_all(sizes: list[int], ranks: list[int], runs: int, folder: Path) -> dict
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                        str(Path(__file__).resolve()), "worker", "--sizes", ",".join(map(str, sizes)),
                        "--runs", str(runs), "--dir", work, "--result", str(out)]
-            subprocess.run(command, check=True, env=env)
-            results["by_ranks"][str(n)] = json.loads(out.read_text())   # type: ignore[index]
-    results["seconds"] = round(time.monotonic() - began)
+            began, load = time.monotonic(), os.getloadavg()[0]
+            done = subprocess.run(command, env=env)
+            results["by_ranks"][str(n)] = json.loads(out.read_text()) if out.exists() else {}
+            results["jobs"][str(n)] = {"seconds": round(time.monotonic() - began), "load_before": round(load, 1),
+                                       "load_after": round(os.getloadavg()[0], 1), "exit": done.returncode,
+                                       "at": time.strftime("%Y-%m-%d %H:%M")}
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        if done.returncode:
+            print(f"save_cost: the {n}-rank job failed (exit {done.returncode}; out of memory is -9 in its "
+                  "report); its finished sizes are kept", file=sys.stderr)
     return results
 
 
 def table(results: dict) -> str:
     rows = ["| state | ranks | Checkpointer | its write (background) | dcp.save | torch.save rank 0 | "
-            "Checkpointer / dcp.save |", "|---|---|---|---|---|---|---|"]
+            "Checkpointer / dcp.save | Checkpointer's first save |", "|---|---|---|---|---|---|---|---|"]
     by_ranks = results["by_ranks"]
     sizes = sorted({int(s) for r in by_ranks.values() for s in r})
     for size in sizes:
@@ -178,7 +206,7 @@ def table(results: dict) -> str:
             m = {k: statistics.median(v) for k, v in times.items()}
             rows.append(f"| {size_text(size)} | {n} | {m['Checkpointer']:.2f} s | {m['its write']:.2f} s | "
                         f"{m['dcp.save']:.2f} s | {m['torch.save rank 0']:.2f} s | "
-                        f"{m['Checkpointer'] / m['dcp.save']:.2f} |")
+                        f"{m['Checkpointer'] / m['dcp.save']:.2f} | {m['first Checkpointer']:.2f} s |")
     return "\n".join(rows)
 
 
@@ -188,7 +216,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_ranks = results["by_ranks"]
+    by_ranks = {n: r for n, r in results["by_ranks"].items() if r}
     fig, axes = plt.subplots(1, len(by_ranks), figsize=(4.2 * len(by_ranks), 3.6), sharey=True, squeeze=False)
     for ax, n in zip(axes[0], sorted(by_ranks, key=int), strict=True):
         sizes = sorted(int(s) for s in by_ranks[n])
@@ -217,6 +245,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="32M,128M on 1 and 2 ranks, one run: a smoke test")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the saves are written (a disk)")
     parser.add_argument("--out", help="results prefix (default benchmarks/save_cost; --quick: /tmp/save_cost-quick)")
+    parser.add_argument("--merge", action="store_true", help="keep the results of rank counts not run now")
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -229,10 +258,12 @@ def main() -> int:
     if "plot" in args.what and "table" not in args.what:
         plot(json.loads(prefix.with_suffix(".json").read_text()), prefix.with_suffix(".png"))
         return 0
-    results = run_all(sizes, [int(n) for n in args.ranks.split(",")], args.runs, Path(args.dir))
-    prefix.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    results = run_all(sizes, [int(n) for n in args.ranks.split(",")], args.runs, Path(args.dir),
+                      prefix.with_suffix(".json"), args.merge)
+    jobs = "; ".join(f"{n} rank(s): {j['seconds']} s, load {j['load_before']} -> {j['load_after']}"
+                     for n, j in sorted(results["jobs"].items()))
     print(f"{results['runs']} timed run(s) per size after a warm-up, medians; {results['cpus']} CPUs, "
-          f"torch {results['torch']}; took {results['seconds']} s\n")
+          f"torch {results['torch']}; {jobs}\n")
     print(table(results))
     try:
         plot(results, prefix.with_suffix(".png"))

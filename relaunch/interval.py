@@ -345,7 +345,8 @@ class Result:
             out.append(f"  of which saving {format_percent(saving)} (blocking / interval) and failures "
                        f"{format_percent(iv.badput - saving)} ((save + interval/2) / MTBI)")
         yd = self.young_daly
-        out.append(f"Young/Daly optimum sqrt(2*S*MTBI) for reference: every {format_duration(yd.seconds)} "
+        formula = "sqrt(2*C*MTBI), C the blocking time," if self.blocking_time else "sqrt(2*S*MTBI)"
+        out.append(f"Young/Daly optimum {formula} for reference: every {format_duration(yd.seconds)} "
                    f"({yd.steps} steps, Badput {format_percent(yd.badput)})")
         if self.notice is not None:
             out.append(self.notice.line())
