@@ -251,3 +251,53 @@ def test_a_kill_9_mid_write_leaves_nothing_counted_and_the_next_start_resumes_fr
     with train.Checkpointer(folder, model, optimizer, stop=quiet_stop()) as ckpt:
         assert not (folder / "tmp-step-00000020").exists()     # the killed run's leftover, removed
         assert ckpt.restore() == 10
+
+
+PROCESS = textwrap.dedent("""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    from relaunch import train
+
+
+    def main():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
+        model = torch.nn.Linear(16, 16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ckpt = train.Checkpointer(sys.argv[1], model, optimizer, background="process",
+                                  stop=train.StopRequest(signals=["USR2"], notice_file=""))
+        for step in (1, 2, 3):
+            model(torch.randn(2, 16)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ckpt.save(step)
+        writer = executor._CHECKPOINT_PROCESS
+        print("written by a process:", writer is not None and writer._save_process.is_alive(), flush=True)
+        ckpt.finish(3)
+        ckpt.close()
+        dist.destroy_process_group()
+
+
+    if __name__ == "__main__":         # the writing process is spawned: it imports this file again
+        main()
+""")
+
+
+def test_the_write_in_a_background_process_commits_the_same_way(tmp_path):
+    import socket
+
+    script, folder = tmp_path / "process_save.py", tmp_path / "ckpt"
+    script.write_text(PROCESS)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([sys.executable, str(script), str(folder), str(port)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "written by a process: True" in done.stdout
+    assert [s.step for s in map(parse_line, done.stdout.splitlines()) if s] == [1, 2, 3]
+    assert complete(folder) == ["step-00000002", "step-00000003"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000003"]
