@@ -474,7 +474,11 @@ def providers(as_json: bool) -> None:
 @click.argument("recipe", required=False)
 @click.argument("host", required=False)
 @click.option("--step-time", metavar="T", help="One training step, e.g. 1.2s (else measured on RECIPE HOST).")
-@click.option("--save-time", metavar="S", help="Saving one checkpoint, e.g. 90s (else measured on RECIPE HOST).")
+@click.option("--save-time", metavar="S", help="Saving one checkpoint, e.g. 90s (else measured on RECIPE HOST): "
+              "from its start until it is complete, an asynchronous save's background write included.")
+@click.option("--blocking-time", metavar="C", help="The part of a save that stops training, e.g. 2s: adds C/(N*T), "
+              "saving's own cost, to the Badput (else measured with the save time from the metric lines of "
+              "relaunch.train.Checkpointer, or not counted).")
 @click.option("--mtbi", metavar="M", help="Mean time between interruptions, e.g. 6h (else measured from the "
               "history of interruptions in RECIPE's store).")
 @click.option("--copy-time", metavar="C", help="Copying one checkpoint off, e.g. 40s (else the median the history "
@@ -485,11 +489,14 @@ def providers(as_json: bool) -> None:
               help="Instead: the Badput of saving every N steps.")
 @common
 def interval(recipe: str | None, host: str | None, step_time: str | None, save_time: str | None,
-             mtbi: str | None, copy_time: str | None, budget: str, every: int | None, overrides: tuple[str, ...],
-             as_json: bool, verbose: bool, yes: bool) -> None:
-    """The checkpoint interval (steps and minutes) that keeps Badput = (S + N*T/2)/MTBI under B.
+             blocking_time: str | None, mtbi: str | None, copy_time: str | None, budget: str, every: int | None,
+             overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
+    """The checkpoint interval (steps and minutes) that keeps Badput = (S + N*T/2)/MTBI under B
+    (plus C/(N*T) with a blocking time C).
     Durations: 1.2s, 90s, 90, 250ms, 5m, 6h, 2d, 1h30m. With RECIPE [HOST] instead of --step-time
-    and --save-time, they are measured from the checkpoint timestamps on the instance; without
+    and --save-time, they are measured on the instance: from the metric lines a
+    relaunch.train.Checkpointer writes into the run's log (step, save and blocking time), else
+    from the checkpoint timestamps; without
     --mtbi, the MTBI is measured from the interruptions `relaunch watch` recorded in RECIPE's
     store. With RECIPE, warns when saving plus copying does not fit the provider's notice window."""
     from . import interval as iv
@@ -499,10 +506,11 @@ def interval(recipe: str | None, host: str | None, step_time: str | None, save_t
                          "measure it from the history of interruptions in its store")
     t = iv.parse_duration(step_time, "--step-time") if step_time is not None else None
     s = iv.parse_duration(save_time, "--save-time") if save_time is not None else None
+    blocking = iv.parse_duration(blocking_time, "--blocking-time") if blocking_time is not None else None
     m = iv.parse_duration(mtbi, "--mtbi") if mtbi is not None else None
     c = iv.parse_duration(copy_time, "--copy-time") if copy_time is not None else None
     b = iv.parse_fraction(budget, "--badput")
-    iv.check_inputs(t, s, m if m is not None else 1.0)
+    iv.check_inputs(t, s, m if m is not None else 1.0, blocking or 0.0)
     r = load(recipe, overrides) if recipe is not None else None
     gaps, entries = 0, None
     if r is not None and m is None:
@@ -518,7 +526,7 @@ def interval(recipe: str | None, host: str | None, step_time: str | None, save_t
         measured, where = iv.measure_instance(r, spec, ui, s)
     elif r is not None:
         click.echo("note: --step-time and --save-time given; nothing to measure on the instance", err=True)
-    result = iv.compute(t, s, m, b, every, measured, where)
+    result = iv.compute(t, s, m, b, every, measured, where, blocking)
     notice = None
     if r is not None and iv.notice_fit(r, result.save_time, c) is not None:
         if c is None:

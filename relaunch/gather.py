@@ -26,6 +26,7 @@ from .steps.checkpoint import instance_checkpoints
 from .transports import Store
 
 LISTING_DEADLINE = 300.0        # a folder of thousands of checkpoint shards on a slow disk
+VANISHED = 44                  # read_required's exit status for a .metadata deleted since the listing
 CHECKED = 10                    # how many of the instance's newest checkpoints are checked for a finished save
 
 
@@ -136,8 +137,9 @@ def gather(remote: Remote, recipe: Recipe, node: Node, store: Store | None = Non
         if node.nnodes == 1:
             # a DCP checkpoint a node group wrote: its .metadata is here, other nodes' shards may
             # not be (a node that survived its group); complete only with every file it names
-            facts.required = read_required({job.host: remote}, job, {e.path: [job.host] for e in facts.listing},
-                                           facts.reads)
+            facts.required, vanished = read_required({job.host: remote}, job,
+                                                     {e.path: [job.host] for e in facts.listing}, facts.reads)
+            facts.listing = without(facts.listing, vanished)
     if store is not None:
         facts.store = store.read(writing)
         if facts.listing:
@@ -161,29 +163,45 @@ def env_files(recipe: Recipe) -> tuple[dict[str, int], dict[str, int]]:
     return {p: s.st_mode & 0o777 for p, s in found.items()}, {p: s.st_size for p, s in found.items()}
 
 
+def metadata_command(path: str) -> str:
+    """`cat` a DCP `.metadata`; exit VANISHED when it is no longer there (deleted since the listing)."""
+    quoted = shlex.quote(path)
+    return f"cat -- {quoted} || {{ test -e {quoted} || exit {VANISHED}; exit 1; }}"
+
+
+def without(listing: list[Entry], names: set[str]) -> list[Entry]:
+    """The listing without the checkpoints `names` (and everything below them)."""
+    return [e for e in listing if not any(e.path == n or e.path.startswith(n + "/") for n in names)]
+
+
 def read_required(remotes: dict[str, Remote], job: Job, holders: dict[str, list[str]],
-                  reads: list[str] | None = None) -> dict[str, list[str]]:
+                  reads: list[str] | None = None) -> tuple[dict[str, list[str]], set[str]]:
     """For the group's newest DCP checkpoints: the files each one's `.metadata` says it needs,
     read from the node that holds the metadata (a few KB each; torch is not needed here);
-    each command read is added to `reads`."""
+    each command read is added to `reads`. Also the checkpoints whose `.metadata` was deleted
+    since the listing (a training keeping its newest N): gone, not complete, not an error."""
     c = job.recipe.checkpoint
     found = complete_checkpoints(job.facts.listing or [], c.layout, c.pattern)
     required: dict[str, list[str]] = {}
+    vanished: set[str] = set()
     for cp in found[-max(CHECKED, c.keep):]:
         meta = f"{cp.name}/{DCP_MARKER}"
         if meta not in holders:
             continue                              # not a DCP checkpoint
         remote = remotes[holders[meta][0]]
-        command = f"cat -- {shlex.quote(f'{job.paths.ckpt_dir}/{meta}')}"
+        command = metadata_command(f"{job.paths.ckpt_dir}/{meta}")
         result = remote.exec(command, deadline=LISTING_DEADLINE)
         if reads is not None:
             reads.append(command)
+        if result.status == VANISHED:
+            vanished.add(cp.name)
+            continue
         _check(remote, result, f"reading {meta}", CheckpointError, LISTING_DEADLINE, command)
         try:
             required[cp.name] = sorted(required_files(result.stdout))
         except ValueError:
             continue                              # a newer format: its presence is the rule, as on one node
-    return required
+    return required, vanished
 
 
 def gather_group(pairs: list[tuple[Node, Remote]], recipe: Recipe, store: Store | None = None, *,
@@ -219,6 +237,7 @@ def share_listings(jobs: list[Job], remotes: dict[str, Remote], listings: dict[s
             holders.setdefault(entry.path, []).append(job.host)
     listing = list(merged.values())
     jobs[0].facts.listing = listing
-    required = read_required(remotes, jobs[0], holders)
+    required, vanished = read_required(remotes, jobs[0], holders)
+    listing = without(listing, vanished)
     for job in jobs:
         job.facts.listing, job.facts.holders, job.facts.required = listing, holders, required

@@ -9,9 +9,12 @@ from typing import Any
 from .cycle import connected, open_group, open_host
 from .gather import gather, gather_group
 from .history import Interruption, read_history
+from .host.connection import Remote
+from .interval import badput_now
 from .host.spec import HostSpec
 from .job import Lag, StoreState, drift
 from .recipe import Recipe
+from .savecosts import read_command, saves_of, summarize
 from .steps.checkpoint import instance_checkpoints
 from .steps.guard import LOOK_DEADLINE as GUARD_LOOK_DEADLINE, guard_session, look_command, parse_look, \
     source_lines
@@ -44,6 +47,7 @@ class Status(Lag):
     watch: dict[str, Any] | None = None          # the last `relaunch watch` of this recipe and store here
     store_error: str = ""                        # the store did not answer: what it said
     notices: dict[str, Any] | None = None        # which guard sources can fire here, the loss bound when none
+    badput: dict[str, Any] | None = None         # what checkpoints cost the run now (the Checkpointer's metric lines)
 
 
 def read_store(store: Store, ui: UI) -> tuple[StoreState | None, str]:
@@ -92,13 +96,33 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
             result.guard = {"running": seen.guard, "session": guard_session(recipe), "state": seen.state,
                             "rebalance": seen.rebalance}
             result.notice = seen.notice
+        entries: list[Interruption] = []
         try:
             if not store_error:
-                result.interruptions = [e.as_dict() for e in read_history(store)[-HISTORY_SHOWN:]]
+                entries = read_history(store)
+                result.interruptions = [e.as_dict() for e in entries[-HISTORY_SHOWN:]]
         except RelaunchError as exc:
             ui.warn(f"could not read the history of interruptions from {store.label}: {shorten(exc.message, 200)}")
+        result.badput = saving_costs(remote, paths.log, entries)
         result.watch = read_state(recipe.name, store.label)
         return result
+
+
+def saving_costs(remote: Remote, log: str, entries: list[Interruption]) -> dict[str, Any] | None:
+    """The run's Badput now, from the Checkpointer's metric lines in its log (None without them)."""
+    found = remote.exec(read_command(log), deadline=LOOK_DEADLINE)
+    costs = summarize(saves_of(found.text)) if found.ok else None
+    return None if costs is None else badput_now(costs, entries).as_dict()
+
+
+def badput_lines(data: dict[str, Any] | None) -> list[str]:
+    from .interval import BadputNow
+    from .savecosts import SaveCosts
+
+    if not data:
+        return []
+    costs = SaveCosts(**{k: data[k] for k in SaveCosts.__dataclass_fields__})
+    return BadputNow(costs, data["interruptions"], data["mtbi"], data["mtbi_gaps"]).lines()
 
 
 def in_store_unknown(s: Status) -> str:
@@ -127,6 +151,7 @@ def render(s: Status, recipe: Recipe) -> str:
     if s.notices:
         out.append("  notices that can reach this run:")
         out += ["    " + line for line in s.notices["said"]]
+    out += ["  " + line for line in badput_lines(s.badput)]
     out += watch_lines(s.watch)
     if s.interruptions:
         out.append(f"  interruptions (the last {len(s.interruptions)}, .relaunch/history.jsonl in the store):")
@@ -166,6 +191,12 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
             if job.facts.lock and facts.venv_freeze is not None:
                 one.drift = drift(job.facts.lock, facts.venv_freeze)
             found.append(one)
+        entries: list[Interruption] = []
+        try:
+            entries = read_history(store) if not store_error else []
+        except RelaunchError as exc:
+            ui.warn(f"could not read the history of interruptions from {store.label}: {shorten(exc.message, 200)}")
+        found[0].badput = saving_costs(remotes[jobs[0].host], jobs[0].paths.log, entries)
         found[0].watch = read_state(recipe.name, store.label)
         return found
 
@@ -190,6 +221,7 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     for s in statuses:
         if s.notices:
             out.append(f"notices that can reach {s.host}: {s.notices['said'][-1]}")
+    out += badput_lines(first.badput)
     out += [line[2:] for line in watch_lines(first.watch)]
     if first.log_tail:
         out.append(f"last lines of {recipe.run.log} on {first.host}:")

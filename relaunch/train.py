@@ -50,6 +50,7 @@ from typing import Any
 # not in __all__, so that `from relaunch.train import *` imports neither transformers nor Lightning
 __all__ = [
     "COMPLETE_MARKER",
+    "Checkpointer",
     "GlobalBatchSampler",
     "StopRequest",
     "install",
@@ -400,6 +401,502 @@ class GlobalBatchSampler:
 
     def __len__(self) -> int:
         return self.steps * self.per_rank
+
+
+# -- the Checkpointer: a plain PyTorch loop, one process or torchrun ----------------------------
+CHECKPOINT_METRIC = "relaunch.checkpoint:"   # each committed save's metric line (relaunch/savecosts.py reads it)
+TEMP_PREFIX = "tmp-"                         # a save being written: no layout counts it (layouts/base.py)
+DCP_MARKER = ".metadata"                     # what the dcp layout counts as complete (layouts/dcp.py)
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in `path` durable (the folder's own entry list reaches the disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(source: str, target: str) -> None:
+    """Rename folder `source` to `target` in one step; a `target` already there (a step saved
+    again after a resume, a part left by a killed run) goes aside first and is then removed."""
+    import shutil
+
+    aside = None
+    if os.path.lexists(target):
+        aside = os.path.join(os.path.dirname(target), f"{TEMP_PREFIX}old-{os.getpid()}-{os.path.basename(target)}")
+        os.rename(target, aside)
+    os.rename(source, target)
+    _fsync_dir(os.path.dirname(target))
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _pack(value: Any) -> bytes:
+    """Anything torch can save, as one opaque value of the DCP state dict (never flattened)."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in a (nested) state dict that this process holds (a DTensor's shard)."""
+    import torch
+
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    import torch
+
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import torch
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    numpy = sys.modules.get("numpy")
+    if "numpy" in state and numpy is not None:
+        numpy.random.set_state(state["numpy"])
+
+
+class Checkpointer:
+    """Saves and restores a plain PyTorch training with PyTorch DCP, off the training's path.
+
+        ckpt = Checkpointer("~/ckpt", model, optimizer, scheduler=scheduler, sampler=sampler, keep=2)
+        start = ckpt.restore(args.resume)        # relaunch's {{ checkpoint }}; "" = the newest in ~/ckpt
+        for step in range(start + 1, steps + 1):
+            ...                                  # one optimizer step
+            if ckpt.stop_requested():            # a stop signal or the guard's notice, on any rank
+                ckpt.finish(step)                # save this step, flush the write in flight, commit
+                break
+            if step % save_every == 0:
+                ckpt.save(step)                  # blocks for the copy of the state; writes behind
+        else:
+            ckpt.finish(steps)
+
+    What a save holds: the model and the optimizer (DCP, each rank its own shards: FSDP2,
+    DDP or one process), the scheduler, every rank's RNG state, the data position (a
+    `GlobalBatchSampler`'s: the step; another sampler's `state_dict()` per rank) and `extra`.
+
+    How it saves: `save()` copies the state to host memory (DCP's stager: pinned memory with
+    CUDA, shared memory for a background process) and returns; DCP writes it from a
+    background thread (`background="process"`: a process) with a cached save plan. One write
+    is in flight at most: a save waits for the one before. `async_save=False`: `dcp.save`, the
+    training waits for the whole write.
+
+    How it commits: every rank writes into `tmp-step-N/` (a name no relaunch layout counts);
+    once every rank's write has finished (rank 0's DCP `.metadata` is then in it), each other
+    node renames its own part to `step-N/`, and rank 0 renames its folder, holding `.metadata`,
+    last. So `layout: dcp` (and `auto`) counts `step-N` exactly when it is whole, on one node or
+    across a node group, and a process killed mid-write leaves only a `tmp-` folder, removed
+    when the next run starts. The last `keep` committed checkpoints stay.
+
+    Resuming: `restore(path)` loads any world size's save (DCP reshards; the script recomputes
+    its gradient accumulation as before). RNG states and per-rank sampler states come back when
+    the world size is the same; the scheduler, the step, `extra` and a GlobalBatchSampler's
+    position always.
+
+    Each committed save prints a metric line on rank 0 (`relaunch.checkpoint: step=N ...
+    blocking_s=B write_s=W step_s=T ...`): what it blocked the training for, how long the
+    background write and commit took, the mean training step since the save before. `relaunch
+    interval`, `status` and `drill` read them.
+
+    Every rank must make the Checkpointer (after `init_process_group`) and call `save`,
+    `stop_requested`, `finish` and `restore` at the same steps: they are collective.
+    """
+
+    def __init__(self, dir: str | os.PathLike[str], model: Any, optimizer: Any = None, *, scheduler: Any = None,
+                 sampler: Any = None, keep: int = 2, prefix: str = "step-", async_save: bool = True,
+                 background: str = "thread", stop: StopRequest | None = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.checkpoint import DefaultSavePlanner
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1 (got {keep})")
+        if background not in ("thread", "process"):
+            raise ValueError(f"background is 'thread' or 'process' (got {background!r})")
+        if not re.fullmatch(r"[A-Za-z0-9_.=-]*", prefix) or prefix.lower().startswith("tmp") or prefix[:1] == ".":
+            raise ValueError(f"prefix {prefix!r}: letters, digits and _.=- only, not hidden, not tmp...")
+        self.dir = os.path.abspath(os.path.expanduser(os.fspath(dir)))
+        self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
+        self.keep, self.prefix, self.async_save = keep, prefix, async_save
+        self.stop = stop or install()
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        # The background write and commit use a group of their own, and the training's thread
+        # another (the stop agreement, restore): neither meets the training's own collectives.
+        self._control = dist.new_group(backend="gloo") if self.distributed else None
+        self._writing = dist.new_group(backend="gloo") if self.distributed else None
+        self.background = background if self.distributed else "thread"   # a process needs the group
+        if not self.distributed:
+            import warnings
+
+            # DCP warns at every save and load of one process that it is one process; so it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        os.makedirs(self.dir, exist_ok=True)
+        self.leader = self._lowest_rank_here()
+        self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        self._planner._cached_plans_key = f"relaunch.Checkpointer.{id(self)}"   # its own cache entry
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                    use_shared_memory=self.background == "process",
+                                                    use_async_staging=False, use_non_blocking_copy=False))
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relaunch-checkpoint")
+        self._pending: Any = None                # the Future of the save in flight: written and committed
+        self._error: BaseException | None = None
+        self._closed = False
+        self.saved_step = -1                     # the newest step saved (or restored): not saved again
+        self._mark, self._mark_step = time.monotonic(), 0   # the step time counts from here
+        self.costs: list[dict[str, Any]] = []    # every committed save: step, blocking_s, write_s, step_s, bytes
+        self.restored: str | None = None
+        self.extra: Any = None
+        if self.leader:
+            self._remove_temporary()
+        self._barrier(self._control)
+
+    # -- collectives --------------------------------------------------------------------------
+    def _lowest_rank_here(self) -> bool:
+        """Is this the lowest rank of those that share this checkpoint folder (one disk)? That
+        rank looks after the folder: renames, keep N, what a killed run left. Every rank leaves
+        a probe file in it and looks which probes it sees: a hostname cannot tell (containers,
+        namespaces, several nodes named alike), a shared filesystem shows all of them."""
+        import uuid
+
+        if not self.distributed:
+            return True
+        import torch.distributed as dist
+
+        token = [uuid.uuid4().hex]
+        dist.broadcast_object_list(token, src=0, group=self._control)
+        prefix = f".relaunch-probe-{token[0]}-"
+        probe = os.path.join(self.dir, f"{prefix}{self.rank}")
+        with open(probe, "w"):
+            pass
+        self._barrier(self._control)
+        seen = [int(name[len(prefix):]) for name in os.listdir(self.dir) if name.startswith(prefix)]
+        self._barrier(self._control)
+        os.remove(probe)
+        return min(seen) == self.rank
+
+    def _barrier(self, group: Any) -> None:
+        self._reduce(0.0, group)
+
+    def _reduce(self, value: float, group: Any, op: str = "SUM") -> float:
+        if not self.distributed:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
+        return float(tensor.item())
+
+    def _everyone_ok(self, error: OSError | None, what: str) -> None:
+        """Raise on every rank when any rank failed (so that none waits for it in a collective)."""
+        if self._reduce(1.0 if error else 0.0, self._writing, "MAX") > 0:
+            raise error or RuntimeError(f"{what} failed on another rank")
+
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank when it is True on any."""
+        return self._reduce(1.0 if flag else 0.0, self._control, "MAX") > 0
+
+    # -- the folders --------------------------------------------------------------------------
+    def name(self, step: int) -> str:
+        return f"{self.prefix}{step:08d}"
+
+    def _steps_here(self) -> list[tuple[int, str]]:
+        """(step, path) of this machine's checkpoint folders of this prefix, oldest first."""
+        pattern = re.compile(re.escape(self.prefix) + r"(\d+)")
+        found = []
+        for entry in os.scandir(self.dir):
+            match = pattern.fullmatch(entry.name)
+            if match and entry.is_dir(follow_symlinks=False):
+                found.append((int(match[1]), entry.path))
+        return sorted(found)
+
+    def newest(self) -> str | None:
+        """The newest complete checkpoint in the folder (its DCP `.metadata` is there), or None."""
+        complete = [path for _, path in self._steps_here()
+                    if os.path.isfile(os.path.join(path, DCP_MARKER))
+                    and os.path.getsize(os.path.join(path, DCP_MARKER)) > 0]
+        return complete[-1] if complete else None
+
+    def _remove_temporary(self) -> None:
+        """What a killed run left: `tmp-` folders of this prefix (never counted, never resumed)."""
+        import shutil
+
+        mine = (TEMP_PREFIX + self.prefix, f"{TEMP_PREFIX}old-")
+        for entry in os.scandir(self.dir):
+            if entry.name.startswith(mine) and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` checkpoints of this machine's folder."""
+        import shutil
+
+        for _, path in self._steps_here()[:-self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # -- saving -------------------------------------------------------------------------------
+    def _state(self, step: int, extra: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        state: dict[str, Any] = {"step": step}
+        if self.optimizer is not None:
+            state["model"], state["optim"] = get_state_dict(self.model, self.optimizer)
+        else:
+            state["model"] = get_model_state_dict(self.model)
+        sampler = self.sampler
+        common = {"world_size": self.world_size, "extra": extra,
+                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                  "data": ({"step": step, "num_samples": sampler.num_samples, "global_batch": sampler.global_batch,
+                            "seed": sampler.seed} if isinstance(sampler, GlobalBatchSampler) else None)}
+        own = {"rng": _rng_state(),
+               "data": sampler.state_dict() if hasattr(sampler, "state_dict") and
+               not isinstance(sampler, GlobalBatchSampler) else None}
+        # opaque values: the same on every rank (DCP writes one), and one per rank
+        state["common"], state[f"rank{self.rank}"] = _pack(common), _pack(own)
+        return state
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"relaunch.train: a checkpoint save failed: {type(error).__name__}: {error}") from error
+
+    def wait(self) -> None:
+        """Until the save in flight is written and committed (on every rank)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException as exc:    # the background's failure, told on the training's thread
+                self._error = exc
+        self._raise_error()
+
+    def save(self, step: int, extra: Any = None) -> bool:
+        """Save `step`: copy the state, start its write in the background, return. False when
+        this step is saved already (or was restored). Call it on every rank."""
+        return self._save(step, extra, time.monotonic())
+
+    def _save(self, step: int, extra: Any, reached: float) -> bool:
+        """`reached`: when training reached this save (the step time counts until then)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        self._raise_error()
+        if step <= self.saved_step:
+            return False
+        began = time.monotonic()
+        self.wait()                              # one write in flight at most; the training waits for it
+        state = self._state(step, extra)
+        name = self.name(step)
+        writer = FileSystemWriter(os.path.join(self.dir, TEMP_PREFIX + name))
+        if self.async_save:
+            kind = AsyncCheckpointerType.PROCESS if self.background == "process" else AsyncCheckpointerType.THREAD
+            response = dcp.async_save(state, storage_writer=writer, planner=self._planner, process_group=self._writing,
+                                      async_checkpointer_type=kind, async_stager=self._stager,
+                                      no_dist=not self.distributed)
+            upload = getattr(response, "upload_completion", response)
+        else:
+            dcp.save(state, storage_writer=writer, planner=self._planner, process_group=self._writing,
+                     no_dist=not self.distributed)
+            upload = None
+        staged = time.monotonic()
+        steps = step - self._mark_step
+        step_time = (reached - self._mark) / steps if steps > 0 else None
+        self.saved_step = step
+        cost = {"step": step, "name": name, "blocking_s": staged - began, "step_s": step_time,
+                "bytes": _tensor_bytes({k: state[k] for k in ("model", "optim") if k in state})}
+        if upload is None:                       # blocking: the commit too, before the training goes on
+            self._commit(None, cost, staged)
+            cost["blocking_s"], cost["write_s"] = time.monotonic() - began, 0.0
+            self._report(cost)
+        else:
+            self._pending = self._committer.submit(self._commit, upload, cost, staged)
+            if self.rank == 0:
+                _say(f"{name}: state copied in {cost['blocking_s']:.3f}s, writing in the background")
+        self._mark, self._mark_step = time.monotonic(), step
+        return True
+
+    def _commit(self, upload: Any, cost: dict[str, Any], staged: float) -> None:
+        """In the background: once every rank's write has finished, rename into place, rank 0 last."""
+        if upload is not None:
+            upload.result()                      # DCP raises on every rank when any rank's write failed
+        name = cost["name"]
+        temporary, final = os.path.join(self.dir, TEMP_PREFIX + name), os.path.join(self.dir, name)
+        # A rank returns from DCP's save only after rank 0 wrote `.metadata`: every shard is
+        # written. Other machines rename their own part first (without `.metadata`, not complete
+        # yet); a machine that sees `.metadata` shares rank 0's disk and leaves the rename to it.
+        error: OSError | None = None
+        try:
+            if self.leader and self.rank != 0 and os.path.isdir(temporary) and \
+                    not os.path.exists(os.path.join(temporary, DCP_MARKER)):
+                _replace_dir(temporary, final)
+        except OSError as exc:
+            error = exc
+        total = self._reduce(float(cost["bytes"]), self._writing)
+        self._everyone_ok(error, f"renaming a node's part of {name}")
+        try:
+            if self.rank == 0:
+                _replace_dir(temporary, final)   # with `.metadata`: complete from this moment
+            if self.leader:
+                self._prune()
+        except OSError as exc:
+            error = exc
+        self._everyone_ok(error, f"committing {name}")   # and every rank knows it is committed
+        cost["bytes"] = int(total)
+        if upload is not None:
+            cost["write_s"] = time.monotonic() - staged
+            self._report(cost)
+
+    def _report(self, cost: dict[str, Any]) -> None:
+        self.costs.append(cost)
+        if self.rank == 0:
+            step_s = "-" if cost["step_s"] is None else f"{cost['step_s']:.6f}"
+            print(f"{CHECKPOINT_METRIC} step={cost['step']} name={cost['name']} blocking_s={cost['blocking_s']:.6f} "
+                  f"write_s={cost['write_s']:.6f} step_s={step_s} bytes={cost['bytes']} "
+                  f"world_size={self.world_size}", flush=True)
+
+    def stop_requested(self) -> bool:
+        """Has relaunch asked this training to save and exit (a signal or the guard's notice, seen
+        by any rank)? One small reduce: call it on every rank at the same step."""
+        return self._agree(self.stop.requested())
+
+    def finish(self, step: int | None = None, extra: Any = None) -> str | None:
+        """The end of training, or a stop: save `step` (unless it is saved already), wait for
+        every write, commit. On a notice with a deadline, a save that would not be written
+        before it (by the saves measured so far) is not started: the write in flight is still
+        flushed and committed. Returns the newest committed checkpoint here (rank 0's folder)."""
+        reached = time.monotonic()
+        self.wait()
+        if step is not None and step > self.saved_step:
+            deadline = self.stop.deadline() if self.stop.requested() else None
+            needed = sorted(c["blocking_s"] + c["write_s"] for c in self.costs)
+            late = bool(deadline is not None and needed and time.time() + needed[len(needed) // 2] > deadline)
+            if self._agree(late):
+                if self.rank == 0:
+                    _say(f"no save of step {step}: it would not be written before the notice's deadline; "
+                         f"the newest committed checkpoint stays {self.name(self.saved_step)}")
+            else:
+                self._save(step, extra, reached)
+                self.wait()
+                if self.rank == 0 and self.stop.requested():
+                    _say(f"{self.stop.reason}: {self.name(step)} saved and committed")
+        return self.newest()
+
+    def close(self) -> None:
+        """Wait for the save in flight, then let go of the staging memory and the background thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._committer.shutdown(wait=True)
+            self._stager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- resuming -----------------------------------------------------------------------------
+    def restore(self, path: str | os.PathLike[str] | None = None) -> int:
+        """Load `path` (relaunch's `{{ checkpoint }}`; empty or None: the newest complete
+        checkpoint in the folder) at any world size, and return its step; 0 when there is none."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        chosen = [os.path.expanduser(os.fspath(path)) if path else (self.newest() if self.rank == 0 else None)]
+        if self.distributed and not path:
+            dist.broadcast_object_list(chosen, src=0, group=self._control)
+        found = chosen[0]
+        if not found:
+            if self.rank == 0:
+                _say(f"no checkpoint in {self.dir}: a fresh start")
+            self.saved_step, self._mark, self._mark_step = 0, time.monotonic(), 0
+            return 0
+        reader = FileSystemReader(found)
+        keys = set(reader.read_metadata().state_dict_metadata)
+        state = self._state(0, None)
+        own = f"rank{self.rank}"
+        state = {k: v for k, v in state.items() if k != own}
+        if own in keys:
+            state[own] = b""
+        dcp.load(state, storage_reader=reader, process_group=self._control, no_dist=not self.distributed)
+        if self.optimizer is not None:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        else:
+            set_model_state_dict(self.model, state["model"])
+        step, common = int(state["step"]), _unpack(state["common"])
+        saved_world = int(common.get("world_size", 0))
+        if self.scheduler is not None and common.get("scheduler") is not None:
+            self.scheduler.load_state_dict(common["scheduler"])
+        same = saved_world == self.world_size
+        if same and own in state:
+            mine = _unpack(state[own])
+            _set_rng_state(mine["rng"])
+            if mine.get("data") is not None and hasattr(self.sampler, "load_state_dict"):
+                self.sampler.load_state_dict(mine["data"])
+        if isinstance(self.sampler, GlobalBatchSampler):
+            data = common.get("data") or {}
+            changed = [k for k in ("num_samples", "global_batch", "seed") if k in data and
+                       data[k] != getattr(self.sampler, k)]
+            if changed and self.rank == 0:
+                _say(f"the data order changed since {found}: {', '.join(changed)} (the samples of each step differ "
+                     "from the uninterrupted run's)")
+            self.sampler.start_step = step
+        self.extra, self.restored = common.get("extra"), found
+        self.saved_step, self._mark, self._mark_step = step, time.monotonic(), step
+        if self.rank == 0:
+            world = f"world size {saved_world}" + ("" if same else f" -> {self.world_size}")
+            kept = "" if same else "; each rank keeps the RNG seeded by the script (per-rank streams do not carry over)"
+            _say(f"resumed from {found} at step {step} ({world}){kept}")
+        return step
 
 
 # -- the trainers' callbacks (their packages imported only when asked for) ----------------------

@@ -32,6 +32,7 @@ def dist_recipe(folder: Path, key: Path, index_url: str, steps: int = 400, sleep
         shutil.copy(EXAMPLE / name, folder / name)
     text = (EXAMPLE / "recipe-dist.yaml").read_text()
     text = text.replace("--steps 60", f"--steps {steps}").replace("--sleep 0.3", f"--sleep {sleep}")
+    text = text.replace("--save-every 10", "--save-every 10 --keep 4")     # a step the test looks at stays a while
     text = text.replace("index_url: http://127.0.0.1:8765/simple/", f"index_url: {index_url}")
     text = text.replace("provider: sandbox", f"provider: sandbox\nssh: {{key: {key}, wait: 30}}")
     path = folder / "recipe.yaml"
@@ -46,8 +47,10 @@ def losses(log: str) -> dict[int, tuple[float, float]]:
 
 def reference(tmp: Path, steps: int) -> dict[int, tuple[float, float]]:
     """The uninterrupted run, here: 1 node x 2 processes (grad_accum 4), no checkpoint in between."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    out = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLE / "train_dist.py"),
+    # torchrun as this Python's module: its ranks then import this relaunch (a torchrun script found
+    # beside it may belong to another Python, with another relaunch.train)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(EXAMPLE / "train_dist.py"),
                           "--out", str(tmp / "reference"), "--steps", str(steps), "--save-every", "100000",
                           "--global-batch", "32", "--micro", "4", "--grad-accum", "4"],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -120,8 +123,8 @@ def test_a_shard_lost_on_one_node_leaves_the_previous_checkpoint_newest_and_fans
              and node_files(ssh, n1, 30), timeout=300)
     for inst in (n0, n1):
         ssh(inst, "tmux kill-session -t =example-dist")
-    saved = sorted(int(n.split("-")[1]) for n in ssh(n0, "ls ~/ckpt").stdout.split()
-                   if ".metadata" in node_files(ssh, n0, int(n.split("-")[1])))
+    saved = sorted(int(n.split("-")[1]) for n in ssh(n0, "ls ~/ckpt").stdout.split()   # not a tmp-step-N in flight
+                   if n.startswith("step-") and ".metadata" in node_files(ssh, n0, int(n.split("-")[1])))
     lost, kept = saved[-1], saved[-2]
     ssh(n1, f"rm ~/ckpt/step-{lost:08d}/__3_0.distcp")      # a shard lost with its node's disk
     evac = run_cli("evacuate", str(recipe), n0.host, n1.host, "--json", home=home)
@@ -176,6 +179,9 @@ def test_drill_on_two_nodes_resumed_on_one_prints_its_table_and_a_record(tmp_pat
     assert result["seconds_to_resume"] > 0 and result["throughput_before"] > 0 and result["throughput_after"] > 0
     assert "drill of example-dist: 2 node(s) -> 1 node(s), interrupted (kill)" in drill.stderr
     assert "continuous: the largest relative difference" in drill.stderr
+    # the blocking save time beside the steps lost, from the Checkpointer's metric lines
+    assert result["blocking_save"] > 0 and result["saves"] >= 1
+    assert f"steps lost                   {result['steps_lost']} (a save blocked training " in drill.stderr
     store = tmp_path / "work" / "store" / "example-dist" / ".relaunch"
     record = json.loads(next(store.glob("drill-*.json")).read_text())
     assert record["rows"] == result["rows"]

@@ -110,6 +110,56 @@ def test_model_refuses_values_it_cannot_use(args):
         best_interval(*args, 0.05)
 
 
+def test_the_blocking_time_adds_savings_own_cost():
+    # T=1.5s S=60s MTBI=21600s B=5%, each save blocks C=2s:
+    # Badput(N) = (60 + 0.75N)/21600 + 2/(1.5N); with x = 1.5N: x^2 - 2*1020x + 2*2*21600 <= 0
+    # x <= 1020 + sqrt(1020^2 - 86400) = 1020 + sqrt(954000) = 1020 + 976.729 = 1996.729 -> N = floor(1331.15)
+    iv = best_interval(1.5, 60, 21600, 0.05, blocking=2)
+    assert iv.steps == 1331
+    # Badput(1331) = 1058.25/21600 + 2/1996.5 = 0.0489931 + 0.0010018 = 0.0499949
+    assert iv.badput == pytest.approx(1058.25 / 21600 + 2 / 1996.5)
+    # one step more: 1059/21600 + 2/1998 = 0.0490278 + 0.0010010 = 0.0500288, over
+    over = badput(1.5, 60, 21600, 1332, blocking=2)
+    assert over == pytest.approx(1059 / 21600 + 2 / 1998) and over > 0.05
+    # without it, the contract's formula: 1360 steps (test_best_interval_on_the_exact_boundary)
+    assert best_interval(1.5, 60, 21600, 0.05, blocking=0).steps == 1360
+    # Young/Daly with C: sqrt(2*2*21600) = sqrt(86400) = 293.94 s = 195.96 steps -> 196
+    yd = young_daly(1.5, 60, 21600, blocking=2)
+    assert yd.seconds == pytest.approx(math.sqrt(86400)) and yd.steps == 196
+
+
+def test_a_blocking_time_that_leaves_no_interval_within_the_budget():
+    # T=1s S=0 MTBI=100s B=10%, C=10s: 10^2 - 2*10*100 < 0, no N fits; N=1 costs 0.5/100 + 10/1 = 10.005
+    with pytest.raises(UsageError) as err:
+        best_interval(1, 0, 100, 0.1, blocking=10)
+    assert "saving takes too long for that MTBI" in err.value.message and "blocking 10s" in err.value.message
+
+
+def test_measured_from_metric_lines_fills_step_save_and_blocking():
+    from relaunch.interval import measure_lines
+    from relaunch.savecosts import saves_of, summarize
+
+    log = ("relaunch.checkpoint: step=10 name=step-00000010 blocking_s=2 write_s=58 step_s=1.5 bytes=1 world_size=8\n"
+           "relaunch.checkpoint: step=20 name=step-00000020 blocking_s=2 write_s=58 step_s=1.5 bytes=1 world_size=8\n")
+    m = measure_lines(summarize(saves_of(log)))
+    assert (m.step_time, m.save_time, m.blocking_time, m.write_time, m.samples, m.source) == (
+        1.5, 60, 2, 58, 2, "metric lines")
+    r = compute(None, None, 21600, 0.05, measured=m, host="h")
+    # as in test_the_blocking_time_adds_savings_own_cost: 1331 steps
+    assert r.interval.steps == 1331 and r.blocking_time == 2
+    assert r.measured_fields == ("step_time", "save_time", "blocking_time")
+    text = "\n".join(r.lines())
+    assert "measured on h, the run's metric lines (medians of 2 saves): step 1.5s, save 60s, blocking 2s, " \
+           "background write 58s" in text
+    # saving's share: 2 / (1331*1.5) = 2/1996.5 = 0.100%
+    assert "of which saving 0.1% (blocking / interval)" in text
+    # a save time given keeps its own meaning: no blocking time taken from the lines
+    given = compute(None, 60, 21600, 0.05, measured=m, host="h")
+    assert given.blocking_time == 0 and given.interval.steps == 1360
+    with pytest.raises(CheckpointError, match="no step time yet"):
+        measure_lines(summarize(saves_of(log.replace("step_s=1.5", "step_s=-"))))
+
+
 # -- measuring, pure ------------------------------------------------------------------------------
 def hf_checkpoint(step: int, mtimes: list[float]) -> list[Entry]:
     """An HF Trainer folder whose files were written at `mtimes`; trainer_state.json last."""
@@ -207,6 +257,16 @@ def test_cli_every_within_and_over_budget(tmp_path):
     assert "Badput 7.22%" in r.stdout and "OVER budget" in r.stdout
 
 
+def test_cli_blocking_time(tmp_path):
+    r = run_cli("interval", "--step-time", "1.5s", "--save-time", "1m", "--blocking-time", "2s", "--mtbi", "6h",
+                "--json", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    # see test_the_blocking_time_adds_savings_own_cost
+    assert data["interval"]["steps"] == 1331 and data["blocking_time"] == 2
+    assert data["young_daly"]["steps"] == 196
+
+
 def test_cli_json(tmp_path):
     r = run_cli("interval", "--step-time", "700ms", "--save-time", "45", "--mtbi", "4h", "--badput", "3%",
                 "--json", home=tmp_path)
@@ -228,6 +288,8 @@ def test_cli_json(tmp_path):
     (["--step-time", "0s", "--save-time", "60", "--mtbi", "6h"], "--step-time must be more than 0"),
     (["--mtbi", "6h"], "give --step-time and --save-time, or RECIPE HOST"),
     (["--step-time", "1.5", "--save-time", "20m", "--mtbi", "6h"], "saving takes too long for that MTBI"),
+    (["--step-time", "1.5", "--save-time", "60", "--blocking-time", "-1", "--mtbi", "6h"],
+     "--blocking-time: '-1' is not a duration"),
 ])
 def test_cli_bad_options_exit_2(tmp_path, args, says):
     r = run_cli("interval", *args, home=tmp_path)

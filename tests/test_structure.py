@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "relaunch"
 # lower layers first: a module may import from its own layer or any layer before it
 LAYERS = [
     {"__init__", "errors", "paths", "resources", "processes", "retry", "ui", "scripts", "plan", "layouts", "store",
-     "verdicts", "recipe", "versions", "train"},
+     "verdicts", "recipe", "versions", "train", "savecosts"},
     {"host"},
     {"job"},
     {"transports"},

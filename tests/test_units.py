@@ -124,3 +124,31 @@ def test_env_files_uploads_get_a_deadline_that_grows_with_their_size(tmp_path) -
     deadlines = {Path(a.title.split()[1]).name: a.deadline for a in plan_env(job) if a.title.startswith("upload ")}
     assert deadlines["small.py"] <= 60                          # a small file: a hang still ends soon
     assert deadlines["big.bin"] >= 500 / 1024 * DEADLINE_PER_GIB  # 500 MB at the slowest planned rate
+
+
+def test_a_dcp_metadata_deleted_since_the_listing_is_a_checkpoint_gone_not_an_error(tmp_path) -> None:
+    """A training that keeps its newest N checkpoints (relaunch.train.Checkpointer, keep) deletes
+    one between relaunch's listing and its read of that checkpoint's `.metadata`: the read says
+    so (its own exit status), and the checkpoint leaves the listing, instead of failing the sync."""
+    import subprocess
+
+    from relaunch.gather import VANISHED, metadata_command, without
+    from relaunch.layouts import Entry
+
+    folder = tmp_path / "ckpt dir"
+    (folder / "step-00000010").mkdir(parents=True)
+    (folder / "step-00000010" / ".metadata").write_bytes(b"meta")
+    (folder / "step-00000020").mkdir()
+    (folder / "step-00000020" / ".metadata").mkdir()        # there, but not readable as a file
+
+    def run(name: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(["bash", "-c", metadata_command(f"{folder}/{name}/.metadata")], capture_output=True)
+
+    assert (run("step-00000010").returncode, run("step-00000010").stdout) == (0, b"meta")
+    assert run("step-00000030").returncode == VANISHED            # deleted since the listing
+    assert run("step-00000020").returncode == 1                   # another failure stays one
+    listing = [Entry("step-00000010", "d", 0, 1.0), Entry("step-00000010/.metadata", "f", 4, 1.0),
+               Entry("step-00000030", "d", 0, 2.0), Entry("step-00000030/.metadata", "f", 4, 2.0),
+               Entry("step-000000300", "d", 0, 3.0)]
+    assert [e.path for e in without(listing, {"step-00000030"})] == [
+        "step-00000010", "step-00000010/.metadata", "step-000000300"]

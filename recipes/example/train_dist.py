@@ -1,14 +1,19 @@
 """A tiny multi-node training job for relaunch's node groups: torchrun, FSDP2, PyTorch DCP.
 
-Run by torchrun on every node (gloo on CPU; NCCL when there are GPUs). Each rank writes its own
-shards of a checkpoint to its own node's disk (`--out`, no shared filesystem), rank 0 the DCP
-`.metadata`. It resumes from any checkpoint at any world size: DCP reshards, and the global
-batch stays the same because gradient accumulation makes up for the world size
-(`--grad-accum` = global / (micro x world size), which relaunch computes as {{ grad_accum }}).
+Run by torchrun on every node (gloo on CPU; NCCL when there are GPUs). Checkpoints are written by
+`relaunch.train.Checkpointer`: each rank copies its shards to memory and goes on training while
+a background thread writes them to its own node's disk (`--out`, no shared filesystem) under
+`tmp-step-N/`; once every rank has finished, the folders are renamed to `step-N/`, node 0's
+(holding DCP's `.metadata`) last, so the `dcp` layout counts a checkpoint exactly when it is
+whole. It resumes from any checkpoint at any world size: DCP reshards, and the global batch
+stays the same because gradient accumulation makes up for the world size (`--grad-accum` =
+global / (micro x world size), which relaunch computes as {{ grad_accum }}).
 
 Every step prints `step N loss X grad_norm Y` (rank 0), so a resumed run can be compared with an
-uninterrupted one: the same samples make the same global batch at every world size. SIGTERM
-(`relaunch evacuate --stop`, a reclaim notice) finishes the step, saves and exits 0.
+uninterrupted one: the same samples make the same global batch at every world size. Every save
+prints its cost (`relaunch.checkpoint: ... blocking_s=... write_s=... step_s=...`), which
+`relaunch interval`, `status` and `drill` read. SIGTERM (`relaunch evacuate --stop`, a reclaim
+notice) finishes the step, saves it, flushes the write in flight, commits and exits 0.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import argparse
 import fcntl
 import hashlib
 import os
-import signal
 import socket
 import struct
 import sys
@@ -56,6 +60,7 @@ def main() -> int:
     parser.add_argument("--resume", default="")
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--final", default="")
+    parser.add_argument("--keep", type=int, default=2, help="committed checkpoints kept on this node")
     args = parser.parse_args()
 
     if "GLOO_SOCKET_IFNAME" not in os.environ and os.environ.get("MASTER_ADDR"):
@@ -65,9 +70,9 @@ def main() -> int:
 
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
+
+    from relaunch import train as relaunch_train
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -86,38 +91,23 @@ def main() -> int:
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    # the samples of each global step, whatever the world size: rank r takes its share of the step
+    sampler = relaunch_train.GlobalBatchSampler(POOL, args.global_batch, steps=args.steps, rank=rank,
+                                                world_size=world, micro_batch=args.micro, shuffle=False)
+    ckpt = relaunch_train.Checkpointer(args.out, model, optimizer, sampler=sampler, keep=args.keep)
 
-    start = 0
-    if args.resume:
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd, "step": 0}
-        dcp.load(state, checkpoint_id=args.resume)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        start = int(state["step"])
-        if rank == 0:
-            print(f"resumed from {args.resume} at step {start} (world size {world}, grad_accum {args.grad_accum})",
-                  flush=True)
-    elif rank == 0:
-        print("fresh start", flush=True)
-
-    stopping = torch.zeros(1)
-    signal.signal(signal.SIGTERM, lambda *_: stopping.fill_(1))
-
-    def save(step: int) -> None:
-        msd, osd = get_state_dict(model, optimizer)
-        path = Path(args.out).expanduser() / f"step-{step:08d}"
-        dcp.save({"model": msd, "optim": osd, "step": step}, checkpoint_id=str(path))
-        if rank == 0:
-            print(f"saved {path}", flush=True)
+    start = ckpt.restore(args.resume) if args.resume else 0
+    if rank == 0:
+        print(f"resumed from {args.resume} at step {start} (world size {world}, grad_accum {args.grad_accum})"
+              if args.resume else "fresh start", flush=True)
 
     step = start
     while step < args.steps:
         step += 1
-        ids = torch.arange((step - 1) * args.global_batch, step * args.global_batch) % POOL
+        share = sampler.indices(step)
         total = torch.zeros(1)
-        for k in range(args.grad_accum):
-            micro = rank + k * world                    # this rank's micro-batches of the global batch
-            batch = ids[micro * args.micro:(micro + 1) * args.micro]
+        for k in range(args.grad_accum):                # this rank's micro-batches of the global batch
+            batch = share[k * args.micro:(k + 1) * args.micro]
             loss = ((model(xs[batch]) - ys[batch]) ** 2).mean()
             (loss / args.grad_accum).backward()
             total += loss.detach()
@@ -129,21 +119,23 @@ def main() -> int:
         if rank == 0:
             print(f"step {step} loss {total.item() / (world * args.grad_accum):.6f} grad_norm {float(norm):.6f}",
                   flush=True)
-        dist.all_reduce(stopping, op=dist.ReduceOp.MAX)   # every rank stops at the same step
-        if step % args.save_every == 0 or stopping.item() or step == args.steps:
-            save(step)
-        if stopping.item():
+        if ckpt.stop_requested():                       # every rank stops at the same step
+            ckpt.finish(step)                           # saves it, flushes the write in flight, commits
             if rank == 0:
                 print(f"stopped at step {step}", flush=True)
             break
+        if step % args.save_every == 0 or step == args.steps:
+            ckpt.save(step)
         time.sleep(args.sleep)
     else:
+        ckpt.finish(step)
         if args.final:
             full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
             if rank == 0:
                 digest = hashlib.sha256(b"".join(full[k].detach().numpy().tobytes() for k in sorted(full)))
                 Path(args.final).expanduser().write_text(digest.hexdigest() + "\n")
                 print(f"done step {step}", flush=True)
+    ckpt.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -23,6 +23,7 @@ from ..cycle import connected, evacuate, open_group, up
 from ..errors import CheckpointError, UsageError
 from ..host.spec import HostSpec
 from ..recipe import Recipe
+from ..savecosts import saves_of, summarize
 from ..store import utc_now
 from ..sync import sync_round
 from ..transports import open_store
@@ -49,6 +50,8 @@ class Drill:
     rows: list[dict[str, Any]] = field(default_factory=list)
     worst: float = 0.0                            # the largest relative difference seen
     at: str = ""
+    blocking_save: float | None = None            # seconds a save stopped training (median; the metric lines)
+    saves: int = 0                                # saves in the metric lines before the interruption
 
     @property
     def continuous(self) -> bool:
@@ -58,7 +61,7 @@ class Drill:
         out = [f"drill of {self.recipe}: {self.before} -> {self.after}, interrupted ({self.interrupt}) at step "
                f"{self.interrupted_at}",
                f"  resumed from                 {self.checkpoint} (step {self.resumed_at})",
-               f"  steps lost                   {self.steps_lost}",
+               f"  steps lost                   {self.steps_lost}{blocking_note(self.blocking_save, self.saves)}",
                f"  time to resume               {self.seconds_to_resume:.1f} s (interruption -> first step after it)",
                f"  throughput before / after    {self.throughput_before:.2f} / {self.throughput_after:.2f} steps/s",
                f"  {'step':>6}  {'loss before':>12}  {'loss after':>12}  {'rel. diff':>9}  "
@@ -73,6 +76,15 @@ class Drill:
                    else "nothing to compare: no step was both lost and run again")
         out.append(f"  {verdict}")
         return "\n".join(out)
+
+
+def blocking_note(blocking: float | None, saves: int) -> str:
+    """Beside the steps lost: what each save cost the training, when the run logged it."""
+    if blocking is None:
+        return ""
+    from ..interval import format_duration
+
+    return f" (a save blocked training {format_duration(blocking)}: median of {saves} saves in the metric lines)"
 
 
 def _num(value: float | None, fmt: str = ".6f") -> str:
@@ -108,6 +120,7 @@ class _Watch:
     def __init__(self, recipe: Recipe, specs: list[HostSpec], ui: UI) -> None:
         self.recipe, self.specs, self.ui = recipe, specs, ui
         self.seen: dict[int, float] = {}
+        self.text = ""                            # the log as last read
 
     def until(self, what: str, done: Any, deadline: float) -> dict[int, tuple[float | None, float | None]]:
         end = time.monotonic() + deadline
@@ -117,6 +130,7 @@ class _Watch:
             log = remote.expand(self.recipe.run.log)
             while True:
                 result = remote.exec(f"cat -- {shlex.quote(log)} 2>/dev/null || true", deadline=60)
+                self.text = result.text
                 found = _metrics(self.recipe, result.text)
                 now = time.monotonic()
                 for step in found:
@@ -162,6 +176,9 @@ def run_drill(recipe: Recipe, specs: list[HostSpec], ui: UI, resume_on: list[Hos
         processes.sleep(LOOK_EVERY)
     drill.interrupted_at = max(before)
     drill.throughput_before = watch.rate(min(before), max(before))
+    costs = summarize(saves_of(watch.text))
+    if costs is not None:
+        drill.blocking_save, drill.saves = costs.blocking, costs.saves
 
     ui.say(f"# drill 2/5: interrupting at step {drill.interrupted_at} ({interrupt})")
     interrupted = time.monotonic()

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..history import Interruption
 from ..recipe.model import Metrics
-from .by_hand import MARK, _num, _rel
+from ..savecosts import parse_line
+from .by_hand import MARK, _num, _rel, blocking_note
 from .follow import Line
 
 
@@ -153,6 +155,8 @@ class Measured:
     added: list[str] = field(default_factory=list)        # what the drill added for its length
     rented: list[str] = field(default_factory=list)       # what recover.command rented meanwhile
     left: list[str] = field(default_factory=list)         # what is left, in words
+    blocking_save: float | None = None     # seconds a save stopped training (median; the metric lines)
+    saves: int = 0                         # saves in the metric lines the drill saw
 
     @property
     def goodput(self) -> float:
@@ -210,7 +214,8 @@ class Measured:
                f"  time without training        {self.without_training_seconds:.1f} s  badput "
                f"{share(self.without_training_seconds)}",
                f"  re-doing lost steps          {self.redo_seconds:.1f} s  badput {share(self.redo_seconds)}",
-               f"  steps trained / lost         {self.steps_trained} / {self.steps_lost}"]
+               f"  steps trained / lost         {self.steps_trained} / {self.steps_lost}"
+               f"{blocking_note(self.blocking_save, self.saves)}"]
         # the record's hosts (a group's node that was lost); the logs' (node 0's) without a record
         hosts = [((g.record or {}).get("host") or g.before_host, (g.record or {}).get("resumed_host") or g.after_host)
                  for g in self.interruptions]
@@ -252,6 +257,9 @@ WORDS = {"notice": "a reclaim notice", "lost": "a silent loss"}
 
 def measure(report: Measured, lines: list[Line], metrics: Metrics, records: list[Interruption]) -> Measured:
     """Fill `report` from the followed lines and the watch's history records (those since the drill began)."""
+    saves = [save for save in (parse_line(line.text) for line in lines) if save is not None]
+    if saves:
+        report.blocking_save, report.saves = statistics.median(s.blocking for s in saves), len(saves)
     runs = runs_of(lines, metrics)
     if not runs:
         return report

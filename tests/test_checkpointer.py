@@ -1,0 +1,303 @@
+"""relaunch.train.Checkpointer on this machine (one process; node groups and torchrun are in
+tests/test_checkpointer_runs.py): what a relaunch layout counts while a write is in flight, after
+it commits and after a `kill -9`; keep N; the metric lines; the cached save plan; a restore that
+brings back everything a save holds; a stop whose notice deadline leaves no time for a save.
+
+A write is held back by a gate in DCP's own FileSystemWriter.write_data (the write itself is
+DCP's), so "in flight" is a state the test controls, not a race it hopes to win.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
+from torch.distributed.checkpoint.planner import SavePlanner  # noqa: E402
+
+from relaunch import train  # noqa: E402
+from relaunch.layouts import LISTING_COMMAND, complete_checkpoints, parse_listing  # noqa: E402
+from relaunch.savecosts import parse_line  # noqa: E402
+
+
+def complete(folder: Path, layout: str = "dcp") -> list[str]:
+    """What relaunch counts as complete there: the real listing command and the layout."""
+    out = subprocess.run(["bash", "-c", LISTING_COMMAND.format(dir=folder)], capture_output=True, check=True).stdout
+    return [c.name for c in complete_checkpoints(parse_listing(out), layout)]
+
+
+def quiet_stop(**kw) -> train.StopRequest:
+    """A stop request this test owns: its handler is never installed in the test process."""
+    return train.StopRequest(signals=["USR2"], notice_file=kw.pop("notice_file", ""), **kw)
+
+
+class Job:
+    """A tiny model, AdamW, a step scheduler and a sampler; `steps(n)` trains n optimizer steps."""
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, 3, 0.5)
+        self.sampler = train.GlobalBatchSampler(64, 8, steps=100, seed=seed)
+        self.xs = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            loss = self.model(self.xs[:8]).pow(2).mean()
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.scheduler.step()
+
+    def checkpointer(self, folder: Path, **kw) -> train.Checkpointer:
+        kw.setdefault("stop", quiet_stop())
+        return train.Checkpointer(folder, self.model, self.optimizer, scheduler=self.scheduler, sampler=self.sampler,
+                                  **kw)
+
+
+class Gate:
+    """Writes wait while the gate is shut (it starts open); `reached` is set once a write waits at it."""
+
+    def __init__(self) -> None:
+        self.open, self.reached = threading.Event(), threading.Event()
+        self.open.set()
+
+    def shut(self) -> None:
+        self.reached.clear()
+        self.open.clear()
+
+    def wait_for_a_write(self) -> None:
+        assert self.reached.wait(timeout=120), "no write reached the gate: the background save never started"
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Gate:
+    found = Gate()
+    original = FileSystemWriter.write_data
+
+    def held(self, plan, planner):  # type: ignore[no-untyped-def]
+        found.reached.set()
+        assert found.open.wait(timeout=120), "the test never opened the gate"
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", held)
+    return found
+
+
+def test_a_save_in_flight_is_not_counted_until_every_write_finished(tmp_path, gate: Gate):
+    job, folder = Job(0), tmp_path / "ckpt"
+    with job.checkpointer(folder) as ckpt:
+        job.steps(2)
+        ckpt.save(10)
+        ckpt.wait()
+        assert complete(folder) == ["step-00000010"]
+        gate.shut()
+        job.steps(2)
+        assert ckpt.save(20)                   # returned: the state is copied, the write is held
+        gate.wait_for_a_write()
+        held = folder / "tmp-step-00000020"
+        assert held.is_dir() and not (folder / "step-00000020").exists()
+        for layout in ("dcp", "auto"):
+            assert complete(folder, layout) == ["step-00000010"]
+        assert ckpt.newest() == str(folder / "step-00000010")
+        job.steps(2)                           # training goes on meanwhile
+        gate.open.set()
+        ckpt.wait()
+    assert complete(folder) == complete(folder, "auto") == ["step-00000010", "step-00000020"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000010", "step-00000020"]
+    assert (folder / "step-00000020" / ".metadata").stat().st_size > 0
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_keep_n_metric_lines_and_the_cached_plan(tmp_path, capsys, async_save):
+    job, folder = Job(1), tmp_path / "ckpt"
+    with job.checkpointer(folder, keep=2, async_save=async_save) as ckpt:
+        for step in (10, 20, 30, 40):
+            job.steps(2)
+            assert ckpt.save(step)
+        assert not ckpt.save(40)               # saved already: nothing to do
+        ckpt.wait()
+        assert SavePlanner._cached_save_plan.get(ckpt._planner._cached_plans_key) is not None
+    assert complete(folder) == ["step-00000030", "step-00000040"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000030", "step-00000040"]
+    out = capsys.readouterr()
+    saves = [parse_line(line) for line in out.out.splitlines() if line.startswith(train.CHECKPOINT_METRIC)]
+    assert [s.step for s in saves if s] == [10, 20, 30, 40] and [c["step"] for c in ckpt.costs] == [10, 20, 30, 40]
+    assert all(s and s.blocking > 0 and s.step_time and s.step_time > 0 and s.world_size == 1 and s.bytes > 0
+               for s in saves)
+    if async_save:
+        assert all(s and s.write > 0 for s in saves)
+        assert "step-00000020: state copied in" in out.err
+    else:
+        assert all(s and s.write == 0 for s in saves)    # blocking: the write is in the blocking time
+
+
+def test_restore_brings_back_model_optimizer_scheduler_rng_data_and_extra(tmp_path):
+    job, folder = Job(2), tmp_path / "ckpt"
+    with job.checkpointer(folder, keep=3) as ckpt:
+        job.steps(4)
+        ckpt.save(20)
+        job.steps(3)
+        ckpt.save(30, extra={"tokens": 1234})
+        after = torch.rand(4)                  # the RNG right after the save
+        ckpt.wait()
+    saved_params = [p.detach().clone() for p in job.model.parameters()]
+    saved_optim = job.optimizer.state_dict()
+    other = Job(99)                            # other weights, a fresh optimizer and scheduler
+    other.steps(1)
+    with other.checkpointer(folder) as again:
+        assert again.restore() == 30           # the newest complete one here
+        assert torch.equal(torch.rand(4), after)
+        assert all(torch.equal(a, b) for a, b in zip(other.model.parameters(), saved_params, strict=True))
+        state = other.optimizer.state_dict()["state"]
+        assert all(torch.equal(state[k]["exp_avg"], saved_optim["state"][k]["exp_avg"]) for k in state)
+        assert other.scheduler.state_dict()["last_epoch"] == job.scheduler.state_dict()["last_epoch"] == 7
+        assert other.sampler.start_step == 30 and again.extra == {"tokens": 1234}
+        assert again.restored == str(folder / "step-00000030")
+        assert not again.save(30)              # restored: not saved again
+    with Job(5).checkpointer(folder) as older:
+        assert older.restore(str(folder / "step-00000020")) == 20
+    with Job(5).checkpointer(tmp_path / "empty") as fresh:
+        assert fresh.restore("") == 0
+
+
+def test_a_stop_flushes_the_write_in_flight_and_skips_a_save_its_deadline_has_no_room_for(tmp_path, gate: Gate,
+                                                                                          capfd):
+    notice = tmp_path / "notice.json"
+    job, folder = Job(3), tmp_path / "ckpt"
+    stop = quiet_stop(notice_file=str(notice), started=time.time() - 60)
+    with job.checkpointer(folder, stop=stop) as ckpt:
+        job.steps(1)
+        ckpt.save(10)
+        ckpt.wait()                            # one save measured: what the next would need
+        gate.shut()
+        job.steps(1)
+        ckpt.save(20)                          # in flight when the notice comes
+        gate.wait_for_a_write()
+        notice.write_text(json.dumps({"source": "aws", "detail": "spot", "seen_at": time.time(),
+                                      "deadline": time.time() + 0.001}))
+        assert ckpt.stop_requested()
+        job.steps(1)
+        threading.Timer(0.5, gate.open.set).start()   # the write finishes while finish() waits for it
+        newest = ckpt.finish(21)
+    assert newest == str(folder / "step-00000020")
+    assert complete(folder) == ["step-00000010", "step-00000020"]
+    assert "no save of step 21: it would not be written before the notice's deadline" in capfd.readouterr().err
+    # with room before the deadline the stop's own step is saved and committed
+    notice.write_text(json.dumps({"source": "aws", "detail": "spot", "seen_at": time.time(),
+                                  "deadline": time.time() + 3600}))
+    job2 = Job(3)
+    with job2.checkpointer(folder, stop=quiet_stop(notice_file=str(notice), started=time.time() - 60)) as ckpt:
+        ckpt.restore()
+        job2.steps(1)
+        assert ckpt.stop_requested()
+        assert ckpt.finish(21) == str(folder / "step-00000021")
+    assert complete(folder)[-1] == "step-00000021"
+
+
+KILLED = textwrap.dedent("""
+    import sys, time, torch
+    from torch.distributed.checkpoint import FileSystemWriter
+    from relaunch import train
+
+    original = FileSystemWriter.write_data
+    def write_data(self, plan, planner):
+        if "00000020" in str(self.path):
+            time.sleep(600)                    # never finishes: killed meanwhile
+        return original(self, plan, planner)
+    FileSystemWriter.write_data = write_data
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ckpt = train.Checkpointer(sys.argv[1], model, optimizer)
+    ckpt.save(10)
+    ckpt.wait()
+    ckpt.save(20)
+    print("writing", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_kill_9_mid_write_leaves_nothing_counted_and_the_next_start_resumes_from_the_save_before(tmp_path):
+    folder = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(folder)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout is not None
+        assert "writing\n" in iter(proc.stdout.readline, ""), "the save of step 20 never started"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (folder / "tmp-step-00000020").is_dir()
+    for layout in ("dcp", "auto"):
+        assert complete(folder, layout) == ["step-00000010"]
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with train.Checkpointer(folder, model, optimizer, stop=quiet_stop()) as ckpt:
+        assert not (folder / "tmp-step-00000020").exists()     # the killed run's leftover, removed
+        assert ckpt.restore() == 10
+
+
+PROCESS = textwrap.dedent("""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    from relaunch import train
+
+
+    def main():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
+        model = torch.nn.Linear(16, 16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ckpt = train.Checkpointer(sys.argv[1], model, optimizer, background="process",
+                                  stop=train.StopRequest(signals=["USR2"], notice_file=""))
+        for step in (1, 2, 3):
+            model(torch.randn(2, 16)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ckpt.save(step)
+        writer = executor._CHECKPOINT_PROCESS
+        print("written by a process:", writer is not None and writer._save_process.is_alive(), flush=True)
+        ckpt.finish(3)
+        ckpt.close()
+        dist.destroy_process_group()
+
+
+    if __name__ == "__main__":         # the writing process is spawned: it imports this file again
+        main()
+""")
+
+
+def test_the_write_in_a_background_process_commits_the_same_way(tmp_path):
+    import socket
+
+    script, folder = tmp_path / "process_save.py", tmp_path / "ckpt"
+    script.write_text(PROCESS)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([sys.executable, str(script), str(folder), str(port)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "written by a process: True" in done.stdout
+    assert [s.step for s in map(parse_line, done.stdout.splitlines()) if s] == [1, 2, 3]
+    assert complete(folder) == ["step-00000002", "step-00000003"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000003"]
