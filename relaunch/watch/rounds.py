@@ -6,7 +6,13 @@ store's staging for a later round to continue, nothing trusted.
 
 A round that fails on the way (the instance away, a 5xx from the store, a dropped connection) is
 tried again under the one retry policy, said once; one the store refuses (credentials, no room,
-a conflicting writer: `refused` in the child's JSON) ends the watch with the store's message.
+a conflicting writer: `refused` in the child's JSON) ends the watch with the store's message, and
+so does a child that exits 1 (an internal error: a bug, or a child that could not even import
+relaunch), which no retry cures.
+
+The child runs `python -P`: the folder the watch was started from is not put on its import path,
+so a folder that holds a `relaunch/` source tree (a clone) cannot stand in for the installed
+package.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ class Outcome:
     """One round's end, as the watch's loop sees it."""
 
     report: Report | None = None      # the round's report (also one that did not verify the newest)
-    error: RelaunchError | None = None   # a refusal: the watch ends with it
+    error: RelaunchError | None = None   # a refusal or an internal error: the watch ends with it
     aborted: bool = False             # ended on purpose (a notice, a lost instance, Ctrl-C)
     retries: int = 0                  # failures before it worked
 
@@ -51,8 +57,13 @@ class _Failed(Exception):
         self.error = error
 
 
+class InternalError(RelaunchError):
+    """The round's child exited 1: relaunch's own failure (exit 1 in the contract), never retried."""
+
+
 def parse(status: int | None, stdout: bytes, stderr: bytes) -> Report | RelaunchError:
-    """The child's answer: its report (first JSON line with a store), or its error as ours."""
+    """The child's answer: its report (first JSON line with a store), or its error as ours; exit 1
+    (an internal error) is an InternalError whatever the child printed."""
     report, failure = None, None
     for line in stdout.decode(errors="replace").splitlines():
         try:
@@ -63,12 +74,18 @@ def parse(status: int | None, stdout: bytes, stderr: bytes) -> Report | Relaunch
             report = report_from(data)
         elif isinstance(data, dict) and "error" in data:
             failure = data
+    lines = [ln for ln in stderr.decode(errors="replace").splitlines() if ln.strip()][-3:]
+    if status == 1:
+        # the child's own error, else its last line on stderr (a traceback's exception line)
+        said = str(failure["error"]).splitlines()[0] if failure is not None else (lines or ["no output"])[-1]
+        return InternalError(f"a sync round failed with an internal error (exit 1): {said}",
+                             "a bug, or a relaunch that does not import: run `relaunch sync RECIPE HOST --once` "
+                             "by hand to see it; the watch does not retry it")
     if report is not None:
         return report
     if failure is not None:
         message = str(failure["error"]).replace("\nsync round NOT verified", "")
         return RelaunchError(message, failure.get("hint"), refused=bool(failure.get("refused")))
-    lines = [ln for ln in stderr.decode(errors="replace").splitlines() if ln.strip()][-3:]
     what = "was ended" if status is None else f"exited {status}"
     return RelaunchError(f"the sync round {what} without a report" + (f": {' | '.join(lines)}" if lines else ""))
 
@@ -137,7 +154,8 @@ class Rounds:
 
         outcome = Outcome()
         try:
-            outcome.report = retrying(once, transient=lambda e: isinstance(e, _Failed) and not e.error.refused,
+            outcome.report = retrying(once, transient=lambda e: isinstance(e, _Failed) and not e.error.refused
+                                      and not isinstance(e.error, InternalError),
                                       first=5.0, most=MAX_BACKOFF, on_retry=again, cancel=self._abort)
             outcome.retries = tries[0]
             if tries[0]:
@@ -145,13 +163,15 @@ class Rounds:
         except Interrupted:
             outcome.aborted = True
         except _Failed as exc:
-            outcome.error = EvacuationError(exc.error.message, exc.error.hint, refused=True)
+            outcome.error = exc.error if isinstance(exc.error, InternalError) else \
+                EvacuationError(exc.error.message, exc.error.hint, refused=True)
         with self._lock:
             self._outcome = outcome
 
 
 def child_argv(recipe_path: str, hosts: list[str], sets: list[str]) -> list[str]:
-    return [sys.executable, "-m", "relaunch.cli", "sync", recipe_path, *hosts, "--once", "--json",
+    # -P: the current folder is not searched first (a `relaunch/` clone there is not the package)
+    return [sys.executable, "-P", "-m", "relaunch.cli", "sync", recipe_path, *hosts, "--once", "--json",
             *[arg for s in sets for arg in ("--set", s)]]
 
 

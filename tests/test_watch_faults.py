@@ -1,0 +1,51 @@
+"""`relaunch watch` against the faults issue 23 found by reading, each injected for real on
+sandbox instances (a real sshd each), with the real CLI, rsync, tmux and store: a watch started
+in a folder that holds a relaunch source tree; a secret in a notice's source; a recover.command
+ended at its timeout after it printed a host; a checkpoint re-saved in place at the same size; a
+save cut short after a notice; a store that stops answering when training has finished; a watch
+stalled past its lease; two losses inside one shrink.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from e2e import REPO, plain_recipe, run_cli, wait_for
+from test_watch_unattended import err_of, events
+
+
+
+def test_a_watch_started_in_a_folder_holding_a_relaunch_tree_copies_with_the_installed_package(
+        tmp_path, sandbox, ssh_key):
+    """The user runs `relaunch watch` from a clone of relaunch's repository, whose tree does not
+    import as it is (here: a version file that only a build writes): the rounds' children must
+    import the installed package, not the clone's `relaunch/` from the current folder, or every
+    round fails and is retried forever."""
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path / "work", name="clone", key=ssh_key, guard={"every": 1}, checkpoint={"every": 2})
+    clone = tmp_path / "clone"
+    shutil.copytree(REPO / "relaunch", clone / "relaunch", ignore=shutil.ignore_patterns("__pycache__"))
+    init = clone / "relaunch" / "__init__.py"
+    init.write_text(init.read_text() + "\nfrom ._version import version  # written by the build\n")
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    entry = Path(sys.executable).parent / "relaunch"          # the installed command, as a user runs it
+    with (tmp_path / "watch.out").open("w") as out, (tmp_path / "watch.err").open("w") as err:
+        watch = subprocess.Popen([str(entry), "watch", str(recipe), "--json"], cwd=clone, stdout=out, stderr=err,
+                                 env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200"})
+    try:
+        wait_for("a sync round that worked", lambda: any(e["event"] == "round" for e in events(tmp_path))
+                 or watch.poll() is not None, timeout=120)
+        watch.send_signal(signal.SIGINT)
+        watch.wait(timeout=60)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(timeout=30)
+    err = err_of(tmp_path)
+    assert watch.returncode == 130, err
+    assert any(e["event"] == "round" for e in events(tmp_path)) and "No module named" not in err, err
