@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from e2e import REPO, plain_recipe, run_cli, wait_for
+from test_guard import watching
 from test_watch_unattended import err_of, events
 
 
@@ -49,3 +50,24 @@ def test_a_watch_started_in_a_folder_holding_a_relaunch_tree_copies_with_the_ins
     err = err_of(tmp_path)
     assert watch.returncode == 130, err
     assert any(e["event"] == "round" for e in events(tmp_path)) and "No module named" not in err, err
+
+
+def test_the_watchs_json_events_are_redacted_like_its_lines(tmp_path, sandbox, ssh, ssh_key):
+    """A guard source `url:` with a token in its userinfo: the notice event (--json) names its source,
+    and the token must not reach stdout, as it never reaches stderr."""
+    home, inst = tmp_path / "state", sandbox()
+    token = "Zq8sEcretT0ken4711"
+    url = f"http://watch:{token}@127.0.0.1:8731/notice"
+    recipe = plain_recipe(tmp_path / "work", name="redacted", key=ssh_key, checkpoint={"every": 600},
+                          guard={"sources": [f"url:{url}"], "every": 1})
+    ssh(inst, "mkdir -p ~/web && tmux new-session -d -s web 'cd ~/web && python3 -m http.server 8731 --bind 127.0.0.1'")
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    with watching(recipe, home, tmp_path) as watch:
+        wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+        ssh(inst, "echo 30 > ~/web/notice")
+        wait_for("the notice event", lambda: any(e["event"] == "notice" for e in events(tmp_path)), timeout=60)
+        watch.wait(timeout=120)
+    out, err = (tmp_path / "watch.out").read_text(), err_of(tmp_path)
+    notice = next(e for e in events(tmp_path) if e["event"] == "notice")
+    assert notice["notice"]["source"] == "url:http://***@127.0.0.1:8731/notice", notice
+    assert token not in out and token not in err
