@@ -15,9 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from e2e import REPO, plain_recipe, run_cli, wait_for
+from e2e import EXAMPLE, REPO, plain_recipe, run_cli, wait_for
 from test_guard import watching
-from test_watch_unattended import err_of, events
+from test_watch import go_silent
+from test_watch_unattended import err_of, events, sandbox_env
+
+from relaunch import sandbox as sb
 
 
 
@@ -71,3 +74,39 @@ def test_the_watchs_json_events_are_redacted_like_its_lines(tmp_path, sandbox, s
     notice = next(e for e in events(tmp_path) if e["event"] == "notice")
     assert notice["notice"]["source"] == "url:http://***@127.0.0.1:8731/notice", notice
     assert token not in out and token not in err
+
+
+def test_a_recover_command_ended_at_its_timeout_after_printing_a_host_rents_nothing_more(tmp_path, sandbox, ssh,
+                                                                                       ssh_key):
+    """recover.command rents an instance, prints its HOST, then waits on (here: sleeps past
+    recover.timeout, as a command waiting for the instance's boot would): it is ended, and the HOST
+    it printed is used. It is never run again: a second run would rent a second instance."""
+    home, first = tmp_path / "state", sandbox()
+    work = tmp_path / "work"
+    recipe = plain_recipe(work, name="slowrent", key=ssh_key, ssh={"wait": 5}, guard={"every": 1},
+                          recover={"command": "./rent-sandbox.sh; sleep 600", "lost_after": 3, "attempts": 2,
+                                   "timeout": 60})
+    shutil.copy(EXAMPLE / "rent-sandbox.sh", work / "rent-sandbox.sh")
+    rented = work / "rented.txt"
+    rented.write_text("")
+    try:
+        assert run_cli("up", str(recipe), first.host, home=home).returncode == 0
+        with watching(recipe, home, tmp_path, env=sandbox_env(ssh_key)) as watch:
+            wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+            go_silent(first)
+            up = wait_for("training on the replacement", lambda: next(
+                (e for e in events(tmp_path) if e["event"] == "up"), None) or watch.poll() is not None, timeout=300)
+            assert up is not True, err_of(tmp_path)
+            watch.send_signal(signal.SIGINT)
+            watch.wait(timeout=60)
+        err = err_of(tmp_path)
+        names = rented.read_text().split()
+        assert len(names) == 1, err                                   # rented once, never again
+        second = sb.get(names[0])
+        assert second.address in up["host"] and up["status"] == "started"
+        assert err.count("running recover.command") == 1
+        assert f"did not finish within recover.timeout=60s and was ended after it printed {second.host}" in err
+        assert ssh(second, "tmux has-session -t =slowrent", check=False).returncode == 0
+    finally:
+        for name in rented.read_text().split():
+            sb.destroy(name)

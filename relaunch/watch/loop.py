@@ -631,7 +631,7 @@ class Watch:
     def rent_one(self, entry: history.Interruption, n: int) -> rent.Rented:
         """recover.command until it names a HOST that answers with an accepted key. Once it has
         named one, a later attempt connects to that one again: nothing more is rented for it (only
-        a command that failed, exit non-zero, rented nothing and may be run again)."""
+        a command that failed, exit non-zero before its timeout, rented nothing and may be run again)."""
         recover = self.recipe.recover
         attempt = [0]
         rented: list[rent.Rented] = []
@@ -652,6 +652,8 @@ class Watch:
                                   f"recover.command `{recover.command}` (up to {recover.timeout:g}s)")
                 found = rent.rent(self.recipe, self.inner, attempt[0], entry.host, entry.cause)
                 rented.append(found)
+                if found.note:
+                    self._post("warn", f"recover: {found.note}")
                 self._post("say", f"recover.command gave {found.spec}" + (f" {found.pin}" if found.pin else ""))
                 self.emit("recover", new_host=str(found.spec), host_key=found.pin, attempt=attempt[0])
             self.admit(found)
