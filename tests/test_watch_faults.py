@@ -8,6 +8,7 @@ stalled past its lease; two losses inside one shrink.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -15,10 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+
 from e2e import EXAMPLE, REPO, plain_recipe, run_cli, wait_for
-from test_guard import watching
+from test_guard import guard_file, watching
 from test_watch import go_silent
-from test_watch_unattended import err_of, events, sandbox_env
+from test_watch_unattended import err_of, events, history, manifest, sandbox_env
 
 from relaunch import sandbox as sb
 
@@ -110,3 +112,36 @@ def test_a_recover_command_ended_at_its_timeout_after_printing_a_host_rents_noth
     finally:
         for name in rented.read_text().split():
             sb.destroy(name)
+
+
+def test_a_checkpoint_saved_again_in_place_at_the_same_size_is_not_verified_from_its_record(tmp_path, sandbox, ssh,
+                                                                                          ssh_key):
+    """The store holds ckpt-00000040.pt, verified. On the notice, the training saves step 40 again,
+    into the same file at the same size with other bytes (a resumed trainer stopped before its next
+    step). The evacuation after the notice must hash the instance's bytes again: they differ from
+    the store's, which is never overwritten, so the copy is NOT verified (exit 6), not `verified
+    before the deadline` on the strength of a record and a size."""
+    home, inst = tmp_path / "state", sandbox()
+    name, ckpt = "resaved", "ckpt-00000040.pt"
+    save = f"head -c 100000 /dev/urandom > ~/ckpt/{ckpt}"
+    command = (f"mkdir -p ~/ckpt && {save} && echo 'step 40' && "
+               f"trap '{save}; echo stopped at step 40; exit 0' TERM; while true; do sleep 0.2; done")
+    recipe = plain_recipe(tmp_path, name=name, key=ssh_key, command=command, checkpoint={"every": 2},
+                          guard={"sources": ["file:~/RECLAIM"], "every": 1})
+    store = tmp_path / "store"
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    with watching(recipe, home, tmp_path) as watch:
+        wait_for(f"{ckpt} verified", lambda: [c["name"] for c in manifest(store)["checkpoints"]] == [ckpt],
+                 timeout=120)
+        held = (store / ckpt).read_bytes()
+        ssh(inst, "echo 60 > ~/RECLAIM")
+        watch.wait(timeout=180)
+    err = err_of(tmp_path)
+    assert watch.returncode == 6, err
+    assert f"{ckpt} on the instance differs from the verified copy in the store" in err
+    notice = guard_file(ssh, inst, "notice.json", name)
+    assert notice is not None and notice["save"]["state"] == "saved"
+    assert notice["copy"]["verified"] is False and notice["copy"]["made_deadline"] is False, notice
+    assert history(store)[-1]["made_deadline"] is False
+    assert (store / ckpt).read_bytes() == held                 # the store's copy is never overwritten
+    assert ssh(inst, f"sha256sum ~/ckpt/{ckpt}").stdout.split()[0] != hashlib.sha256(held).hexdigest()

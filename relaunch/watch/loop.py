@@ -324,7 +324,9 @@ class Watch:
         started = time.time()
         report: Report | None = None
         try:
-            report = cycle.evacuate(self.current(), self.specs, self.inner, newest_only=True, reverify=False)
+            # reverify: a checkpoint the store records may have been saved again in place since (same
+            # name, same size, other bytes): the instance's bytes are hashed again, never taken on the record
+            report = cycle.evacuate(self.current(), self.specs, self.inner, newest_only=True)
         except (Interrupted, UsageError):
             raise
         except RelaunchError as exc:
@@ -739,8 +741,8 @@ class Watch:
                  "then `up` on the whole group")
         self.rounds.abort()
         try:
-            report = cycle.evacuate(self.current(), self.specs, self.inner, stop=True, newest_only=True,
-                                    reverify=False)
+            # reverify: as after a notice, the newest is hashed on the instance again, never taken on its record
+            report = cycle.evacuate(self.current(), self.specs, self.inner, stop=True, newest_only=True)
             entry.newest_verified_step = report.stored_step
             seen = max([s for s in (entry.newest_seen_step, report.newest_step) if s is not None], default=None)
         except (Interrupted, UsageError):
