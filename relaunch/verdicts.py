@@ -115,6 +115,49 @@ def evacuation(newest: str | None, verified_now: list[str], empty: Verdict | Non
     return Verdict(False, f"the newest checkpoint on the instance, {newest}, is not verified in the store")
 
 
+@dataclass(frozen=True)
+class NoticeCopy:
+    """What was seen of the save a reclaim notice asked for and of its copy."""
+
+    save_state: str | None           # the guard's word: saved (exit 0 after the stop), not running, still running...
+    noticed_at: float                # when the guard saw the notice (the instance's clock)
+    deadline: float                  # the notice's deadline (the instance's clock)
+    finished: float                  # when the copy's verdict was given (this machine's clock)
+    newest: str | None = None        # the newest complete checkpoint on the instance after the stop
+    newest_step: int | None = None
+    newest_mtime: float | None = None    # when its last file was written (the instance's clock)
+    verified_now: tuple[str, ...] = ()   # checkpoints checked in the store after the copy (by their bytes)
+    seen_step: int | None = None     # the newest step training showed (its log, its checkpoints)
+
+
+def notice_saved(seen: NoticeCopy) -> Verdict:
+    """The notice's save made the deadline: training saved and stopped when asked (or was not
+    running), the newest complete checkpoint it left is that save (written after the notice, or at
+    the last step training showed), it is verified in the store by its bytes, and all of that
+    before the deadline. A copy of an older checkpoint, however fast, is not that save."""
+    state = seen.save_state
+    if state not in ("saved", "not running"):
+        words = {"still running": "training had not finished saving when the copy began (run.stop.timeout)",
+                 "exited": "training exited with a failure status after the notice: its save may be cut short",
+                 "not asked": "training could not be asked to save"}.get(state or "", "the guard never said that "
+                                                                                   "training saved")
+        return Verdict(False, words)
+    if seen.newest is None:
+        return Verdict(False, "there is no complete checkpoint on the instance")
+    named = f"{seen.newest} (step {seen.newest_step})" if seen.newest_step is not None else seen.newest
+    if seen.newest not in seen.verified_now:
+        return Verdict(False, f"{named} is not verified in the store")
+    after = seen.newest_mtime is not None and seen.newest_mtime >= seen.noticed_at
+    covers = seen.newest_step is not None and seen.seen_step is not None and seen.newest_step >= seen.seen_step
+    if state == "saved" and not (after or covers):
+        ahead = f"; training had reached step {seen.seen_step}" if seen.seen_step is not None else ""
+        return Verdict(False, f"{named} was written before the notice{ahead}: the save after the notice is not "
+                              "on the instance")
+    if seen.finished > seen.deadline:
+        return Verdict(False, f"{named} was verified {seen.finished - seen.deadline:.0f}s after the deadline")
+    return Verdict(True, f"{named} verified in the store {seen.deadline - seen.finished:.0f}s before the deadline")
+
+
 def launched(state: str | None) -> Verdict:
     """`up` exit 0: the command is running (its ready line seen, or alive after run.grace) or finished."""
     if state == "ready":

@@ -53,3 +53,11 @@ def test_extra_hashes_survive_the_manifest() -> None:
     files = again.checkpoints["checkpoint-20"].files
     assert files["checkpoint-20/model.bin"].extra == {"md5": "m1m1"}
     assert files["checkpoint-20/trainer_state.json"].extra == {"gitblob": "g2g2"}
+
+
+@pytest.mark.parametrize("doc,case", cases("notice-saved.json"))
+def test_notice_saved(doc: dict[str, Any], case: dict[str, Any]) -> None:
+    seen = {**doc["base"], **case["seen"]}
+    seen["verified_now"] = tuple(seen["verified_now"])
+    verdict = verdicts.notice_saved(verdicts.NoticeCopy(**seen))
+    assert (verdict.ok, verdict.why) == (case["ok"], case["why"])

@@ -16,11 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 
 from e2e import EXAMPLE, REPO, plain_recipe, run_cli, wait_for
-from test_guard import guard_file, watching
+from test_guard import guard_file, metadata_service, set_keys, watching
 from test_watch import go_silent
-from test_watch_unattended import err_of, events, history, manifest, sandbox_env
+from test_watch_unattended import err_of, events, history, manifest, sandbox_env, spot_recipe
 
 from relaunch import sandbox as sb
 
@@ -112,6 +113,37 @@ def test_a_recover_command_ended_at_its_timeout_after_printing_a_host_rents_noth
     finally:
         for name in rented.read_text().split():
             sb.destroy(name)
+
+
+def test_a_save_cut_short_after_a_notice_is_not_said_to_have_made_the_deadline(tmp_path, sandbox, ssh, ssh_key):
+    """A GCP notice (30 s) and a training whose save on the stop takes 100 s, with run.stop.timeout
+    5 s: the save is not done when the watch evacuates, so what it copies and verifies in no time is
+    an older checkpoint. The watch, the notice record and the history must not say that the save
+    after the notice was verified before the deadline."""
+    home, inst = tmp_path / "state", sandbox()
+    name = "cutshort"
+    recipe = spot_recipe(tmp_path, name, ssh_key, every=20, sleep=0.1, guard={"sources": ["gcp"], "every": 1},
+                         checkpoint={"every": 2})
+    command = yaml.safe_load(recipe.read_text())["run"]["command"]
+    set_keys(recipe, run={"command": f"{command} --stop-save 100", "stop": {"signal": "TERM", "timeout": 5}})
+    store = tmp_path / "store"
+    with metadata_service(inst, "gcp", tmp_path) as metadata:
+        assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+        with watching(recipe, home, tmp_path) as watch:
+            wait_for("a verified checkpoint", lambda: manifest(store)["checkpoints"], timeout=120)
+            metadata.raise_notice(30)
+            watch.wait(timeout=180)
+    err = err_of(tmp_path)
+    assert watch.returncode == 0, err
+    assert "training has not finished saving (still running)" in err
+    assert "but NOT the save after the notice before the deadline: training had not finished saving" in err
+    notice = guard_file(ssh, inst, "notice.json", name)
+    assert notice is not None and notice["save"]["state"] == "still running"
+    assert notice["copy"]["verified"] is True and notice["copy"]["made_deadline"] is False, notice
+    assert "it is not the save after the notice" in notice["verdict"]
+    entry = history(store)[-1]
+    assert entry["cause"] == "notice" and entry["made_deadline"] is False
+    assert "saved and verified before the deadline" not in err
 
 
 def test_a_checkpoint_saved_again_in_place_at_the_same_size_is_not_verified_from_its_record(tmp_path, sandbox, ssh,

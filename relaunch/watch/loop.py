@@ -3,7 +3,9 @@ copy-off rounds (rounds.py), and decides, from what the nodes show now:
 
 - a reclaim notice on any node: the round copying meanwhile is ended (the save after the notice
   goes first), the guard's save is waited for (in a node group every node is asked to save), the
-  newest checkpoint is evacuated and verified, whether that made the deadline is said and
+  newest checkpoint is evacuated and verified (its bytes hashed on the instance again, whatever
+  the store records), and whether the save after the notice made the deadline (verdicts.
+  notice_saved: that save, not an older checkpoint, verified by its bytes in time) is said and
   recorded; then recover;
 - a rebalance recommendation (aws-rebalance): a round at once; training goes on;
 - no answer for recover.lost_after (and recover.alive, when set, does not say the provider still
@@ -32,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .. import cycle, history, processes
+from .. import cycle, history, processes, verdicts
 from ..errors import ConnectError, EnvError, EvacuationError, HostKeyError, Interrupted, RelaunchError, UsageError
 from ..host.connection import connect
 from ..host.spec import HostSpec
@@ -341,24 +343,35 @@ class Watch:
             except RelaunchError as exc:
                 self.warn(f"could not end what is left of the training: {_first_line(exc)}")
         verified = report is not None and report.safe
-        made = verified and finished <= deadline
+        shown = self.newest_seen()
+        # made the deadline: the save the notice asked for, verified by its bytes in time; not merely
+        # a verified checkpoint (an older one is verified in no time when the save was cut short)
+        verdict = verdicts.notice_saved(verdicts.NoticeCopy(
+            save_state=save.get("state"), noticed_at=seen, deadline=deadline, finished=finished,
+            newest=report.newest if report else None, newest_step=report.newest_step if report else None,
+            newest_mtime=report.newest_mtime if report else None,
+            verified_now=tuple(report.verified_now) if report else (), seen_step=shown))
+        made = verified and verdict.ok
+        late = finished > deadline
         if report is not None and verified:
             newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint"
             timing = (f"{deadline - finished:.0f}s before the deadline" if made
-                      else f"NOT before the deadline ({finished - deadline:.0f}s late)")
+                      else f"NOT before the deadline ({finished - deadline:.0f}s late)" if late
+                      else f"but NOT the save after the notice before the deadline: {verdict.why}")
             (self.ok if made else self.warn)(f"{where}evacuated after the notice: {newest} verified in "
                                              f"{report.store}, {timing}")
         copy = {"by": "relaunch watch", "verified": verified, "checkpoint": report.newest if report else None,
                 "step": report.newest_step if report else None, "seconds": round(finished - started, 1),
-                "finished": history.iso(finished), "made_deadline": made}
+                "finished": history.iso(finished), "made_deadline": made, "why": verdict.why}
         self.emit("evacuated", **copy, report=report.as_dict() if report else None)
         notice["copy"] = copy
         notice["verdict"] = (f"{notice.get('verdict') or ''}; the copy: "
                              + (f"{copy['checkpoint']} verified in the store "
-                                + ("before the deadline" if made else "AFTER the deadline")
+                                + ("before the deadline" if made else "AFTER the deadline" if late
+                                   else f"before the deadline, but it is not the save after the notice: {verdict.why}")
                                 if verified else "NOT verified")).lstrip("; ")
         self.write_back(view, notice)
-        seen_step = max([s for s in (self.newest_seen(), report.newest_step if report else None) if s is not None],
+        seen_step = max([s for s in (shown, report.newest_step if report else None) if s is not None],
                         default=None)
         verified_step = report.stored_step if report is not None else self.store_newest()
         entry = history.Interruption.start(view.host, "notice", f"{source}: {detail}", seen, seen_step,
