@@ -228,7 +228,7 @@ class Watch:
                 self.holder.note(last_error={"at": history.iso(time.time()), "message": redact(outcome.error.message)})
                 raise outcome.error         # the store refuses: the watch cannot do its work
             if outcome.report is not None:
-                self.after_round(outcome.report)
+                self.after_round(outcome.report, outcome.started)
         for done in [f for f in (self.renewing, self.ending) if f is not None and f.done()]:
             exc = done.exception()
             if isinstance(exc, RelaunchError):
@@ -238,11 +238,11 @@ class Watch:
             else:
                 self.ending = None
 
-    def after_round(self, report: Report) -> None:
+    def after_round(self, report: Report, started: float) -> None:
         self.next_round = time.monotonic() + self.recipe.checkpoint.every
         self.last_stored = report.stored_step
         for looker in self.lookers.values():
-            looker.answered()               # a round that worked heard from every node
+            looker.answered(started)        # a round that worked heard from every node, when it began
         self.ui.ok(round_line(report))
         self.emit("round", **report.as_dict())
         self.holder.note(last_round={"at": history.iso(time.time()), "line": round_line(report)})

@@ -44,6 +44,7 @@ class Outcome:
     error: RelaunchError | None = None   # a refusal or an internal error: the watch ends with it
     aborted: bool = False             # ended on purpose (a notice, a lost instance, Ctrl-C)
     retries: int = 0                  # failures before it worked
+    started: float = 0.0              # monotonic time the child that reported began (it heard from every node)
 
 
 def report_from(data: dict[str, Any]) -> Report:
@@ -134,8 +135,10 @@ class Rounds:
 
     def _run(self) -> None:
         tries = [0]
+        began = [0.0]
 
         def once() -> Report:
+            began[0] = time.monotonic()
             done = processes.run(self._argv(), deadline=ROUND_DEADLINE, cancelled=self._stopped,
                                  grace=CLEANUP_GRACE)
             answer = parse(done.status, done.stdout, done.stderr)
@@ -157,7 +160,7 @@ class Rounds:
             outcome.report = retrying(once, transient=lambda e: isinstance(e, _Failed) and not e.error.refused
                                       and not isinstance(e.error, InternalError),
                                       first=5.0, most=MAX_BACKOFF, on_retry=again, cancel=self._abort)
-            outcome.retries = tries[0]
+            outcome.retries, outcome.started = tries[0], began[0]
             if tries[0]:
                 self._say("say", f"sync rounds work again after {tries[0]} failed tries")
         except Interrupted:
