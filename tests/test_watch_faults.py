@@ -21,7 +21,8 @@ import yaml
 from e2e import EXAMPLE, REPO, plain_recipe, run_cli, wait_for
 from test_guard import guard_file, metadata_service, set_keys, watching
 from test_watch import go_silent
-from test_watch_unattended import err_of, events, history, manifest, sandbox_env, spot_recipe
+from test_watch_unattended import _free_port, _serve_s3, _stop, err_of, events, history, manifest, sandbox_env, \
+    spot_recipe
 
 from relaunch import sandbox as sb
 
@@ -177,3 +178,42 @@ def test_a_checkpoint_saved_again_in_place_at_the_same_size_is_not_verified_from
     assert history(store)[-1]["made_deadline"] is False
     assert (store / ckpt).read_bytes() == held                 # the store's copy is never overwritten
     assert ssh(inst, f"sha256sum ~/ckpt/{ckpt}").stdout.split()[0] != hashlib.sha256(held).hexdigest()
+
+
+def test_a_finished_training_whose_store_stopped_answering_ends_the_watch_not_verified(tmp_path, sandbox, ssh,
+                                                                                      ssh_key):
+    """An S3 store (rclone serve s3) stops answering; then training writes its last checkpoint and
+    finishes (exit 0). The watch's last round cannot copy it: after its tries the watch ends with
+    exit 6, saying the instance still holds checkpoints the store lacks, instead of trying forever
+    (or saying `finished`)."""
+    from conftest import S3_ACCESS_KEY, S3_SECRET_KEY
+
+    home, inst = tmp_path / "state", sandbox()
+    served = tmp_path / "s3"
+    (served / "bucket").mkdir(parents=True)
+    port, log = _free_port(), tmp_path / "s3.log"
+    keys = f"{S3_ACCESS_KEY},{S3_SECRET_KEY}"
+    env = {"RCLONE_CONFIG_GONE_TYPE": "s3", "RCLONE_CONFIG_GONE_PROVIDER": "Rclone",
+           "RCLONE_CONFIG_GONE_ENDPOINT": f"http://127.0.0.1:{port}",
+           "RCLONE_CONFIG_GONE_ACCESS_KEY_ID": S3_ACCESS_KEY, "RCLONE_CONFIG_GONE_SECRET_ACCESS_KEY": S3_SECRET_KEY}
+    save = "head -c 10000 /dev/urandom > ~/ckpt/.tmp && mv ~/ckpt/.tmp ~/ckpt/ckpt-0000000$1.pt"
+    command = (f"save() {{ {save}; }}; mkdir -p ~/ckpt && save 1 && while [ ! -e ~/finish ]; do sleep 0.2; done && "
+               "save 2 && echo done")
+    recipe = plain_recipe(tmp_path / "work", name="finished", key=ssh_key, command=command, guard={"every": 1},
+                          checkpoint={"every": 2, "remote": "rclone:gone:bucket/run"})
+    server = _serve_s3(served, port, keys, log)
+    try:
+        assert run_cli("up", str(recipe), inst.host, home=home, env=env).returncode == 0
+        with watching(recipe, home, tmp_path, env=env) as watch:
+            wait_for("ckpt-00000001.pt copied", lambda: any(e["event"] == "round" and e["copied"]
+                                                            for e in events(tmp_path)), timeout=120)
+            _stop(server)
+            ssh(inst, "touch ~/finish")
+            watch.wait(timeout=600)
+    finally:
+        _stop(server)
+    err = err_of(tmp_path)
+    assert watch.returncode == 6, err
+    assert "training finished (exit 0), but the last sync round failed 3 times" in err
+    assert "nothing more to watch" not in err and "Traceback" not in err
+

@@ -47,7 +47,7 @@ from ..ui import UI, redact
 from . import recover as rent
 from .holder import Holder
 from .looks import Looker, View, brief
-from .rounds import Rounds, child_argv, clock
+from .rounds import LAST_ROUND_TRIES, Rounds, child_argv, clock
 
 RETRY_WAIT = 20.0          # ssh.wait for the watch's own connections once it runs
 SAVE_SLACK = 10.0          # seconds beyond run.stop.timeout to wait for the guard's save
@@ -229,6 +229,8 @@ class Watch:
                 raise outcome.error         # the store refuses: the watch cannot do its work
             if outcome.report is not None:
                 self.after_round(outcome.report, outcome.started)
+            elif outcome.failed is not None:
+                self.next_round = time.monotonic() + self.recipe.checkpoint.every   # its tries are used up
         for done in [f for f in (self.renewing, self.ending) if f is not None and f.done()]:
             exc = done.exception()
             if isinstance(exc, RelaunchError):
@@ -565,19 +567,38 @@ class Watch:
             self.record(entry)
             return None
         self.rounds.abort()
-        self.last_round()
+        problem = self.last_round()
         if look.exit == "0":
+            if problem is not None:
+                raise EvacuationError(f"{first.host}: training finished (exit 0), but {problem}",
+                                      "the instance still holds its checkpoints: `relaunch evacuate RECIPE HOST` once "
+                                      "it and the store answer; do not destroy it before")
             self.ok(f"{first.host}: training finished (exit 0); nothing more to watch")
             self.emit("finished")
             return Outcome("finished", self.host)
         raise EnvError(f"{first.host}: training exited with status {look.exit}: it failed by itself, the instance was "
-                       "not taken away", "see `relaunch status` for its last lines; `relaunch up` starts it again")
+                       "not taken away" + (f"; and {problem}" if problem else ""),
+                       "see `relaunch status` for its last lines; `relaunch up` starts it again")
 
-    def last_round(self) -> None:
-        self.rounds.start()
+    def last_round(self) -> str | None:
+        """Training ended: one more round, of LAST_ROUND_TRIES tries at most (each child has its
+        actions' deadlines), so that an instance or a store that stopped answering cannot hold the
+        watch forever. None when it verified the instance's newest checkpoint, else what went wrong."""
+        self.rounds.start(tries=LAST_ROUND_TRIES)
         while self.rounds.busy:
             processes.sleep(0.5)
-        self.drain()
+            self.drain_messages()
+        outcome = self.rounds.take()
+        if outcome is None or outcome.aborted:
+            return "the last sync round was ended"
+        if outcome.error is not None:
+            self.holder.note(last_error={"at": history.iso(time.time()), "message": redact(outcome.error.message)})
+            raise outcome.error
+        if outcome.report is None:
+            why = _first_line(outcome.failed) if outcome.failed is not None else "no report"
+            return f"the last sync round failed {LAST_ROUND_TRIES} times: {why}"
+        self.after_round(outcome.report, outcome.started)
+        return None if outcome.report.safe else outcome.report.why
 
     def up_here(self, entry: history.Interruption) -> None:
         def again(exc: BaseException, seconds: float) -> None:

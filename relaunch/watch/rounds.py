@@ -5,7 +5,9 @@ Ctrl-C cleanup: credentials and pins removed on the instance, the partial copy k
 store's staging for a later round to continue, nothing trusted.
 
 A round that fails on the way (the instance away, a 5xx from the store, a dropped connection) is
-tried again under the one retry policy, said once; one the store refuses (credentials, no room,
+tried again under the one retry policy, up to ROUND_TRIES times (the last round, once training has
+ended: LAST_ROUND_TRIES), then gives up until the next round; a run of failures is said once, and
+once more when a round works again. One the store refuses (credentials, no room,
 a conflicting writer: `refused` in the child's JSON) ends the watch with the store's message, and
 so does a child that exits 1 (an internal error: a bug, or a child that could not even import
 relaunch), which no retry cures.
@@ -34,6 +36,8 @@ from ..steps.evacuate import Report
 ROUND_DEADLINE = 12 * 3600.0   # the child's own actions have deadlines by size; this bounds the whole
 CLEANUP_GRACE = 30.0            # seconds a child ended on purpose has for its cleanup before SIGKILL
 MAX_BACKOFF = 300.0
+ROUND_TRIES = 6                 # tries of one round, backoff between them, before it waits for the next round
+LAST_ROUND_TRIES = 3            # the round after training ended: then the watch ends, saying what failed
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Outcome:
 
     report: Report | None = None      # the round's report (also one that did not verify the newest)
     error: RelaunchError | None = None   # a refusal or an internal error: the watch ends with it
+    failed: RelaunchError | None = None  # gave up after its tries (not a refusal): the next round tries again
     aborted: bool = False             # ended on purpose (a notice, a lost instance, Ctrl-C)
     retries: int = 0                  # failures before it worked
     started: float = 0.0              # monotonic time the child that reported began (it heard from every node)
@@ -101,18 +106,19 @@ class Rounds:
         self._thread: threading.Thread | None = None
         self._outcome: Outcome | None = None
         self._lock = threading.Lock()
+        self.failures = 0                    # failed tries in a row, across rounds (said once)
 
     @property
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self) -> bool:
-        """Begin a round unless one runs; False when one does."""
+    def start(self, tries: int = ROUND_TRIES) -> bool:
+        """Begin a round of at most `tries` tries unless one runs; False when one does."""
         if self.busy:
             return False
         self._abort.clear()
         self._outcome = None
-        self._thread = threading.Thread(target=self._run, name="sync-round", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(tries,), name="sync-round", daemon=True)
         self._thread.start()
         return True
 
@@ -133,8 +139,7 @@ class Rounds:
     def _stopped(self) -> bool:
         return self._abort.is_set() or processes.CANCEL.is_set()
 
-    def _run(self) -> None:
-        tries = [0]
+    def _run(self, tries: int) -> None:
         began = [0.0]
 
         def once() -> Report:
@@ -146,28 +151,35 @@ class Rounds:
                 return answer
             raise _Failed(answer)
 
-        def again(exc: BaseException, seconds: float) -> None:
-            tries[0] += 1
+        def failed(exc: BaseException) -> None:
+            self.failures += 1
             error = exc.error if isinstance(exc, _Failed) else exc
             first = str(getattr(error, "message", error)).splitlines()[0]
-            if tries[0] == 1:        # said once; the loop's status file keeps the latest
+            if self.failures == 1:   # said once; the loop's status file keeps the latest
                 self._say("warn", f"sync round failed: {first}; trying again with backoff (up to "
                                   f"{MAX_BACKOFF:g}s apart), the watch goes on")
             self._say("error", first)
 
+        def transient(exc: BaseException) -> bool:
+            return isinstance(exc, _Failed) and not exc.error.refused and not isinstance(exc.error, InternalError)
+
         outcome = Outcome()
         try:
-            outcome.report = retrying(once, transient=lambda e: isinstance(e, _Failed) and not e.error.refused
-                                      and not isinstance(e.error, InternalError),
-                                      first=5.0, most=MAX_BACKOFF, on_retry=again, cancel=self._abort)
-            outcome.retries, outcome.started = tries[0], began[0]
-            if tries[0]:
-                self._say("say", f"sync rounds work again after {tries[0]} failed tries")
+            outcome.report = retrying(once, transient=transient, attempts=tries, first=5.0, most=MAX_BACKOFF,
+                                      on_retry=lambda exc, seconds: failed(exc), cancel=self._abort)
+            outcome.retries, outcome.started = self.failures, began[0]
+            if self.failures:
+                self._say("say", f"sync rounds work again after {self.failures} failed tries")
+            self.failures = 0
         except Interrupted:
             outcome.aborted = True
         except _Failed as exc:
-            outcome.error = exc.error if isinstance(exc.error, InternalError) else \
-                EvacuationError(exc.error.message, exc.error.hint, refused=True)
+            if transient(exc):       # its tries are used up: the next round tries again
+                failed(exc)
+                outcome.failed = exc.error
+            else:
+                outcome.error = exc.error if isinstance(exc.error, InternalError) else \
+                    EvacuationError(exc.error.message, exc.error.hint, refused=True)
         with self._lock:
             self._outcome = outcome
 
