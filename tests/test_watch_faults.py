@@ -9,11 +9,13 @@ stalled past its lease; two losses inside one shrink.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -217,3 +219,74 @@ def test_a_finished_training_whose_store_stopped_answering_ends_the_watch_not_ve
     assert "training finished (exit 0), but the last sync round failed 3 times" in err
     assert "nothing more to watch" not in err and "Traceback" not in err
 
+
+# -- the lease: one watch per store, also while it is busy or after it stalled ------------------------
+LEASE_EVERY = {"RELAUNCH_LEASE_EVERY": "1"}          # renewed every second, stale after 3
+
+
+def lease_of(store: Path) -> dict:
+    path = store / ".relaunch" / "watch.json"
+    return json.loads(path.read_text() or "{}") if path.exists() else {}
+
+
+def test_a_busy_watch_keeps_renewing_its_lease_and_a_second_watch_is_refused(tmp_path, sandbox, ssh_key):
+    """The instance is lost and recover.command takes a long while: the watch's loop waits on it, and
+    its lease is renewed all the same (a thread of its own), so a second watch, started meanwhile
+    from another machine without --take-over, is refused instead of taking a store whose holder is busy."""
+    home, inst = tmp_path / "state", sandbox()
+    go = tmp_path / "go"
+    recipe = plain_recipe(tmp_path / "work", name="busy", key=ssh_key, ssh={"wait": 5}, guard={"every": 1},
+                          recover={"command": f"while [ ! -e {go} ]; do sleep 0.2; done; exit 1", "lost_after": 3,
+                                   "attempts": 1, "timeout": 300})
+    store = tmp_path / "work" / "store"
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    with watching(recipe, home, tmp_path, env=LEASE_EVERY) as watch:
+        wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+        go_silent(inst)
+        wait_for("recover.command running", lambda: "running recover.command" in err_of(tmp_path), timeout=120)
+        busy_since = time.time()
+        wait_for("the lease renewed while recover.command runs, past the time it goes stale",
+                 lambda: lease_of(store).get("renewed_epoch", 0) > busy_since + 4, timeout=60, every=0.2)
+        second = run_cli("watch", str(recipe), inst.host, home=tmp_path / "elsewhere", env=LEASE_EVERY, timeout=120)
+        go.touch()
+        watch.wait(timeout=120)
+    assert second.returncode == 2 and "holds the store" in second.stderr, second.stderr
+    assert watch.returncode == 3, err_of(tmp_path)
+
+
+def test_a_watch_stalled_past_its_lease_and_taken_over_stops_acting(tmp_path, sandbox, ssh_key):
+    """The watch's process is stopped (SIGSTOP: a laptop asleep, a stalled machine) for longer than
+    its lease lasts; a watch on another machine then takes the store, as it may. When the first one
+    runs again it must not take the lease back: it finds itself taken over and stops (exit 2),
+    leaving the store to the other watch."""
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path / "work", name="stalled", key=ssh_key, guard={"every": 1}, checkpoint={"every": 2})
+    store = tmp_path / "work" / "store"
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    later = tmp_path / "second"
+    later.mkdir()
+    with watching(recipe, home, tmp_path, env=LEASE_EVERY) as first:
+        wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+        mine = lease_of(store)["token"]
+        first.send_signal(signal.SIGSTOP)
+        try:
+            wait_for("the stalled watch's lease to go stale",
+                     lambda: time.time() - lease_of(store)["renewed_epoch"] > 4, timeout=30, every=0.2)
+            with watching(recipe, tmp_path / "elsewhere", later, inst.host, env=LEASE_EVERY) as second:
+                wait_for("the second watch holding the store", lambda: lease_of(store).get("token") not in (None, mine),
+                         timeout=60)
+                theirs = lease_of(store)["token"]
+                first.send_signal(signal.SIGCONT)
+                first.wait(timeout=60)
+                assert lease_of(store)["token"] == theirs                  # not taken back
+                wait_for("a round of the second watch", lambda: any(e["event"] == "round" for e in events(later)),
+                         timeout=60)
+                second.send_signal(signal.SIGINT)
+                second.wait(timeout=60)
+        finally:
+            first.send_signal(signal.SIGCONT)
+    err = err_of(tmp_path)
+    assert first.returncode == 2, err
+    assert "another watch took the store" in err and "this watch stops: another watch holds the store now" in err
+    assert second.returncode == 130, err_of(later)
+    assert lease_of(store) == {}                                           # given back by the second one

@@ -101,7 +101,6 @@ class Watch:
         self.spares: list[rent.Rented] | None = None             # ... rented, waiting for the next checkpoint
         self.grow_after = 0                                      # the step the shrunk group resumed from
         self.last_stored: int | None = None                      # the newest verified, as the last round saw
-        self.renewing: Future[Any] | None = None
         self.asking: dict[str, Future[rent.Alive]] = {}         # recover.alive in flight, by host
         self.alive_after: dict[str, float] = {}                 # ... and when to ask it again
         self.alive_said: dict[str, bool | None] = {}            # its last answer, said once
@@ -161,6 +160,15 @@ class Watch:
             recipe = recipe.model_copy(update={"ssh": recipe.ssh.model_copy(update={"host_key": None})})
         return recipe
 
+    def still_holding(self) -> None:
+        """Before renting, starting or stopping training: this watch still holds the store (its
+        lease), else it stops acting (exit 2): another watch carries on."""
+        why = self.holder.why_not_mine()
+        if why is not None:
+            self.rounds.abort()
+            raise UsageError(f"this watch stops: {why}; it rents nothing and starts nothing more",
+                             "the watch that holds the store carries on (`relaunch status` on its machine shows it)")
+
     def _round_argv(self) -> list[str]:
         sets = [*self.overrides, f"ssh.wait={min(self.recipe.ssh.wait, RETRY_WAIT):g}"]
         if self.unpinned:
@@ -192,6 +200,7 @@ class Watch:
     def run(self) -> Outcome:
         self.holder.take(self.inner, self.take_over)
         try:
+            self.holder.start_renewing(self.inner, self._post)
             self.look_at(self.specs)
             return self._loop()
         finally:
@@ -231,14 +240,11 @@ class Watch:
                 self.after_round(outcome.report, outcome.started)
             elif outcome.failed is not None:
                 self.next_round = time.monotonic() + self.recipe.checkpoint.every   # its tries are used up
-        for done in [f for f in (self.renewing, self.ending) if f is not None and f.done()]:
-            exc = done.exception()
+        if self.ending is not None and self.ending.done():
+            exc = self.ending.exception()
             if isinstance(exc, RelaunchError):
                 self.warn(_first_line(exc))
-            if done is self.renewing:
-                self.renewing = None
-            else:
-                self.ending = None
+            self.ending = None
 
     def after_round(self, report: Report, started: float) -> None:
         self.next_round = time.monotonic() + self.recipe.checkpoint.every
@@ -250,6 +256,8 @@ class Watch:
         self.holder.note(last_round={"at": history.iso(time.time()), "line": round_line(report)})
 
     def tick(self) -> Outcome | None:
+        if self.holder.taken is not None:            # seen by the lease's renewal: stop acting at once
+            self.still_holding()
         now = time.monotonic()
         views = self.views()
         for view in views:
@@ -279,8 +287,6 @@ class Watch:
         self.grow_back()
         if now >= self.next_round and not self.rounds.busy:
             self.rounds.start()
-        if self.holder.due() and self.renewing is None:
-            self.renewing = self.chores.submit(self.holder.renew, self.inner)
         return None
 
     def say_silences(self, views: list[View], now: float) -> None:
@@ -604,8 +610,11 @@ class Watch:
         def again(exc: BaseException, seconds: float) -> None:
             self.warn(f"{self.host}: up failed: {_first_line(exc)}; again in {seconds:.0f}s")
 
-        results = retrying(lambda: cycle.up(self.current(self.recipe.ssh.wait), self.specs, self.inner),
-                           transient=_recoverable, attempts=self.recipe.recover.attempts, first=5.0, most=60.0,
+        def up() -> list[cycle.UpResult]:
+            self.still_holding()
+            return cycle.up(self.current(self.recipe.ssh.wait), self.specs, self.inner)
+
+        results = retrying(up, transient=_recoverable, attempts=self.recipe.recover.attempts, first=5.0, most=60.0,
                            on_retry=again)
         entry.resumed(self.host, time.time())
         result = results[0]
@@ -619,6 +628,7 @@ class Watch:
     def recover(self, entry: history.Interruption, gone: list[HostSpec]) -> None:
         """Replace what is gone, or (a group with recover.shrink) go on with the nodes left."""
         self.rounds.abort()
+        self.still_holding()
         left = [s for s in self.specs if s not in gone]
         old = self.host if not self.group else f"the group ({len(self.specs)} nodes)"
         if self.group and self.recipe.recover.shrink and left:
@@ -680,10 +690,9 @@ class Watch:
                 self._post("say", f"recover attempt {attempt[0]} of {recover.attempts}{for_whom}: connecting to "
                                   f"{found.spec} again (rented already: nothing more is rented)")
             else:
-                taken = self.holder.still_mine()
-                if taken is not None:
-                    raise rent.RecoverStopped(f"another watch holds the store now ({taken.get('machine')}, pid "
-                                              f"{taken.get('pid')}): renting nothing", refused=True)
+                why = self.holder.why_not_mine()
+                if why is not None:
+                    raise rent.RecoverStopped(f"{why}: renting nothing", refused=True)
                 self._post("say", f"recover attempt {attempt[0]} of {recover.attempts}{for_whom}: running "
                                   f"recover.command `{recover.command}` (up to {recover.timeout:g}s)")
                 found = rent.rent(self.recipe, self.inner, attempt[0], entry.host, entry.cause)
@@ -734,8 +743,12 @@ class Watch:
         def again(exc: BaseException, seconds: float) -> None:
             self.warn(f"recover: up failed: {_first_line(exc)}; again in {seconds:.0f}s")
 
+        def up() -> list[cycle.UpResult]:
+            self.still_holding()
+            return cycle.up(self.current(self.recipe.ssh.wait), specs, self.inner)
+
         try:
-            results = retrying(lambda: cycle.up(self.current(self.recipe.ssh.wait), specs, self.inner),
+            results = retrying(up,
                                transient=lambda e: _recoverable(e) and isinstance(e, ConnectError),
                                attempts=self.recipe.recover.attempts, first=5.0, most=60.0, on_retry=again)
         except RelaunchError as exc:
@@ -771,6 +784,7 @@ class Watch:
         entry = history.Interruption.start(old, "grow", f"{before} -> {before + len(spares)} nodes: replacements "
                                            f"{' '.join(str(r.spec) for r in spares)} are there", time.time(),
                                            self.newest_seen(), None)
+        self.still_holding()
         self.say(f"growing back to {before + len(spares)} nodes: asking training to save (run.stop), evacuating, "
                  "then `up` on the whole group")
         self.rounds.abort()
