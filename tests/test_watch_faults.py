@@ -290,3 +290,54 @@ def test_a_watch_stalled_past_its_lease_and_taken_over_stops_acting(tmp_path, sa
     assert "another watch took the store" in err and "this watch stops: another watch holds the store now" in err
     assert second.returncode == 130, err_of(later)
     assert lease_of(store) == {}                                           # given back by the second one
+
+
+# -- a node group that shrinks twice before it grows back ---------------------------------------------
+def test_two_losses_inside_one_shrink_grow_the_group_back_with_every_replacement(tmp_path, sandbox, ssh_key):
+    """3 nodes with recover.shrink; node 2 goes silent: the group goes on on 2 nodes and a replacement
+    is rented meanwhile (recover.command waits for a file here, as a provider short of capacity
+    does). Before it is there, node 1 goes silent too: the group goes on on node 0 alone, and a
+    second replacement is rented. Both are rented once and both join when the group grows back to
+    3 nodes; none is forgotten (billing, never reported)."""
+    home = tmp_path / "state"
+    n0, n1, n2 = sandbox(), sandbox(), sandbox()
+    work, go = tmp_path / "work", tmp_path / "go"
+    recipe = spot_recipe(work, "twolosses", ssh_key, every=20, sleep=0.1, ssh={"wait": 5}, guard={"every": 1},
+                         checkpoint={"every": 2},
+                         recover={"command": f"while [ ! -e {go} ]; do sleep 0.2; done; ./rent-sandbox.sh",
+                                  "shrink": True, "lost_after": 4, "attempts": 2, "timeout": 300})
+    command = yaml.safe_load(recipe.read_text())["run"]["command"]
+    set_keys(recipe, run={"command": f"{{% if node_rank == 0 %}}{command}{{% else %}}sleep 100000{{% endif %}}"})
+    shutil.copy(EXAMPLE / "rent-sandbox.sh", work / "rent-sandbox.sh")
+    rented = work / "rented.txt"
+    rented.write_text("")
+
+    def up_on(count: int) -> dict | None:
+        return next((e for e in events(tmp_path) if e["event"] == "up" and len(e.get("nodes") or []) == count), None)
+
+    try:
+        assert run_cli("up", str(recipe), n0.host, n1.host, n2.host, home=home).returncode == 0
+        with watching(recipe, home, tmp_path, n0.host, n1.host, n2.host, env=sandbox_env(ssh_key)) as watch:
+            wait_for("a verified checkpoint", lambda: manifest(work / "store")["checkpoints"], timeout=120)
+            go_silent(n2)
+            assert wait_for("training on 2 nodes", lambda: up_on(2), timeout=300)["nodes"] == [n0.host, n1.host]
+            go_silent(n1)
+            assert wait_for("training on node 0 alone", lambda: up_on(1), timeout=300)["nodes"] == [n0.host]
+            after = len(events(tmp_path))
+            go.touch()
+            grown = wait_for("the group grown back", lambda: next(
+                (e for e in events(tmp_path)[after:] if e["event"] == "up"), None) or watch.poll() is not None,
+                timeout=600)
+            assert grown is not True, err_of(tmp_path)
+            watch.send_signal(signal.SIGINT)
+            watch.wait(timeout=60)
+        err = err_of(tmp_path)
+        names = rented.read_text().split()
+        assert len(names) == 2, err                                   # one per lost node, rented once
+        replacements = [sb.get(name).host for name in names]
+        assert grown["nodes"][0] == n0.host and sorted(grown["nodes"][1:]) == sorted(replacements), (grown, err)
+        assert "not in the group and billing" not in err
+        assert "growing back to 3 nodes" in err
+    finally:
+        for name in rented.read_text().split():
+            sb.destroy(name)

@@ -97,8 +97,11 @@ class Watch:
         self.lookers: dict[str, Looker] = {}
         self.ghosts: dict[str, Looker] = {}        # replaced instances, looked at now and then
         self.ending: Future[Any] | None = None     # a replaced instance's training being ended
-        self.renting: Future[list[rent.Rented]] | None = None   # shrink: replacements being rented
-        self.spares: list[rent.Rented] | None = None             # ... rented, waiting for the next checkpoint
+        self.size = len(self.specs)                              # the group's size, to grow back to
+        self.renting: list[Future[None]] = []                    # shrink: replacements being rented (and made)
+        self.spares: list[rent.Rented] = []                      # ... every one rented so far, not in the group yet
+        self.spare_lock = threading.Lock()                       # the renting threads add to spares
+        self.said_ready = False
         self.grow_after = 0                                      # the step the shrunk group resumed from
         self.last_stored: int | None = None                      # the newest verified, as the last round saw
         self.asking: dict[str, Future[rent.Alive]] = {}         # recover.alive in flight, by host
@@ -205,6 +208,7 @@ class Watch:
             return self._loop()
         finally:
             self.rounds.abort()
+            self.say_unused()
             for looker in [*self.lookers.values(), *self.ghosts.values()]:
                 looker.stop()
             self.chores.shutdown(wait=False, cancel_futures=True)
@@ -638,9 +642,17 @@ class Watch:
             results = self.bring_up(left)
             self.grow_after = results[0].step
             if self.recipe.recover.command:
-                self.renting = self.chores.submit(self.rent_and_prepare, entry, len(gone))
+                # another loss while earlier replacements are still being rented adds to them: every
+                # one rented is used when the group grows back (or named when the watch ends)
+                with self.spare_lock:
+                    group = [*self.specs, *(r.spec for r in self.spares)]
+                self.renting.append(self.chores.submit(self.rent_and_prepare, entry, len(gone), group))
         else:
-            rented = self.rent_many(entry, len(gone))
+            # what earlier shrinks rented counts towards the replacements (the last nodes of a shrunk
+            # group lost too): rented once, never forgotten
+            spares = self.take_spares()
+            need = max(self.size - len(left) - len(spares), 0) if self.group else len(gone)
+            rented = [*spares, *self.rent_many(entry, need, already=spares)]
             if left:
                 cycle.stop_training(self.current(), left, self.inner)
             results = self.bring_up(left + [r.spec for r in rented], new=rented)
@@ -654,15 +666,36 @@ class Watch:
         self.emit("up", **first.as_dict(), nodes=[str(s) for s in self.specs])
         self.record(entry)
 
-    def rent_many(self, entry: history.Interruption, count: int) -> list[rent.Rented]:
-        return [self.rent_one(entry, n) for n in range(count)]
+    def rent_many(self, entry: history.Interruption, count: int,
+                  already: list[rent.Rented] | None = None) -> list[rent.Rented]:
+        """`count` replacements; a failure names every one rented before it (they bill)."""
+        rented: list[rent.Rented] = []
+        for n in range(count):
+            try:
+                rented.append(self.rent_one(entry, n))
+            except RelaunchError as exc:
+                billing = [*(already or []), *rented]
+                if billing:
+                    hosts = " ".join(str(r.spec) for r in billing)
+                    exc.message += (f"\nrented for this recovery and billing: {hosts}: run `relaunch up RECIPE "
+                                    "HOST...` there, or destroy them")
+                raise
+        return rented
 
-    def rent_and_prepare(self, entry: history.Interruption, count: int) -> list[rent.Rented]:
-        """recover.shrink: the replacements are rented while the shrunk group trains, and their env
-        is made then too, so that growing back installs nothing while training is stopped."""
-        spares = self.rent_many(entry, count)
-        group = [*self.specs, *(r.spec for r in spares)]           # as growing back will make it
-        for rank, found in enumerate(spares, start=len(self.specs)):
+    def rent_and_prepare(self, entry: history.Interruption, count: int, group: list[HostSpec]) -> None:
+        """recover.shrink, in a chore thread: the replacements are rented while the shrunk group
+        trains, each added to `spares` as soon as recover.command gave it, and their env is made then
+        too, so that growing back installs nothing while training is stopped. `group`: the nodes as
+        they were when this renting began (the loop's specs may change meanwhile); the env is made
+        as the node it will likely be, and `up` makes it again where that rendered differently."""
+        spares: list[rent.Rented] = []
+        for n in range(count):
+            found = self.rent_one(entry, n)
+            with self.spare_lock:
+                self.spares.append(found)
+            spares.append(found)
+        group = [*group, *(r.spec for r in spares)]           # as growing back will make it
+        for rank, found in enumerate(spares, start=len(group) - len(spares)):
             self._post("say", f"recover: making the env on {found.spec} while the group trains (preflight, venv, "
                               "lock, env.files, env.setup)")
             try:
@@ -672,7 +705,35 @@ class Watch:
             except RelaunchError as exc:
                 self._post("warn", f"recover: the env on {found.spec} could not be made ahead "
                                    f"({_first_line(exc)}); the `up` that grows the group back makes it")
+
+    def take_spares(self) -> list[rent.Rented]:
+        """Every replacement rented by earlier shrinks, once their renting is over (each bounded by
+        recover.attempts and recover.timeout); they leave `spares`."""
+        for renting in self.renting:
+            try:
+                renting.result()
+            except (Interrupted, UsageError):
+                raise
+            except RelaunchError as exc:
+                self.warn(f"recover: renting a replacement failed: {_first_line(exc)}")
+        self.renting = []
+        with self.spare_lock:
+            spares, self.spares = self.spares, []
         return spares
+
+    def say_unused(self) -> None:
+        """The watch ends: replacements rented and not (yet) in the group bill; they are named."""
+        with self.spare_lock:
+            unused = list(self.spares)
+        if unused:
+            hosts = " ".join(str(r.spec) for r in unused)
+            self.warn(f"the replacement{'s' if len(unused) > 1 else ''} {hosts} rented by recover.command "
+                      f"{'are' if len(unused) > 1 else 'is'} not in the group and billing: `relaunch up RECIPE "
+                      "HOST...` with them, or destroy them")
+            self.emit("unused", nodes=[str(r.spec) for r in unused])
+        if any(not f.done() for f in self.renting):
+            self.warn("a replacement was being rented when the watch stopped: recover.command may have rented an "
+                      "instance; look at your provider's console")
 
     def rent_one(self, entry: history.Interruption, n: int) -> rent.Rented:
         """recover.command until it names a HOST that answers with an accepted key. Once it has
@@ -762,29 +823,35 @@ class Watch:
         return results
 
     def grow_back(self) -> None:
-        """recover.shrink: once the replacements answer and the shrunk group's next checkpoint is
-        verified in the store, the group saves (run.stop), is evacuated and comes back at full size."""
-        if self.renting is None or not self.renting.done():
+        """recover.shrink: once every replacement being rented is there and the shrunk group's next
+        checkpoint is verified in the store, the group saves (run.stop), is evacuated and comes back
+        at full size, with every replacement rented (also those of a second loss meanwhile)."""
+        if not self.renting and not self.spares:
             return
-        if self.spares is None:
-            try:
-                self.spares = self.renting.result()
-            except RelaunchError as exc:
-                self.renting = None
-                self.warn(f"recover: no replacement to grow back with: {_first_line(exc)}; training goes on on "
-                          f"{len(self.specs)} node(s)")
-                return
-            self.say(f"replacement{'s' if len(self.spares) > 1 else ''} ready: "
-                     f"{' '.join(str(r.spec) for r in self.spares)}; growing back at the next checkpoint verified "
-                     f"in the store (after step {self.grow_after})")
+        for renting in [f for f in self.renting if f.done()]:
+            self.renting.remove(renting)
+            exc = renting.exception()
+            if isinstance(exc, RelaunchError):
+                self.warn(f"recover: renting a replacement failed: {_first_line(exc)}")
+        if self.renting:
+            return                       # one grow back, with every replacement
+        with self.spare_lock:
+            spares = list(self.spares)
+        if not spares:
+            self.warn(f"recover: no replacement to grow back with; training goes on on {len(self.specs)} node(s)")
+            return
+        if not self.said_ready:
+            self.said_ready = True
+            self.say(f"replacement{'s' if len(spares) > 1 else ''} ready: {' '.join(str(r.spec) for r in spares)}; "
+                     f"growing back at the next checkpoint verified in the store (after step {self.grow_after})")
         if (self.last_stored or 0) <= self.grow_after:
             return
-        spares, self.spares, self.renting = self.spares, None, None
+        self.still_holding()
+        self.said_ready = False
         before, old = len(self.specs), self.host
         entry = history.Interruption.start(old, "grow", f"{before} -> {before + len(spares)} nodes: replacements "
                                            f"{' '.join(str(r.spec) for r in spares)} are there", time.time(),
                                            self.newest_seen(), None)
-        self.still_holding()
         self.say(f"growing back to {before + len(spares)} nodes: asking training to save (run.stop), evacuating, "
                  "then `up` on the whole group")
         self.rounds.abort()
@@ -804,7 +871,9 @@ class Watch:
         entry.newest_seen_step = seen
         entry.steps_lost = None if seen is None else max(seen - (entry.newest_verified_step or 0), 0)
         entry.nodes_before = before
-        results = self.bring_up(self.specs + [r.spec for r in spares])
+        with self.spare_lock:            # from here on the group's (or named by bring_up's error)
+            self.spares = [r for r in self.spares if r not in spares]
+        results = self.bring_up(self.specs + [r.spec for r in spares], new=spares)
         entry.resumed(self.host, time.time())
         entry.nodes_after = len(self.specs)
         first = results[0]
