@@ -116,7 +116,9 @@ class Holder:
         self._state: dict[str, Any] = {}
         self._written: str | None = None      # the lease as this watch last wrote it (what a renewal compares with)
         self._writing: str | None = None      # ... and the one it is writing (a Ctrl-C may land after the write)
-        self._store_lock = threading.Lock()   # one store call at a time: the renewer's and the loop's
+        # one look at the lease at a time (the renewer's, the loop's): a read compared with _written
+        # is never split by a renewal that changes it
+        self._store_lock = threading.RLock()
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self.renewed = 0.0                    # monotonic time of the last renewal that wrote the lease
@@ -176,7 +178,7 @@ class Holder:
                                  "two watches would both recover a lost instance; stop that one, or, if it is gone "
                                  f"for good, `relaunch watch --take-over` (its lease counts as gone "
                                  f"{lease_stale() / 60:.0f} min after its last renewal)")
-            if self._swap(ui, text):
+            if self._swap(text):
                 return
         raise UsageError(f"the lease in {self.store.label}/.relaunch/{LEASE} kept changing while this watch took it "
                          f"({TAKE_TRIES} tries): another watch is taking it too", "stop the other watch first")
@@ -193,17 +195,20 @@ class Holder:
             return None
         return info
 
-    def _swap(self, ui: UI, expected: str | None, data: dict[str, Any] | None = None) -> bool:
+    def _swap(self, expected: str | None, data: dict[str, Any] | None = None) -> bool:
         """Write our lease (or `data`) where `expected` is now; False when something else is there."""
         now = time.time()
         text = json.dumps(data if data is not None else {**self.mine(), "renewed": iso(now), "renewed_epoch": now},
                           sort_keys=True) + "\n"
-        with self._store_lock, self.store.lock(ui):
+        # not under Store.lock: a sync round holds that for as long as it copies, and the lease must
+        # not wait on a copy; swap_meta is safe beside the round's writes (another file, or a commit
+        # against the head)
+        with self._store_lock:
             self._writing = text
             if not self.store.swap_meta(LEASE, expected, text):
                 return False
-        self._written = text
-        self.renewed = time.monotonic()
+            self._written = text
+            self.renewed = time.monotonic()
         return True
 
     def renew(self, ui: UI) -> bool:
@@ -211,7 +216,7 @@ class Holder:
         when something else is there (this watch was taken over: `taken` says by whom)."""
         if self.taken is not None:
             return False
-        if self._swap(ui, self._written):
+        if self._swap(self._written):
             return True
         self.taken = parse_lease(self._read()) or {"machine": "?", "pid": "?", "since": "?",
                                                   "detail": "the lease was removed"}
@@ -221,16 +226,17 @@ class Holder:
         """Before renting or starting training: None while this watch holds the store, else why not
         (taken over, or a lease it could not renew for so long that it counts as gone)."""
         if self.taken is None:
-            try:
-                text = self._read()
-            except RelaunchError as exc:
-                since = time.monotonic() - self.renewed
-                if since < lease_stale() - lease_every():
-                    return None      # the store does not answer now, but the lease is fresh for a while yet
-                return (f"the store does not answer ({exc.message.splitlines()[0]}) and this watch's lease was last "
-                        f"renewed {since:.0f}s ago: another watch may have taken the store")
-            if text != self._written:
-                self.taken = parse_lease(text) or {"machine": "?", "pid": "?", "detail": "the lease was removed"}
+            with self._store_lock:
+                try:
+                    text = self._read()
+                except RelaunchError as exc:
+                    since = time.monotonic() - self.renewed
+                    if since < lease_stale() - lease_every():
+                        return None      # the store does not answer now, but the lease is fresh for a while yet
+                    return (f"the store does not answer ({exc.message.splitlines()[0]}) and this watch's lease was "
+                            f"last renewed {since:.0f}s ago: another watch may have taken the store")
+                if text != self._written:
+                    self.taken = parse_lease(text) or {"machine": "?", "pid": "?", "detail": "the lease was removed"}
         if self.taken is not None:
             return f"another watch holds the store now ({describe(self.taken)})"
         return None
@@ -275,7 +281,7 @@ class Holder:
             # took over keeps its lease
             for ours in dict.fromkeys(t for t in (self._written, self._writing) if t is not None):
                 try:
-                    if self._swap(ui, ours, {}):
+                    if self._swap(ours, {}):
                         break
                 except RelaunchError:
                     break              # it goes stale by itself
