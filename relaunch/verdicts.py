@@ -131,28 +131,28 @@ class NoticeCopy:
 
 
 def notice_saved(seen: NoticeCopy) -> Verdict:
-    """The notice's save made the deadline: training saved and stopped when asked (or was not
-    running), the newest complete checkpoint it left is that save (written after the notice, or at
-    the last step training showed), it is verified in the store by its bytes, and all of that
-    before the deadline. A copy of an older checkpoint, however fast, is not that save."""
+    """The notice's save made the deadline: the newest complete checkpoint training left holds every
+    step it showed (nothing trained after it), it is that save (written after the notice, or the
+    guard says training saved and stopped, or was not running), it is verified in the store by its
+    bytes, and all of that before the deadline. A copy of an older checkpoint, however fast, is not
+    that save; nor is a periodic save of a training that went on."""
     state = seen.save_state
-    if state not in ("saved", "not running"):
-        words = {"still running": "training had not finished saving when the copy began (run.stop.timeout)",
-                 "exited": "training exited with a failure status after the notice: its save may be cut short",
-                 "not asked": "training could not be asked to save"}.get(state or "", "the guard never said that "
-                                                                                   "training saved")
-        return Verdict(False, words)
+    unsaved = None if state in ("saved", "not running") else {
+        "still running": "training had not finished saving when the copy began (run.stop.timeout)",
+        "exited": "training exited with a failure status after the notice",
+        "not asked": "training could not be asked to save"}.get(state or "", "the guard never said that training "
+                                                                            "saved")
     if seen.newest is None:
-        return Verdict(False, "there is no complete checkpoint on the instance")
+        return Verdict(False, "there is no complete checkpoint on the instance" + (f"; {unsaved}" if unsaved else ""))
     named = f"{seen.newest} (step {seen.newest_step})" if seen.newest_step is not None else seen.newest
     if seen.newest not in seen.verified_now:
         return Verdict(False, f"{named} is not verified in the store")
+    if seen.newest_step is not None and seen.seen_step is not None and seen.newest_step < seen.seen_step:
+        return Verdict(False, f"{named} is older than step {seen.seen_step}, which training had reached: the save "
+                              "after the notice is not in the store" + (f" ({unsaved})" if unsaved else ""))
     after = seen.newest_mtime is not None and seen.newest_mtime >= seen.noticed_at
-    covers = seen.newest_step is not None and seen.seen_step is not None and seen.newest_step >= seen.seen_step
-    if state == "saved" and not (after or covers):
-        ahead = f"; training had reached step {seen.seen_step}" if seen.seen_step is not None else ""
-        return Verdict(False, f"{named} was written before the notice{ahead}: the save after the notice is not "
-                              "on the instance")
+    if unsaved and not after:
+        return Verdict(False, f"{named} was written before the notice, and {unsaved}")
     if seen.finished > seen.deadline:
         return Verdict(False, f"{named} was verified {seen.finished - seen.deadline:.0f}s after the deadline")
     return Verdict(True, f"{named} verified in the store {seen.deadline - seen.finished:.0f}s before the deadline")

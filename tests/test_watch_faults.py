@@ -139,7 +139,9 @@ def test_a_save_cut_short_after_a_notice_is_not_said_to_have_made_the_deadline(t
     err = err_of(tmp_path)
     assert watch.returncode == 0, err
     assert "training has not finished saving (still running)" in err
-    assert "but NOT the save after the notice before the deadline: training had not finished saving" in err
+    assert "but NOT the save after the notice before the deadline: ckpt-" in err
+    assert "which training had reached: the save after the notice is not in the store (training had not finished " \
+           "saving" in err
     notice = guard_file(ssh, inst, "notice.json", name)
     assert notice is not None and notice["save"]["state"] == "still running"
     assert notice["copy"]["verified"] is True and notice["copy"]["made_deadline"] is False, notice
