@@ -594,7 +594,8 @@ class Watch:
         """Training ended: one more round, of LAST_ROUND_TRIES tries at most (each child has its
         actions' deadlines), so that an instance or a store that stopped answering cannot hold the
         watch forever. None when it verified the instance's newest checkpoint, else what went wrong."""
-        self.rounds.start(tries=LAST_ROUND_TRIES)
+        while not self.rounds.start(tries=LAST_ROUND_TRIES):
+            processes.sleep(0.5)          # the round ended just before is still cleaning up (bounded)
         while self.rounds.busy:
             processes.sleep(0.5)
             self.drain_messages()
