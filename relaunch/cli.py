@@ -46,7 +46,9 @@ def complete_providers(ctx: click.Context, param: click.Parameter, incomplete: s
 def common(func: Callable[..., Any]) -> Callable[..., Any]:
     func = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", shell_complete=complete_keys,
                         help="Override a recipe value (repeatable), e.g. --set checkpoint.keep=3.")(func)
-    func = click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")(func)
+    func = click.option("--json", "as_json", is_flag=True,
+                        help="One JSON document on stdout: the result, and on failure the same with error, hint, "
+                             "exit and refused; progress stays on stderr.")(func)
     func = click.option("-v", "--verbose", is_flag=True, help="Show the instance's output live.")(func)
     func = click.option("--yes", is_flag=True, help="Do not prompt.")(func)
     return func
@@ -59,13 +61,28 @@ def load(recipe_path: str, overrides: tuple[str, ...]) -> Any:
     check_recipe(recipe)        # templates too: a typo is exit 2 before any host is contacted
     # secret values never reach the screen or the debug log, whatever prints them
     redact.add(os.environ.get(name, "") for name in recipe.env.secrets)
-    redact.add_urls([u for u in (recipe.env.index_url, *recipe.env.extra_index_urls) if u])
+    redact.add_urls([u for u in (recipe.env.index_url, *recipe.env.extra_index_urls, recipe.env.python_mirror) if u])
     return recipe
+
+
+# The one JSON document a command prints with --json: its result, set by emit() (the last call
+# wins) and printed when the command ends; when it fails, the same document with the error as its
+# fields (error, hint, exit, refused), never a second one.
+_document: list[Any] = []
 
 
 def emit(as_json: bool, data: Any) -> None:
     if as_json:
-        click.echo(redact(json.dumps(data, indent=2)))
+        _document[:] = [data]
+
+
+def _print_document(error: dict[str, Any] | None = None) -> None:
+    if not _document and error is None:
+        return
+    doc: Any = _document[0] if _document else {}
+    if error is not None:
+        doc = {**doc, **error} if isinstance(doc, dict) else {"results": doc, **error}
+    click.echo(redact(json.dumps(doc, indent=2)))
 
 
 def show_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
@@ -188,8 +205,16 @@ def sync(recipe: str, hosts: tuple[str, ...], every: float | None, once: bool, o
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
     specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    rounds: list[dict[str, Any]] = []
+
+    def each_round(line: str) -> None:
+        # a round's report as it comes, on stderr with the progress; stdout gets one document
+        click.echo(line, err=True)
+        rounds.append(json.loads(line))
+        emit(as_json, rounds[-1] if once else {"rounds": rounds})
+
     sync_loop(r, specs, ui, every if every is not None else r.checkpoint.every, once,
-              emit=click.echo if as_json else None)
+              emit=each_round if as_json else None)
 
 
 @cli.command()
@@ -214,8 +239,7 @@ def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple
     specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
     outcome = watch_loop(r, specs, ui, emit=click.echo if as_json else None, overrides=list(overrides),
                          take_over=take_over)
-    if as_json:
-        click.echo(json.dumps(outcome.as_dict()))
+    emit(as_json, outcome.as_dict())
 
 
 @cli.command()
@@ -261,33 +285,52 @@ def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str
 @common
 def freeze(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: bool, verbose: bool,
            yes: bool) -> None:
-    """Write the instance venv's `pip freeze` into the recipe's lock file, showing the diff first."""
+    """Write the instance venv's `pip freeze` into the recipe's lock file, and the package indexes
+    its pip and uv use into the recipe (env.index_url, env.extra_index_urls), showing the diffs first."""
     from . import cycle
-    from .freeze import instance_freeze, local_version_warning, lock_diff, lock_path, write_lock
+    from .freeze import (index_change, instance_freeze, local_version_warning, lock_diff, lock_path, write_lock,
+                         write_text)
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
     path = lock_path(r)
     spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
-    new = instance_freeze(r, spec, ui)
+    new, found = instance_freeze(r, spec, ui)
     old = path.read_text().splitlines() if path.exists() else []
     diff = lock_diff(old, new, path)
-    warning = local_version_warning(r, new)
+    change, warnings = index_change(r, found)
+    for text in warnings:
+        ui.warn(text)
+    warning = local_version_warning(r, new, change.index_url if change else None)
     if warning:
         ui.warn(warning)
-    if not diff:
-        ui.say(f"{path} already matches the instance ({len(new)} packages)")
-        emit(as_json, {"lock": str(path), "changed": False, "packages": len(new)})
+    indexes: dict[str, Any] = {"recipe": str(r.source), "changed": change is not None,
+                               "index_url": change.index_url if change else r.env.index_url,
+                               "extra_index_urls": change.extra if change else r.env.extra_index_urls,
+                               "found_on_instance": change.found.where if change else {}}
+    if not diff and change is None:
+        ui.say(f"{path} already matches the instance ({len(new)} packages), and the recipe names its indexes")
+        emit(as_json, {"lock": str(path), "changed": False, "packages": len(new), "indexes": indexes})
         return
-    click.echo("\n".join(diff))
+    shown = [*diff, *(change.diff() if change else [])]
+    # on stderr with --json: stdout holds the one JSON document
+    click.echo(redact("\n".join(shown)), err=as_json)
+    if change is not None:
+        ui.say(f"the instance's indexes: {change.found.shown()}")
+    what = " and ".join(([f"{len(new)} packages to {path}"] if diff else []) +
+                        ([f"the indexes to {change.path}"] if change else []))
     if not yes:
         if not sys.stdin.isatty():
-            raise UsageError(f"not overwriting {path} without a prompt", "rerun with --yes")
-        if not click.confirm(f"write {len(new)} packages to {path}?", default=True, err=True):
-            raise UsageError(f"{path} left unchanged")
-    write_lock(path, new)
-    ui.ok(f"wrote {path} ({len(new)} packages)")
-    emit(as_json, {"lock": str(path), "changed": True, "packages": len(new)})
+            raise UsageError(f"not writing {what} without a prompt", "rerun with --yes")
+        if not click.confirm(f"write {what}?", default=True, err=True):
+            raise UsageError("nothing written")
+    if diff:
+        write_lock(path, new)
+        ui.ok(f"wrote {path} ({len(new)} packages)")
+    if change is not None:
+        write_text(change.path, change.new)
+        ui.ok(f"wrote env.index_url / env.extra_index_urls in {change.path}")
+    emit(as_json, {"lock": str(path), "changed": bool(diff), "packages": len(new), "indexes": indexes})
 
 
 @cli.command()
@@ -587,14 +630,27 @@ def demo(workdir: str, keep: bool, as_json: bool) -> None:
 # -- sandbox -------------------------------------------------------------------------------
 @cli.group()
 def sandbox() -> None:
-    """Throwaway local instances (Linux, root): own address, real sshd, empty private disk."""
+    """Throwaway local instances (Linux, root): own address, real sshd, empty private disk; --image
+    reproduces a provider's stock image, and stop/start/pause/resume do what its provider does."""
+
+
+def _image_names() -> list[str]:
+    from .sandbox.images import PROFILES
+
+    return list(PROFILES)
 
 
 @sandbox.command("create")
 @click.argument("name")
-@click.option("--user", type=click.Choice(["root", "ubuntu"]), default="root", show_default=True,
-              help="The login user: root, or ubuntu with passwordless sudo (as on cloud images).")
+@click.option("--image", type=click.Choice(_image_names()), default="default", show_default=True,
+              help="Reproduce a provider's stock image (see `relaunch sandbox images`); default: this machine as it "
+                   "is.")
+@click.option("--user", type=click.Choice(["root", "ubuntu"]), default=None,
+              help="The login user: root, or ubuntu with passwordless sudo (as on cloud images); default: root on the "
+                   "default image, and each other image has its own.")
 @click.option("--disk", default="4G", show_default=True, help="Size of the instance's private home (tmpfs).")
+@click.option("--volume", default="8G", show_default=True,
+              help="Size of the image's other disk (/workspace, /lambda/nfs/NAME, /opt/dlami/nvme; tmpfs).")
 @click.option("--rate", default=None, help="Shape the link, e.g. 100mbit (tc tbf).")
 @click.option("--key", "key", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Public key to authorize (default: relaunch's sandbox key).")
@@ -604,17 +660,18 @@ def sandbox() -> None:
               help="This free address of the sandbox's range (one a destroyed instance had: providers reuse "
                    "addresses); default: the next free one.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
-def sandbox_create(name: str, user: str, disk: str, rate: str | None, key: str | None, index: str | None,
-                   address: str | None, as_json: bool) -> None:
+def sandbox_create(name: str, image: str, user: str | None, disk: str, volume: str, rate: str | None,
+                   key: str | None, index: str | None, address: str | None, as_json: bool) -> None:
     """Create instance NAME and print how to reach it."""
     from . import sandbox as sb
 
-    inst = sb.create(name, user=user, authorized_key=Path(key) if key else None, disk=disk, rate=rate,
-                     index_dir=Path(index) if index else None, address=address)
+    inst = sb.create(name, image=image, user=user, authorized_key=Path(key) if key else None, disk=disk,
+                     volume=volume, rate=rate, index_dir=Path(index) if index else None, address=address)
     if as_json:
         emit(True, {**inst.__dict__, "host": inst.host, "key": str(sb.default_key()) if key is None else None})
         return
-    click.echo(f"{inst.name}: {inst.host}  host key {inst.host_key_fingerprint}")
+    click.echo(f"{inst.name}: {inst.host}  host key {inst.host_key_fingerprint}"
+               + (f"  image {inst.image}" if inst.image != "default" else ""))
     if key is None:
         click.echo(f"  ssh key: {sb.default_key()}  (recipe: --set ssh.key={sb.default_key()})")
     if inst.index_url:
@@ -643,10 +700,88 @@ def sandbox_list(as_json: bool) -> None:
 
     instances = sb.list_instances()
     if as_json:
-        emit(True, [{**i.__dict__, "host": i.host} for i in instances])
+        emit(True, [{**i.__dict__, "host": i.host, "state": sb.state(i.name)} for i in instances])
         return
     for inst in instances:
-        click.echo(f"{inst.name:<14} {inst.host:<24} {inst.host_key_fingerprint}")
+        click.echo(f"{inst.name:<14} {inst.host:<27} {inst.image:<13} {sb.state(inst.name):<8} "
+                   f"{inst.host_key_fingerprint}")
+
+
+@sandbox.command("images")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_images(as_json: bool) -> None:
+    """The image profiles `create --image` takes, and what each reproduces."""
+    from .sandbox.images import PROFILES
+
+    if as_json:
+        emit(True, [{"name": i.name, "kind": i.kind, "user": i.user, "python": i.python,
+                     "home_survives_stop": i.home_survives_stop, "can_pause": i.can_pause,
+                     "stop_grace": i.stop_grace, "mapped_port": i.mapped_port,
+                     "volumes": [{"path": v.path, "survives_stop": v.survives_stop} for v in i.volumes],
+                     "summary": i.summary} for i in PROFILES.values()])
+        return
+    for image in PROFILES.values():
+        click.echo(f"{image.name:<13} {image.summary}")
+
+
+@sandbox.command("stop")
+@click.argument("name")
+@click.option("--grace", type=click.FloatRange(min=0), default=None,
+              help="Seconds from the stop's SIGTERM to the SIGKILL of everything left (default: the image's: "
+                   "runpod 5, vast 10, VMs 30, default 0).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_stop(name: str, grace: float | None, as_json: bool) -> None:
+    """Stop instance NAME as its provider does: what survives a stop stays, the rest is wiped."""
+    from . import sandbox as sb
+
+    used = sb.stop(name, grace=grace)
+    if as_json:
+        emit(True, {"name": name, "state": "stopped", "grace": used})
+        return
+    click.echo(f"{name}: stopped")
+
+
+@sandbox.command("start")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_start(name: str, as_json: bool) -> None:
+    """Start a stopped instance NAME again: same address, host key, port and surviving disks."""
+    from . import sandbox as sb
+
+    sb.start(name)
+    inst = sb.get(name)
+    if as_json:
+        emit(True, {**inst.__dict__, "host": inst.host, "state": "running"})
+        return
+    click.echo(f"{name}: running  {inst.host}")
+
+
+@sandbox.command("pause")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_pause(name: str, as_json: bool) -> None:
+    """Freeze every process of instance NAME, as Vast pauses an outbid instance (no signal)."""
+    from . import sandbox as sb
+
+    sb.pause(name)
+    if as_json:
+        emit(True, {"name": name, "state": "paused"})
+        return
+    click.echo(f"{name}: paused")
+
+
+@sandbox.command("resume")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_resume(name: str, as_json: bool) -> None:
+    """Thaw a paused instance NAME: every process goes on where it was."""
+    from . import sandbox as sb
+
+    sb.resume(name)
+    if as_json:
+        emit(True, {"name": name, "state": "running"})
+        return
+    click.echo(f"{name}: running")
 
 
 _unwinding = threading.Event()
@@ -686,8 +821,7 @@ def fail(as_json: bool, message: str, hint: str | None, code: int, refused: bool
     """The exit code of a failure, and with --json its JSON on stdout (the text already went to stderr);
     `refused`: the other side said no (credentials, no room, a conflicting writer): a retry changes nothing."""
     if as_json:
-        click.echo(json.dumps({"error": redact(message), "hint": redact(hint) if hint else None, "exit": code,
-                               "refused": refused}))
+        _print_document({"error": message, "hint": hint or None, "exit": code, "refused": refused})
     return code
 
 
@@ -711,10 +845,13 @@ def _main(argv: list[str] | None) -> int:
     command = args[:1]
     as_json = wants_json(args)
     not_verified = "evacuation NOT verified: DO NOT destroy the instance"
+    _document.clear()
     try:
         cli.main(args=args, prog_name="relaunch", standalone_mode=False)
+        _print_document()
         return 0
     except click.exceptions.Exit as exc:
+        _print_document()
         return exc.exit_code
     except click.ClickException as exc:
         exc.show()
@@ -730,6 +867,8 @@ def _main(argv: list[str] | None) -> int:
         return fail(as_json, message, not_verified if command == ["evacuate"] else None, Interrupted.exit_code)
     except RelaunchError as exc:
         log.debug("error", exc_info=True)
+        if exc.result is not None and not _document:
+            _document[:] = [exc.result]
         click.echo(redact(f"Error: {exc.message}"), err=True)
         if exc.hint:
             click.echo(redact(f"hint: {exc.hint}"), err=True)

@@ -40,12 +40,13 @@ from .steps.group import MARK, barrier, check_reshard, plan_fanout, shape, shape
 from .steps.env import plan_env
 from .steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan_copy, plan_meta, plan_unpin
 from .steps.guard import newest_logged_step
-from .steps.launch import attach_command, plan_launch, tail_command
+from .steps.launch import START_MARK, attach_command, plan_launch, tail_command
 from .steps.notices import protection
 from .steps.preflight import plan_preflight, summary
 from .steps.stop import STILL_RUNNING, end_command, plan_stop, signal_command
 from .transports import Damaged, Mismatch, Store, Vanished, open_store
 from .transports.base import store_deadline
+from .transports.tools import indexes_searched
 from .ui import UI, redact
 
 log = logging.getLogger("relaunch")
@@ -156,6 +157,8 @@ _INSTALL_ERRORS = (re.compile(r"Because (.+?)(?:, we can conclude.*)?$", re.M), 
                    re.compile(r"^(?:ERROR|error): (.+)$", re.M))
 
 
+# templates/env.sh.j2 announces what it does next: uv providing the Python, or installing the lock
+_ENV_PHASE = re.compile(r"^relaunch-env-phase (\w+)$", re.M)
 # templates/setup.sh.j2 announces each env.setup line before it runs it
 _SETUP_LINE = re.compile(r"^relaunch-setup-line (\d+)$", re.M)
 SETUP_TAIL_LINES = 15
@@ -185,14 +188,31 @@ class Checks:
                                  "again from its first line; the full output is in the debug log")
 
     def install_failure(self, status: int | None, output: str) -> RelaunchError | None:
-        """The installer's own words for the package it could not install, as the error line."""
+        """The installer's own words for the package it could not install (or for the Python uv
+        could not provide), as the error line; the hint names the indexes it searched."""
         text = redact(output)
+        phases = list(_ENV_PHASE.finditer(text))
+        providing = bool(phases) and phases[-1].group(1) == "python"
+        if providing:
+            text = text[phases[-1].end():]
         for pattern in _INSTALL_ERRORS:
             found = pattern.search(text)
-            if found:
-                return EnvError(f"{self.host}: env: installing the lock failed: {shorten(found.group(1))}",
-                                "fix that pin in env.lock (or env.index_url if the package lives on another index), "
-                                "then rerun `relaunch up`; the full output is in the debug log")
+            if not found:
+                continue
+            if providing and self.recipe is not None:
+                env = self.recipe.env
+                source = (f"env.python_mirror {redact(env.python_mirror)}" if env.python_mirror
+                          else "uv's default download source (python-build-standalone on GitHub)")
+                return EnvError(f"{self.host}: env: uv could not provide Python {env.python}: "
+                                f"{shorten(found.group(1))}",
+                                f"it downloads from {source}: an instance without internet access needs "
+                                "env.python_mirror; or pick an image that has that Python; the full output is "
+                                "in the debug log")
+            searched = f"the indexes searched: {redact(indexes_searched(self.recipe))}; " if self.recipe else ""
+            return EnvError(f"{self.host}: env: installing the lock failed: {shorten(found.group(1))}",
+                            f"{searched}fix that pin in env.lock (or env.index_url / env.extra_index_urls if the "
+                            "package lives on another index), then rerun `relaunch up`; the full output is in the "
+                            "debug log")
         return None
 
     def pinned(self, name: str, hosts: list[str], found: list[dict[str, Any] | None]) -> None:
@@ -555,8 +575,10 @@ def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: boo
         raise
     except RelaunchError as exc:
         what = "the instance" if len(specs) == 1 else "any node of the group"
-        raise EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy {what}", exc.hint,
-                              exc.refused) from exc
+        refusal = EvacuationError(f"{exc.message}\nevacuation NOT verified: DO NOT destroy {what}", exc.hint,
+                                  exc.refused)
+        refusal.result = exc.result
+        raise refusal from exc
 
 
 def _on_every_node(recipe: Recipe, specs: list[HostSpec], ui: UI, command: Any, what: str) -> None:
@@ -601,7 +623,9 @@ def _stop(jobs: list[Job], executor: Executor, ui: UI) -> None:
             ui.warn(f"{job.host}: training still running after {job.recipe.run.stop.timeout:g}s (run.stop.timeout); "
                     "evacuating what is there")
         elif outcome:
-            ui.step(job.host, "stop", f"training stopped (exit {outcome.split(' ', 1)[-1].strip() or '?'})")
+            status = outcome.removeprefix("stopped").strip()
+            # no exit status: relaunch did not start that run (`relaunch adopt`), it only saw it end
+            ui.step(job.host, "stop", f"training stopped (exit {status})" if status else "training stopped")
 
 
 def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, executor: Executor, ui: UI,
@@ -623,6 +647,7 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
         each.facts.store = state
     report = Report(store=store.label, verified_by=store.hash_name)
     listing = instance_checkpoints(job)
+    at_start = listing[-1] if listing else None     # what a sync round must have verified when it ends
     copied_any = False          # a copy ran (and pinned first)
     try:
         for _ in range(rounds):
@@ -657,16 +682,26 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
             for name in report.pruned:
                 ui.step(job.host, "evacuate", f"pruned {name} from the store (keep={keep})")
         newest = listing[-1] if listing else None
-        if newest is not None and newest.name in report.copied + report.already:
-            _check_in_store(jobs, store, executor, newest, report, reverify)
+        # the verdict's checkpoint: evacuate's is the newest now; a sync round's the newest when it
+        # began, unless the instance holds nothing that new any more (its trainer deleted it): then
+        # the newest it holds now
+        target = newest if require_newest else at_start
+        if not require_newest and at_start is not None and (newest is None or newest.step < at_start.step):
+            target = newest
+        if target is not None and target.name in report.copied + report.already:
+            _check_in_store(jobs, store, executor, target, report, reverify)
         empty = None
         if newest is None and require_newest:
-            stored = store.manifest.newest() if store.manifest else None
-            empty = verdicts.nothing_to_copy(_progress(job, executor), stored.step if stored else None, allow_empty)
-        verdict = verdicts.evacuation(report.newest, report.verified_now, empty)
+            held = _newest_held(store, executor)
+            empty = verdicts.nothing_to_copy(_progress(job, executor), held.step if held else None, allow_empty)
+        verdict = (verdicts.evacuation(report.newest, report.verified_now, empty) if require_newest else
+                   verdicts.sync_round(target.name if target else None, report.verified_now, report.newest,
+                                       began=at_start.name if at_start else None))
         report.safe, report.why = verdict.ok, verdict.why
         if require_newest and not report.safe:
-            raise EvacuationError(f"{job.host}: {verdict.why}")
+            refusal = EvacuationError(f"{job.host}: {verdict.why}")
+            refusal.result = report.as_dict()
+            raise refusal
     except OSError as exc:
         # a full or read-only disk on this machine: nothing is deleted to make room, and what
         # was being written stays in the store's staging folder, which is never trusted
@@ -716,6 +751,16 @@ def _observe_action(store: Store, record: CheckpointRecord, size_only: bool = Fa
                   deadline=store_deadline(0 if size_only else total), fails_as="evacuate")
 
 
+def _newest_held(store: Store, executor: Executor) -> CheckpointRecord | None:
+    """The newest checkpoint the store holds now, byte for byte as recorded: what the verdict on an
+    instance with nothing to copy compares with (a record whose files are gone holds no step)."""
+    records = store.manifest.ordered() if store.manifest else []
+    for record in reversed(records):
+        if not verdicts.store_holds(record, executor.run_one(_observe_action(store, record))):
+            return record
+    return None
+
+
 def _progress(job: Job, executor: Executor) -> verdicts.Progress:
     """What training did on an instance with nothing to copy: checkpoint.dir there or not, the
     step its log shows, how long its session has been alive."""
@@ -726,6 +771,9 @@ def _progress(job: Job, executor: Executor) -> verdicts.Progress:
                   produces="progress", parse="text", fails_as="evacuate")
     text = str(executor.run([read]).get("progress") or "")
     head, lines = text.splitlines()[:2], text.splitlines()[2:]
+    # this run's lines: an earlier run's higher steps above its start line are not this one's progress
+    starts = [n for n, line in enumerate(lines) if line.startswith(START_MARK)]
+    lines = lines[starts[-1] + 1:] if starts else lines
     words = dict(line.partition("=")[::2] for line in head)
     host = job.facts.host
     since, now = host.session_since, words.get("now", "")

@@ -17,6 +17,9 @@ class RelaunchError(Exception):
         # the other side says no (credentials, no room, a conflicting writer, a missing repo or
         # bucket): trying again changes nothing, unlike a dropped connection or a 5xx
         self.refused = refused
+        # what the command had found when it failed (an evacuation's report): --json prints it, the
+        # error being fields of it
+        self.result: dict[str, object] | None = None
 
     def __str__(self) -> str:
         return self.message

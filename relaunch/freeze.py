@@ -1,32 +1,128 @@
-"""`relaunch freeze`: the instance venv's packages into the recipe's lock file."""
+"""`relaunch freeze`: the instance venv's packages into the recipe's lock file, and the package indexes
+the instance's pip and uv use into the recipe (env.index_url, env.extra_index_urls)."""
 
 from __future__ import annotations
 
 import difflib
 import os
+import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .cycle import open_host
 from .errors import EnvError, UsageError
-from .gather import gather
+from .gather import gather, read_indexes
+from .host.indexes import Indexes, combined
 from .host.spec import HostSpec
 from .job import normalize
-from .recipe import Recipe
-from .ui import UI
+from .recipe import Recipe, load_recipe
+from .recipe.edit import Edit, apply
+from .ui import UI, redact
 
 # what `pip freeze` leaves out by default
 _TOOLING = {"pip", "setuptools", "wheel", "distribute"}
 
 
-def instance_freeze(recipe: Recipe, spec: HostSpec, ui: UI) -> list[str]:
+def instance_freeze(recipe: Recipe, spec: HostSpec, ui: UI) -> tuple[list[str], dict[str, Any]]:
+    """(the venv's packages, what templates/indexes.py read of the instance's pip and uv configuration)."""
     node, remote = open_host(recipe, spec, ui)
     with remote:
         job = gather(remote, recipe, node, listing=False)
         if job.facts.host.venv_freeze is None:
             raise EnvError(f"{job.host}: freeze: there is no venv at {job.paths.venv}",
                            "run `relaunch up` first, or fix env.venv")
-        return [line for line in job.facts.host.venv_freeze
-                if normalize(line.split("==", 1)[0]) not in _TOOLING and line.strip()]
+        lines = [line for line in job.facts.host.venv_freeze
+                 if normalize(line.split("==", 1)[0]) not in _TOOLING and line.strip()]
+        doc = read_indexes(remote, job)
+        # the URLs may hold tokens: never on screen from here on
+        redact.add_urls(combined(doc, recipe.env.installer).urls)
+        return lines, doc
+
+
+def has_credentials(url: str) -> bool:
+    return "@" in urllib.parse.urlsplit(url).netloc
+
+
+@dataclass
+class IndexChange:
+    """What freeze writes into the recipe file for the indexes the instance's pip and uv use."""
+
+    path: Path                        # the top recipe file
+    old: str
+    new: str
+    index_url: str | None             # the recipe's values once written
+    extra: list[str]
+    found: Indexes                    # what the instance's pip and uv use, and where each was read
+
+    def diff(self) -> list[str]:
+        return list(difflib.unified_diff(self.old.splitlines(), self.new.splitlines(), fromfile=f"{self.path} (now)",
+                                         tofile=f"{self.path} (the instance's indexes)", lineterm=""))
+
+
+def _line_in_top(recipe: Recipe, key: str) -> int | None:
+    """The line of `key` in the top recipe file when that file writes it, else None (a base file or a
+    preset wrote it, or nothing did: the edit then adds it to the top file, which wins)."""
+    if not recipe.wrote(key):
+        return None
+    file, line = recipe.locate(key)
+    return line if recipe.files and file == recipe.files[-1] else None
+
+
+def index_change(recipe: Recipe, doc: dict[str, Any]) -> tuple[IndexChange | None, list[str]]:
+    """(the edit of the recipe file that records the instance's indexes, or None when the recipe
+    already says the same; warnings). Additive: what the recipe names stays (it served the lock);
+    an index the instance uses and the recipe lacks is added. A URL with a credential is never written."""
+    found = combined(doc, recipe.env.installer)
+    warnings = [f"the instance's index {redact(u)} ({found.where.get(u)}) carries a credential: not written "
+                f"into {recipe.source}; keep the URL in an environment variable and give it at each run: "
+                + ('--set env.index_url="$INDEX_URL"' if u == found.index_url
+                   else '--set env.extra_index_urls="[$INDEX_URL]"')
+                for u in found.urls if has_credentials(u)]
+    current, extra = recipe.env.index_url, list(recipe.env.extra_index_urls)
+    index_url = current
+    if found.index_url and not has_credentials(found.index_url):
+        if current is None:
+            index_url = found.index_url
+        elif found.index_url != current and found.index_url not in extra:
+            extra.append(found.index_url)
+    for url in found.extra:
+        if url != index_url and url not in extra and not has_credentials(url):
+            extra.append(url)
+    edits = []
+    if index_url != current and index_url is not None:
+        edits.append(Edit("index_url", index_url, _line_in_top(recipe, "env.index_url")))
+    if extra != recipe.env.extra_index_urls:
+        edits.append(Edit("extra_index_urls", extra, _line_in_top(recipe, "env.extra_index_urls")))
+    if not edits:
+        return None, warnings
+    path = recipe.source
+    old = path.read_text()
+    new = apply(old, recipe.files[-1] if recipe.files else str(path), edits)
+    _check_edit(path, new, index_url, extra)
+    return IndexChange(path, old, new, index_url, extra, found), warnings
+
+
+def _check_edit(path: Path, text: str, index_url: str | None, extra: list[str]) -> None:
+    """The edited file loads and says what was meant (checked from a copy beside it, before anything
+    is written: `extends:` paths are relative to the file)."""
+    copy = path.with_name(f".{path.stem}.relaunch-freeze{os.getpid()}{path.suffix}")
+    try:
+        copy.write_text(text)
+        loaded = load_recipe(copy, [])
+    finally:
+        copy.unlink(missing_ok=True)
+    if (loaded.env.index_url, loaded.env.extra_index_urls) != (index_url, extra):
+        raise UsageError(f"{path}: editing env.index_url / env.extra_index_urls in place did not give the "
+                         "values meant", f"set env.index_url: {index_url} and env.extra_index_urls: {extra} "
+                         "yourself, then rerun `relaunch freeze`")
+
+
+def write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.chmod(path.stat().st_mode & 0o7777)
+    os.replace(tmp, path)
 
 
 def lock_diff(old: list[str], new: list[str], path: Path) -> list[str]:
@@ -39,9 +135,9 @@ def write_lock(path: Path, lines: list[str]) -> None:
     os.replace(tmp, path)
 
 
-def local_version_warning(recipe: Recipe, lines: list[str]) -> str | None:
+def local_version_warning(recipe: Recipe, lines: list[str], index_url: str | None = None) -> str | None:
     tagged = [line for line in lines if "+" in line.partition("==")[2]]
-    if tagged and not recipe.env.index_url:
+    if tagged and not (index_url or recipe.env.index_url):
         return (f"{len(tagged)} package(s) carry a local version tag ({tagged[0]}, ...): they are only on the "
                 "index they came from; set env.index_url (e.g. https://download.pytorch.org/whl/cu124)")
     return None

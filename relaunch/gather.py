@@ -5,6 +5,7 @@ modes). Every read has a deadline; none changes anything.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,8 @@ from .errors import CheckpointError, ConnectError, EnvError, RelaunchError, remo
 from .host.connection import HOME_COMMAND, Remote, environ_secrets
 from .host.facts import FACTS_DEADLINE, HostFacts, facts_script, parse_facts
 from .host.hashing import hash_command, parse_hashes, paths_stdin
+from .host.indexes import READ_DEADLINE as INDEXES_DEADLINE
+from .host.indexes import indexes_command
 from .job import Facts, Job, Node, read_lock
 from .layouts import LISTING_COMMAND, Entry, complete_checkpoints, parse_listing
 from .layouts.dcp import MARKER as DCP_MARKER
@@ -41,6 +44,22 @@ def read_host(remote: Remote, job: Job) -> HostFacts:
     if not facts.home:
         facts.home = remote.home
     return facts
+
+
+def read_indexes(remote: Remote, job: Job) -> dict[str, Any]:
+    """What templates/indexes.py reads of the instance's pip and uv configuration (host/indexes.py
+    parses it), with the venv's python."""
+    command = indexes_command(job.paths.venv)
+    result = remote.exec(command, deadline=INDEXES_DEADLINE)
+    _check(remote, result, "reading pip's and uv's configuration (indexes.py)", EnvError, INDEXES_DEADLINE, command)
+    try:
+        doc = json.loads(result.text.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        doc = None
+    if not isinstance(doc, dict):
+        raise EnvError(f"{remote.label}: reading pip's and uv's configuration: indexes.py printed no JSON",
+                       "the full output is in the debug log")
+    return doc
 
 
 def read_listing(remote: Remote, ckpt_dir: str, error: type[RelaunchError] = CheckpointError) -> list[Entry]:

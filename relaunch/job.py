@@ -153,6 +153,13 @@ class InstancePaths:
         return f"{self.ckpt_dir}/.relaunch-incoming"
 
     @property
+    def pythons(self) -> str:
+        """Where uv installs env.python when the image lacks it: beside the venv, on its disk. uv's
+        default (~/.local/share/uv) is on the container disk that a RunPod or Vast stop wipes while
+        a venv on /workspace survives: that venv would point at an interpreter that is gone."""
+        return posixpath.join(posixpath.dirname(self.venv), ".relaunch-pythons")
+
+    @property
     def pins(self) -> str:
         """What a copy off the instance reads while it runs: hard links of the checkpoint's files
         (templates/pin.py), or a symlink to `pins_beside` holding them."""

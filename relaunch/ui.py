@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterable
 
@@ -105,6 +106,12 @@ class UI:
             return contextlib.nullcontext()
         return Transfer(self, description, None if kind == "time" else total)
 
+    @property
+    def plain_progress(self) -> bool:
+        """No terminal (nohup, CI, a pipe): no bars; a long phase says where it is in a plain line
+        every PLAIN_EVERY seconds instead, so that a log is never silent for minutes."""
+        return not self.quiet and not self.console.is_terminal
+
     def _bars(self) -> Progress:
         with self._lock:
             if self._progress is None:
@@ -141,25 +148,50 @@ _PROGRESS2 = re.compile(rb"^\s*([\d,]+)\s+(\d+)%")
 _READ = re.compile(rb"^relaunch-read (\d+)$")
 
 
+PLAIN_EVERY = 10.0
+
+
 class Transfer:
     """A bar fed by a program's progress: rsync's `--info=progress2` lines, rclone's JSON stats
-    (`--use-json-log --stats 1s`), or the hasher's `relaunch-read BYTES` lines."""
+    (`--use-json-log --stats 1s`), or the hasher's `relaunch-read BYTES` lines. Without a
+    terminal, a plain line every PLAIN_EVERY seconds instead."""
 
     def __init__(self, ui: UI, description: str, total: int | None) -> None:
         self.ui = ui
+        self.plain = description
         self.description = escape(description)
         self.total = None if total is None else max(total, 1)
+        self.completed = 0
+        self._done = threading.Event()
 
     def __enter__(self) -> Transfer:
         self.progress = self.ui._bars()
         self.task = self.progress.add_task(self.description, total=self.total)
+        self.started = time.monotonic()
+        if self.ui.plain_progress:
+            threading.Thread(target=self._tick, name="plain-progress", daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._done.set()
         self.progress.remove_task(self.task)
         self.ui._bar_done()
 
+    def _tick(self) -> None:
+        while not self._done.wait(PLAIN_EVERY):
+            self.ui.say(self.line())
+
+    def line(self) -> str:
+        """Where this phase is, in words: for a log without a terminal."""
+        seconds = time.monotonic() - self.started
+        if self.total is None:
+            return f"{self.plain}: still running ({seconds:.0f}s)"
+        rate = self.completed / seconds if seconds > 0 else 0.0
+        return (f"{self.plain}: {human(self.completed)} of {human(self.total)} "
+                f"({100 * self.completed / self.total:.0f}%), {human(int(rate))}/s, {seconds:.0f}s")
+
     def update(self, completed: int) -> None:
+        self.completed = completed
         self.progress.update(self.task, completed=completed)
 
     def feed(self, chunk: bytes) -> None:

@@ -115,6 +115,25 @@ def evacuation(newest: str | None, verified_now: list[str], empty: Verdict | Non
     return Verdict(False, f"the newest checkpoint on the instance, {newest}, is not verified in the store")
 
 
+def sync_round(at_start: str | None, verified_now: list[str], newest: str | None,
+               began: str | None = None) -> Verdict:
+    """A copy-off round while training runs (`sync --once`, a watch's round): verified when the store
+    holds now (checked after the copy) the instance's newest complete checkpoint of the moment the
+    round began (`at_start`; `began`, when the trainer deleted that one meanwhile and at_start is the
+    newest it holds now). Training may save newer ones while the round copies: those are the next
+    round's, and only `evacuate` (training stopped, or asked to) insists on the very newest."""
+    if at_start is None:
+        return Verdict(True, "no checkpoint on the instance when the round began" if began is None else
+                             f"{began}, the newest when the round began, is gone from the instance, and it holds "
+                             "no other")
+    if at_start not in verified_now:
+        when = "when the round began" if began in (None, at_start) else f"now ({began} is gone from it)"
+        return Verdict(False, f"{at_start}, the newest checkpoint on the instance {when}, is not verified in the "
+                              "store")
+    later = f"; training wrote {newest} meanwhile: the next round copies it" if newest and newest != at_start else ""
+    return Verdict(True, f"{at_start} is in the store, checked after the copy{later}")
+
+
 @dataclass(frozen=True)
 class NoticeCopy:
     """What was seen of the save a reclaim notice asked for and of its copy."""

@@ -25,6 +25,11 @@ echo "free_ckpt=$(free_at "$ckpt")"
 total_at() { d=$1; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; df -Pk "$d" | awk 'NR==2 {printf "%.0f\n", $2*1024}'; }
 echo "total_ckpt=$(total_at "$ckpt")"
 echo "free_venv=$(free_at "$venv")"
+# a path that does not exist yet, whose nearest existing folder this user cannot write in, cannot be
+# made (a recipe's /workspace/... on an image where / is root's): preflight says so, before any change
+blocked_at() { [ -e "$1" ] && return; d=$1; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; [ -w "$d" ] || echo "$d"; }
+echo "ckpt_blocked=$(blocked_at "$ckpt")"
+echo "venv_blocked=$(blocked_at "$venv")"
 if command -v tmux >/dev/null 2>&1 && tmux has-session -t "=$session" 2>/dev/null; then
   echo "session_alive=1"
   echo "session_since=$(tmux display-message -p -t "=$session:" '#{session_created}' 2>/dev/null)"
@@ -51,9 +56,14 @@ if [ -n "${run_info:-}" ] && [ -f "$run_info" ]; then
   echo
   echo "--- end"
 fi
-# a venv whose creation was cut short has its python but no activate script (written last): not one
+# a venv whose creation was cut short has its python but no activate script (written last): not one;
+# nor is one whose python does not run (a Python uv installed where a stop wiped it)
 if [ -x "$venv/bin/python" ] && [ -f "$venv/bin/activate" ]; then
-  echo "--- freeze"
-  "$venv/bin/python" -c "$freeze_py" 2>&1
+  vv=$("$venv/bin/python" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null) || vv=""
+  echo "venv_python=$vv"
+  if [ -n "$vv" ]; then
+    echo "--- freeze"
+    "$venv/bin/python" -c "$freeze_py" 2>&1
+  fi
 fi
 echo "--- end"

@@ -357,16 +357,44 @@ def read(path):
         return ""
 
 
+def start_of(pid):
+    """The kernel's start time of a process (field 22 of its stat; the name before it may hold spaces)."""
+    text = read(f"/proc/{pid}/stat")
+    return text.rsplit(")", 1)[-1].split()[19] if ")" in text else ""
+
+
+def training_group(session):
+    """The training's process group, as relaunch/steps/stop.py's group_script finds it: the group
+    run.sh recorded, only while its leader is that same process of this boot; else (a run started by
+    hand) the foreground group of the session's tmux pane; None when neither."""
+    fields = read(CONFIG["pgid_file"]).split()
+    if fields:
+        if len(fields) >= 3:
+            same = fields[2] == read("/proc/sys/kernel/random/boot_id") and start_of(fields[0]) == fields[1]
+            return int(fields[0]) if same and fields[0].isdigit() else None
+        return int(fields[0]) if fields[0].isdigit() and session_alive(session) else None
+    try:
+        pane = subprocess.run(["tmux", "display-message", "-p", "-t", "=" + session + ":", "#{pane_pid}"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        group = subprocess.run(["ps", "-o", "tpgid=", "-p", pane], capture_output=True, text=True,
+                               timeout=10).stdout.strip() if pane.isdigit() else ""
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return int(group) if group.isdigit() and group != pane else None
+
+
 def stop_training():
     """run.stop to the training's process group, then wait for it to exit: the save."""
     session, deadline = CONFIG["session"], notice["deadline"]
     if not session_alive(session):
         return {"state": "not running", "detail": "training was not running when the notice came"}
-    pgid = read(CONFIG["pgid_file"])
+    pgid = training_group(session)
     number = getattr(signal, "SIG" + CONFIG["signal"])
     asked = time.time()
     try:
-        os.killpg(int(pgid), number)
+        if pgid is None:
+            raise ValueError("no pgid file of this boot, no command in the tmux pane")
+        os.killpg(pgid, number)
     except (ValueError, OSError) as exc:
         return {"state": "not asked", "detail": f"could not signal the training (pgid {pgid!r}): {describe(exc)}"}
     # the deadline, but a few seconds at least (a notice time in the past may be a skewed clock),

@@ -33,13 +33,14 @@ def ssh_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class SandboxFactory:
-    """`sandbox(user="root", **create_kwargs) -> Instance`; every instance made is destroyed at teardown."""
+    """`sandbox(user=None, **create_kwargs) -> Instance` (user None: the image's, root for the default
+    image); every instance made is destroyed at teardown."""
 
     def __init__(self, key: Path) -> None:
         self.key = key
         self.names: list[str] = []
 
-    def __call__(self, user: str = "root", **kw: object) -> Instance:
+    def __call__(self, user: str | None = None, **kw: object) -> Instance:
         name = f"t{uuid.uuid4().hex[:8]}"
         kw.setdefault("authorized_key", Path(f"{self.key}.pub"))
         self.names.append(name)

@@ -343,3 +343,24 @@ def test_a_secret_in_the_environment_becomes_a_name_in_env_secrets_its_value_now
     for value in (token, key_value):
         leaked = [where for where, text in places.items() if value in text]
         assert leaked == [], f"{value} leaked into {leaked}"
+
+
+# -- 6: a command line longer than one argument may be -------------------------------------------------
+def test_a_command_line_of_many_long_arguments_is_read(tmp_path, sandbox, ssh, ssh_key):
+    """Every path-like argument of the training's command line is looked at on the instance; read
+    with the script as one argument, 100 arguments of 2000 characters were over the kernel's 128 KiB
+    limit on one argument (E2BIG). The adopt script comes on stdin."""
+    home, inst = tmp_path / "state", sandbox()
+    bare_venv(ssh, inst, "import sys, time\nfrom helpers import say\nfor step in range(1, 100000):\n"
+                         "    time.sleep(0.2)\n    say(f'step {step} loss 0.5')\n")
+    many = " ".join(f"--data{n}=/root/data/{'x' * 1990}{n}" for n in range(100))
+    # too long for one ssh command line too: the user's own script starts it
+    ssh(inst, "cat > ~/work/long.sh", input=f"exec ~/venv/bin/python train.py {many}\n")
+    start_in_tmux(ssh, inst, "long", "bash long.sh")
+    wait_for("the long run to train", lambda: "step 3 " in ssh(inst, "tmux capture-pane -p -t =long:").stdout,
+             timeout=120)
+    out = tmp_path / "adopted" / "recipe.yaml"
+    out.parent.mkdir()
+    adopted = adopt(inst.host, "-o", str(out), home=home, key=ssh_key)
+    assert adopted.returncode == 0, adopted.stderr[-3000:]
+    assert "--data99={{ home }}/data/" in yaml.safe_load(out.read_text())["run"]["command"]

@@ -295,3 +295,32 @@ def test_verification_reads_one_revision_lfs_sha256_and_git_blob_ids(tmp_path, h
     extra = {**right, "checkpoint-7/rng_state.pth": FileRecord(10, "0" * 64)}
     assert any(pr.startswith("checkpoint-7/rng_state.pth: missing")
                for pr in store._compare(store._snapshot(sha), extra, blob_ids))
+
+
+def test_uploads_left_in_incoming_are_removed_once_nothing_will_move_them(tmp_path, sandbox, ssh, ssh_key,
+                                                                         package_index, hf_hub):
+    """A relaunch killed between the instance's upload and its move into place leaves the upload in
+    `.relaunch/incoming/`. The next evacuation that copies removes those of a checkpoint the store
+    records, and those older than the oldest it keeps; a newer one stays (another writer may be about
+    to move it)."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    inst = sandbox(index_dir=package_index)
+    hub = hf_hub(bind=host_side_address(inst), lfs_threshold=1000)
+    env, home = hub_env(hub, tmp_path), tmp_path / "state"
+    recipe = hf_recipe(tmp_path, "orphans", ssh_key, inst, f"hf:{REPO}/{SUB}", layout="hf-trainer")
+    plant_trainer(ssh, inst, 5)
+    assert run_cli("evacuate", str(recipe), inst.host, home=home, env=env).returncode == 0
+    incoming = f"{SUB}/.relaunch/incoming"
+    left = {f"{incoming}/aaaa/checkpoint-5/model.safetensors": "recorded",
+            f"{incoming}/bbbb/checkpoint-1/model.safetensors": "older",
+            f"{incoming}/cccc/checkpoint-50/model.safetensors": "newer"}
+    api = HfApi(endpoint=env["HF_ENDPOINT"], token=hub.token)
+    api.create_commit(REPO, [CommitOperationAdd(p, why.encode()) for p, why in left.items()],      # small: no LFS
+                      commit_message="an upload whose relaunch was killed")
+    plant_trainer(ssh, inst, 10)
+    evac = run_cli("evacuate", str(recipe), inst.host, home=home, env=env)
+    assert evac.returncode == 0, evac.stderr
+    listing = hub.listing(REPO)
+    assert [p for p in left if p in listing] == [f"{incoming}/cccc/checkpoint-50/model.safetensors"]
+    assert sorted(manifest_names(hub)) == ["checkpoint-10", "checkpoint-5"]

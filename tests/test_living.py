@@ -37,12 +37,12 @@ def test_sync_once_moves_only_what_is_new_and_prunes_behind_the_newest(tmp_path,
     plant(ssh, inst, 10)
     first = run_cli("sync", str(recipe), inst.host, "--once", "--json", home=home)
     assert first.returncode == 0, first.stderr
-    report = json.loads(first.stdout.strip().splitlines()[-1])
+    report = json.loads(first.stdout)
     assert sorted(report["copied"]) == ["ckpt-00000005.pt", "ckpt-00000010.pt"] and report["lag_steps"] == 0
 
     again = run_cli("sync", str(recipe), inst.host, "--once", "--json", home=home)
     assert again.returncode == 0, again.stderr
-    report = json.loads(again.stdout.strip().splitlines()[-1])
+    report = json.loads(again.stdout)
     assert report["copied"] == [] and "nothing new" in again.stderr
     assert sorted(report["already"]) == ["ckpt-00000005.pt", "ckpt-00000010.pt"]
 

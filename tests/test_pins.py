@@ -179,7 +179,7 @@ def test_a_pin_left_by_kill_9_is_removed_by_the_next_round(tmp_path, sandbox, ss
         on(inst, f"rm {folder}/ckpt-00000010.pt")
         again = run_cli("sync", str(recipe), inst.host, "--once", "--json", home=home)
         assert again.returncode == 0, again.stderr
-        report = json.loads(again.stdout.strip().splitlines()[-1])
+        report = json.loads(again.stdout)
         assert report["copied"] == [] and report["newest"] == "ckpt-00000005.pt" and report["safe"]
     assert pins(inst, "killed") == []
 

@@ -265,3 +265,61 @@ def test_a_group_copy_pins_each_nodes_part_on_that_node_and_unpins_it_there(stat
         == [(hosts[1], "cd /root/ckpt")]
     assert [a.argv[-2] for a in mixed if a.argv[:1] == ("rsync",)] == [
         f"{jobs[0].target.address}:/root/.relaunch/planned/pinned/", f"{jobs[1].target.address}:/root/ckpt/"]
+
+
+@pytest.mark.parametrize(("mirror", "variable"), [
+    ("http://127.0.0.1:8765/python/downloads.json", "UV_PYTHON_DOWNLOADS_JSON_URL"),
+    ("https://tok@mirror.example.com/downloads.json?x=1", "UV_PYTHON_DOWNLOADS_JSON_URL"),
+    ("https://mirror.example.com/python-build-standalone", "UV_PYTHON_INSTALL_MIRROR"),
+    ("file:///srv/pbs", "UV_PYTHON_INSTALL_MIRROR"),
+])
+def test_where_uv_gets_the_python_it_provides(state: Path, mirror: str, variable: str) -> None:
+    """A downloads list of your own builds (.json) or a python-build-standalone mirror; the Python
+    goes beside the venv; nothing of this when the image has the Python or pip installs."""
+    from relaunch.steps.env import python_env
+
+    case = {"facts": "facts-root.json", "store": "local", "patch": {"host": {"python": ""}},
+            "set": ['env.python="3.12"', f"env.python_mirror={mirror}"]}
+    job, _ = job_for(case, state)
+    assert python_env(job) == {"UV_PYTHON_INSTALL_DIR": "/root/venvs/.relaunch-pythons", variable: mirror}
+    has_it, _ = job_for({**case, "patch": {}}, state)
+    assert python_env(has_it) == {}
+    pip, _ = job_for({**case, "set": [*case["set"], "env.installer=pip"]}, state)
+    assert python_env(pip) == {}
+
+
+def test_a_venv_is_reused_only_while_its_python_runs_and_is_env_python(state: Path) -> None:
+    from relaunch.steps.env import plan_env
+
+    freeze = {"venv_freeze": ["numpy==2.3.4", "torch==2.13.0"]}
+    titles = {}
+    for label, venv_python in (("same", "3.11.2"), ("other", "3.10.12"), ("broken", "")):
+        job, _ = job_for({"facts": "facts-root.json", "store": "local",
+                          "patch": {"host": {**freeze, "venv_python": venv_python}}}, state)
+        titles[label] = [a.skip or a.title for a in plan_env(job) if "venv" in a.title]
+    assert titles["same"][0] == "venv /root/venvs/planned already matches the lock (2 lines)"
+    assert titles["other"][0] == ("make /root/venvs/planned again (its Python is 3.10.12, env.python is 3.11) "
+                                  "and install 2 pinned packages")
+    assert titles["broken"][0].startswith("make /root/venvs/planned again (its Python is broken")
+
+
+def test_an_install_failure_names_the_indexes_searched_and_a_python_uv_could_not_get(state: Path) -> None:
+    from relaunch.cycle import Checks
+    from relaunch.ui import UI
+
+    extra = "http://127.0.0.1:8766/simple/"
+    job, _ = job_for({"facts": "facts-root.json", "store": "local", "set": [f"env.extra_index_urls=[{extra}]"]},
+                     state)
+    checks = Checks(UI(quiet=True), job.host, job.recipe)
+    uv_said = ("relaunch-env-phase lock\n  x No solution found when resolving dependencies:\n  Because there is no "
+               "version of rlcufake==1.0+cu999 and you require rlcufake==1.0+cu999, we can conclude that ...\n")
+    error = checks.install_failure(1, uv_said)
+    assert error is not None and error.message == (f"{job.host}: env: installing the lock failed: there is no version "
+                                                   "of rlcufake==1.0+cu999 and you require rlcufake==1.0+cu999")
+    assert (error.hint or "").startswith(f"the indexes searched: http://127.0.0.1:8765/simple/ + {extra} "
+                                         "(UV_INDEX_STRATEGY=unsafe-best-match: each pin from whichever index has it)")
+    providing = "relaunch-env-phase python\nerror: No download found for request: cpython-3.12-linux-x86_64-gnu\n"
+    error = checks.install_failure(1, providing)
+    assert error is not None and error.message == (f"{job.host}: env: uv could not provide Python 3.11: No download "
+                                                   "found for request: cpython-3.12-linux-x86_64-gnu")
+    assert "uv's default download source" in (error.hint or "")

@@ -144,3 +144,30 @@ def test_up_warns_with_the_instances_home_and_disk_size(tmp_path: Path) -> None:
     roomy = Job(recipe.model_copy(), job.node, Facts(host=HostFacts(**{**host.as_dict(), "total_ckpt": 2 << 30}),
                                                      listing=listing))
     assert not any("less than twice" in line for line in summary(roomy))
+
+
+def test_up_stops_at_preflight_where_the_user_cannot_make_checkpoint_dir_or_the_venv(tmp_path: Path) -> None:
+    """A recipe made for RunPod's /workspace on an image where / is root's (Lambda's ubuntu user): exit 4 at
+    preflight, naming both keys and the folder, before anything changes (the checkpoint step's mkdir failed
+    with exit 5, "rerunning resumes", which it never would)."""
+    from relaunch.errors import EnvError
+    from relaunch.host.facts import HostFacts, parse_facts
+    from relaunch.host.spec import Target
+    from relaunch.job import Facts, Job, Node
+    from relaunch.steps.preflight import plan_preflight
+
+    facts = parse_facts("home=/home/ubuntu\nuser=ubuntu\nuid=1000\npython=/usr/bin/python3.11\n"
+                        "venv_module=1\nhas_tmux=1\nhas_rsync=1\nckpt_blocked=/\nvenv_blocked=/\n")
+    assert (facts.ckpt_blocked, facts.venv_blocked) == ("/", "/")
+    path = write(tmp_path, "name: x\nextends: [providers/runpod]\nenv: {python: '3.11'}\ncheckpoint: {remote: ./s}\n"
+                           "run: {command: python t.py}\n")
+    node = Node(Target(address="203.0.113.7", user="ubuntu", port=22))
+    with pytest.raises(EnvError) as raised:
+        plan_preflight(Job(load_recipe(path), node, Facts(host=facts)), 0)
+    assert str(raised.value) == ("ubuntu@203.0.113.7: preflight: checkpoint.dir /workspace/ckpt/x: ubuntu cannot "
+                                 "create it in /; env.venv /workspace/venvs/x: ubuntu cannot create it in /")
+    assert "--set 'checkpoint.dir=~/ckpt' --set 'env.venv=~/venvs/x'" in str(raised.value.hint)
+    assert raised.value.exit_code == 4
+    # a folder it can make (nothing blocked): preflight goes on
+    fine = HostFacts(**{**facts.as_dict(), "ckpt_blocked": "", "venv_blocked": ""})
+    assert plan_preflight(Job(load_recipe(path), node, Facts(host=fine)), 0)[0].skip

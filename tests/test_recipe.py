@@ -218,6 +218,9 @@ def test_bad_name() -> None:
     ("env: {python: '3.11', installer: conda}", 3, "env.installer", "must be 'pip' or 'uv', got 'conda'"),
     ("run: {command: x, stop: {signal: NOPE}}", 5, "run.stop.signal", "'NOPE' is not a signal name"),
     ("env: {python: '3'}", 3, "env.python", 'must be MAJOR.MINOR such as "3.11"'),
+    ("env: {python: '3.12', python_mirror: 'ftp://host/py'}", 3, "env.python_mirror",
+     "must be an http://, https:// or file:// URL, got 'ftp://host/py'"),
+    ("env: {python: '3.12', python_mirror: '/srv/python'}", 3, "env.python_mirror", "must be an http://"),
     ("env: {python: '3.11', apt: tmux}", 3, "env.apt", "must be a list, got 'tmux'"),
     ("run: [python, train.py]", 5, "run", "must be a mapping of keys, got a list"),
 ])
@@ -482,3 +485,20 @@ def test_shipped_recipes_load_and_render() -> None:
         r = load_recipe(path)
         assert isinstance(r, Recipe)
         check_recipe(r)
+
+
+def test_checkpoint_dir_is_a_template_variable(tmp_path: Path) -> None:
+    """A command written once for every provider's disks: `{{ checkpoint_dir }}` is checkpoint.dir
+    rendered (with the other variables), `~` expanded where the home is known; it may not name itself."""
+    r = load_recipe(write(tmp_path, "r.yaml", "name: run1\nenv: {python: '3.11'}\n"
+                                             "checkpoint: {remote: s, dir: '/workspace/ckpt/{{ name }}'}\n"
+                                             "run: {command: 'python t.py --out \"{{ checkpoint_dir }}\"'}\n"))
+    assert r.render("run.command", render_context(r, home="/root")) == 'python t.py --out "/workspace/ckpt/run1"'
+    home = load_recipe(write(tmp_path, "h.yaml", "name: h\nenv: {python: '3.11'}\ncheckpoint: {remote: s}\n"
+                                                 "run: {command: 'x {{ checkpoint_dir }}'}\n"))
+    assert render_context(home, home="/home/ubuntu")["checkpoint_dir"] == "/home/ubuntu/ckpt"
+    loop = load_recipe(write(tmp_path, "l.yaml", "name: l\nenv: {python: '3.11'}\n"
+                                                 "checkpoint: {remote: s, dir: '{{ checkpoint_dir }}/x'}\n"
+                                                 "run: {command: x}\n"))
+    with pytest.raises(RecipeError, match="checkpoint.dir: undefined variable 'checkpoint_dir'"):
+        render_context(loop, home="/root")

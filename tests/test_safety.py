@@ -188,11 +188,13 @@ def test_plan_shows_exact_commands_and_changes_nothing(tmp_path, sandbox, ssh, s
 
 
 def test_wrong_python_is_exit_4_before_any_change(tmp_path, sandbox, ssh, ssh_key):
+    """With pip (uv would provide the Python: tests/test_python_indexes.py)."""
     inst = sandbox()
-    recipe = plain_recipe(tmp_path, name="py", key=ssh_key, env={"python": "3.9"})
+    recipe = plain_recipe(tmp_path, name="py", key=ssh_key, env={"python": "3.9", "installer": "pip"})
     result = run_cli("up", str(recipe), inst.host, home=tmp_path / "state")
     assert result.returncode == 4
     assert "env.python is 3.9" in result.stderr and "python3 is 3.11" in result.stderr
+    assert "env.installer: uv" in result.stderr
     assert ssh(inst, "ls -A ~").stdout == ""
 
 

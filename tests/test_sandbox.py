@@ -175,7 +175,7 @@ def test_destroy_while_booting(ssh_key: Path) -> None:
 
 
 def test_key_delay_fails_auth_then_works(sandbox, ssh) -> None:
-    inst = sandbox(key_delay=2)
+    inst = sandbox(key_delay=6)  # room for a loaded machine: the first ssh must come before the key
     early = ssh(inst, "true", check=False)
     assert early.returncode == 255 and "Permission denied" in early.stderr
     _eventually("auth after key install", lambda: ssh(inst, "true", check=False).returncode == 0)

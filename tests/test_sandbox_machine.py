@@ -20,7 +20,7 @@ from e2e import run_cli
 
 from relaunch import sandbox as sb
 from relaunch.errors import UsageError
-from relaunch.sandbox import instance, network
+from relaunch.sandbox import network, users
 
 NET = IPv4Network
 
@@ -87,11 +87,11 @@ def test_a_user_the_sandbox_made_is_deleted_one_it_found_is_restored(tmp_path: P
         assert _shadow(found) == "!"  # locked, as useradd leaves it
         with network.machine_lock():
             for user in (made, found):
-                instance._ensure_user(user, str(homes[user]))
+                users.ensure_user(user, str(homes[user]))
                 assert _shadow(user) == "*" and homes[user].is_dir()
-                instance._ensure_user(user, str(homes[user]))  # a second instance changes nothing more
+                users.ensure_user(user, str(homes[user]))  # a second instance changes nothing more
             for user in (made, found):
-                instance._restore_user(user, str(homes[user]))
+                users.restore_user(user, str(homes[user]))
         assert _shadow(made) is None and not _has_group(made) and not homes[made].exists()
         assert _shadow(found) == "!" and homes[found].is_dir()  # as it was
         assert not list(network.MACHINE_DIR.glob(".user-rlt*"))
@@ -121,9 +121,9 @@ def _machine_state() -> dict[str, object]:
     with network.machine_lock():
         return {
             "instances": sorted(network.names_everywhere()),
-            "sudoers": instance.SUDOERS.exists(),
+            "sudoers": users.SUDOERS.exists(),
             "ubuntu": _shadow("ubuntu"),
-            "ubuntu_record": instance._user_record("ubuntu").exists(),
+            "ubuntu_record": users.user_record("ubuntu").exists(),
         }
 
 

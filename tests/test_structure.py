@@ -23,7 +23,7 @@ LAYERS = [
     {"sync", "status", "freeze", "interval", "history", "watch", "adopt"},
     {"sandbox"},
     {"demo", "drill"},
-    {"cli", "__main__"},
+    {"cli", "cli_reference", "__main__"},
 ]
 
 

@@ -152,6 +152,7 @@ def test_override_replaces_by_name_and_includes_resolve_through_it(tmp_path: Pat
     write(folder / "prelude.sh.j2", "echo team-prelude {{ name | q }}\n{% include 'shipped/prelude.sh.j2' %}")
     write(folder / "facts.sh", "echo team-facts\n")
     values = dict(name="job", session="job", command="true", workdir="~", venv="~/v", secrets_file="~/s",
+                  start_mark="=== ",
                   exports={}, log="~/l", status_file="~/st", pgid_file="~/pg", python_path="~/py", stop_signal="TERM",
                   notice_file="~/n")
     shipped = scripts.render("run.sh.j2", **values)

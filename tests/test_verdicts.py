@@ -55,6 +55,12 @@ def test_extra_hashes_survive_the_manifest() -> None:
     assert files["checkpoint-20/trainer_state.json"].extra == {"gitblob": "g2g2"}
 
 
+@pytest.mark.parametrize("doc,case", cases("sync-round.json"))
+def test_sync_round(doc: dict[str, Any], case: dict[str, Any]) -> None:
+    verdict = verdicts.sync_round(case["at_start"], case["verified_now"], case["newest"], began=case.get("began"))
+    assert (verdict.ok, verdict.why) == (case["ok"], case["why"])
+
+
 @pytest.mark.parametrize("doc,case", cases("notice-saved.json"))
 def test_notice_saved(doc: dict[str, Any], case: dict[str, Any]) -> None:
     seen = {**doc["base"], **case["seen"]}

@@ -123,13 +123,16 @@ def test_nothing_to_copy_after_run_grace_without_step_lines_is_not_safe(tmp_path
     assert "training has run for" in evac.stderr and "longer than run.grace" in evac.stderr
 
 
-def test_sync_once_exits_6_when_the_newest_checkpoint_is_not_verified(tmp_path, sandbox, ssh, ssh_key):
+def test_a_sync_round_is_verified_by_the_newest_of_when_it_began(tmp_path, sandbox, ssh, ssh_key):
+    """Training saves again while the round copies: the round verified the newest of its start, so it
+    is verified (exit 0: a cron job on `sync --once` must not alarm on every run); the newer one is
+    the next round's, and evacuate still insists on the very newest."""
     home = tmp_path / "state"
     inst = sandbox(rate="8mbit")
     recipe = plain_recipe(tmp_path, name="behind", key=ssh_key)
     store = tmp_path / "store"
-    plant(ssh, inst, 10, size=4_000_000)
-    proc = start_cli("sync", str(recipe), inst.host, "--once", home=home, err=tmp_path / "sync.err")
+    first = plant(ssh, inst, 10, size=4_000_000)
+    proc = start_cli("sync", str(recipe), inst.host, "--once", "--json", home=home, err=tmp_path / "sync.err")
     try:
         staged = store / ".relaunch" / "partial"
         wait_for("the copy to start", lambda: staged.is_dir() and any(p.is_file() for p in staged.rglob("*")),
@@ -139,9 +142,42 @@ def test_sync_once_exits_6_when_the_newest_checkpoint_is_not_verified(tmp_path, 
     finally:
         proc.kill()
     err = (tmp_path / "sync.err").read_text()
-    assert status == 6, err
-    assert "ckpt-00000020.pt, is not verified in the store" in err and "sync round NOT verified" in err
-    assert "ckpt-00000010.pt" in records(store)          # what it did copy is verified and kept
+    assert status == 0, err
+    assert "sync round NOT verified" not in err
+    assert "ckpt-00000010.pt" in records(store) and sha(store / "ckpt-00000010.pt") == first
+    assert "ckpt-00000020.pt" not in records(store)      # the next round's
+    evac = run_cli("evacuate", str(recipe), inst.host, "--json", home=home)
+    assert evac.returncode == 0, evac.stderr
+    assert json.loads(evac.stdout)["verified_now"] == ["ckpt-00000020.pt"]
+
+
+def test_nothing_to_copy_is_compared_with_what_the_store_holds_not_its_records(tmp_path, sandbox, ssh, ssh_key):
+    """The store's record of step 200 whose file is gone holds no step: an instance whose log shows
+    step 150 and that has no checkpoint left loses 150 steps when destroyed."""
+    home = tmp_path / "state"
+    inst = sandbox()
+    recipe = plain_recipe(tmp_path, name="held", key=ssh_key)
+    store = tmp_path / "store"
+    plant(ssh, inst, 200)
+    assert run_cli("evacuate", str(recipe), inst.host, home=home).returncode == 0
+    (store / "ckpt-00000200.pt").unlink()                 # the record stays, the bytes are gone
+    ssh(inst, "rm -f ~/ckpt/* && echo 'step 150 loss 1.0' >> ~/held.log")
+    evac = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert evac.returncode == 6, evac.stderr
+    assert "the log says step 150" in evac.stderr and "destroying loses 150 steps" in evac.stderr
+
+
+def test_nothing_to_copy_reads_this_runs_log_lines_only(tmp_path, sandbox, ssh, ssh_key):
+    """An earlier run's higher steps above this run's start line are not this run's progress."""
+    home = tmp_path / "state"
+    inst = sandbox()
+    recipe = plain_recipe(tmp_path, name="again", key=ssh_key, command="sleep 600")
+    ssh(inst, "printf '%s\\n' '=== relaunch: start 2026-12-01T00:00:00Z on old (checkpoint: none)' "
+              "'step 500 loss 1.0' '=== relaunch: exit 0 2026-12-01T01:00:00Z' > ~/again.log")
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    evac = run_cli("evacuate", str(recipe), inst.host, "--set", "run.grace=600", home=home)
+    assert evac.returncode == 0, evac.stderr
+    assert "training has made no progress beyond the store's newest checkpoint" in evac.stderr
 
 
 def test_ctrl_c_during_evacuate_exits_130_and_says_do_not_destroy(tmp_path, sandbox, ssh, ssh_key):

@@ -24,15 +24,23 @@ MARK = "\0"                   # the script writes a secret as MARK NAME MARK
 
 
 def script_command(mode: str, params: dict[str, Any] | None = None) -> str:
-    """The instance's python3 (isolated, no site, no bytecode written) running the adopt script."""
-    args = [mode] + ([json.dumps(params, sort_keys=True)] if params is not None else [])
+    """The instance's python3 (isolated, no site, no bytecode written) running the adopt script,
+    which comes on stdin (script_stdin): as an argument, the script and its parameters (every
+    folder a detail read looks at) could pass the kernel's limit on one argument (128 KiB)."""
+    del params                    # on stdin
     return ("py=$(command -v python3 || command -v python) || { echo 'relaunch adopt: no python3 on the instance' >&2; "
-            f"exit 127; }}; exec \"$py\" -I -S -B -c {shlex.quote(plain(SCRIPT))} {shlex.join(args)}")
+            f"exit 127; }}; exec \"$py\" -I -S -B - {shlex.quote(mode)}")
+
+
+def script_stdin(mode: str, params: dict[str, Any] | None) -> bytes:
+    """The adopt script, preceded by the line that gives it its arguments."""
+    args = [mode] + ([json.dumps(params, sort_keys=True)] if params is not None else [])
+    return f"import sys\nsys.argv[1:] = {json.dumps(args)}\n{plain(SCRIPT)}".encode()
 
 
 def run_script(remote: Remote, mode: str, params: dict[str, Any] | None, deadline: float) -> dict[str, Any]:
     command = script_command(mode, params)
-    result = remote.exec(command, deadline=deadline)
+    result = remote.exec(command, stdin=script_stdin(mode, params), deadline=deadline)
     what = f"adopt: reading the instance ({mode})"
     if result.status is None and not result.timed_out:
         raise ConnectError(f"{remote.label}: {what}: the SSH connection was lost")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..layouts import Entry, complete_checkpoints, detect_layout
-from ..recipe.model import ENV_NAME_RE, NAME_RE, Stop
+from ..recipe.model import ENV_NAME_RE, NAME_RE
 from .candidates import Candidate
 from .commandline import NNODES_FLAGS, NPROC_FLAGS, Invocation, flag_value, invocation, normal_flag, options
 from .facts import MARK, Detail, Dist, EnvRoot, Scan
@@ -53,7 +53,6 @@ TOOLING = {"pip", "setuptools", "wheel", "distribute"}      # what `pip freeze` 
 # what an option like --out names when it is a file, not a checkpoint folder
 NOT_FOLDERS = (".json", ".jsonl", ".csv", ".txt", ".log", ".yaml", ".yml", ".pt", ".pth", ".ckpt", ".bin",
                ".safetensors", ".pkl", ".npz", ".h5", ".png", ".html")
-STOP_TIMEOUT = Stop().timeout       # run.stop.timeout when the recipe says none
 _JINJA = re.compile(r"\{\{|\{%|\{#|\}\}|%\}|#\}")
 # places in the command's words that adopt fills with a template (never text from the instance)
 CKPT, RESUME, NPROC, WORLD = "\x01ckpt", "\x01resume:", "\x01nproc:", "\x01world:"
@@ -888,15 +887,8 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
             secret_names.append(secret)
             b.warnings.append(f"the command line held a secret: it now reads \"${secret}\", handed to the instance "
                               f"as env.secrets {secret}; export {secret} on this machine before `up`")
-    if call.launcher in ("torchrun", "accelerate") and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in vars_ and \
-            all(v.name != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" for v in detail.env):
-        # the guard's stop signal reaches the launcher, which passes it on and kills the processes
-        # after this many seconds: the save a notice asks for must fit, as in run.stop.timeout
-        vars_["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = f"{STOP_TIMEOUT:g}"
-        b.notes["env.vars.TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = (
-            f"{call.launcher} passes the stop signal on to its processes and kills them this many seconds later "
-            f"(30 by default): as long as run.stop.timeout ({STOP_TIMEOUT:g}), so that the save after a notice fits",
-            False)
+    # no TORCH_ELASTIC_SHUTDOWN_TIMEOUT here: the run script exports it from run.stop.timeout (steps/launch.py),
+    # and a value written into env.vars would keep a later, longer run.stop.timeout from reaching torchrun
     if vars_:
         b.put("env.vars", vars_, "the training's environment",
               show=", ".join(f"{k}={shown(v)}" for k, v in vars_.items()))

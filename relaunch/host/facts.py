@@ -25,11 +25,14 @@ class HostFacts:
     free_ckpt: int = 0
     total_ckpt: int = 0           # size of the disk checkpoint.dir is on
     free_venv: int = 0
+    ckpt_blocked: str = ""        # checkpoint.dir does not exist and this user cannot write in this, its
+    venv_blocked: str = ""        # nearest existing folder (the same for env.venv); "": it can be made
     session_alive: bool = False
     session_since: str = ""
     gpus: list[str] = field(default_factory=list)   # nvidia-smi csv rows: name, memory, driver
     gpu_error: str = ""                             # nvidia-smi present but failed or hung
-    venv_freeze: list[str] | None = None            # None: no venv yet
+    venv_freeze: list[str] | None = None            # None: no venv yet (or one whose python does not run)
+    venv_python: str = ""                           # the venv's Python version, read by running it
     missing_apt: list[str] = field(default_factory=list)
     run: dict[str, Any] = field(default_factory=dict)  # run.json: how the last `up` started training
 
@@ -97,10 +100,13 @@ def parse_facts(text: str) -> HostFacts:
     facts.free_ckpt = _number(values.get("free_ckpt"))
     facts.total_ckpt = _number(values.get("total_ckpt"))
     facts.free_venv = _number(values.get("free_venv"))
+    facts.ckpt_blocked = values.get("ckpt_blocked", "")
+    facts.venv_blocked = values.get("venv_blocked", "")
     facts.session_alive = values.get("session_alive") == "1"
     facts.session_since = values.get("session_since", "")
     facts.gpus = sections.get("gpus", [])
     facts.gpu_error = values.get("gpu_error", "")
+    facts.venv_python = values.get("venv_python", "")
     facts.venv_freeze = sections.get("freeze")
     try:
         run = json.loads("\n".join(sections.get("run", [])) or "{}")

@@ -27,7 +27,7 @@ ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The template variables relaunch provides; `env.vars` may not shadow them.
 BUILTIN_VARS = (
     "name", "host", "user", "home", "checkpoint", "step", "gpus",
-    "nnodes", "node_rank", "master_addr", "world_size", "nproc_per_node", "grad_accum",
+    "nnodes", "node_rank", "master_addr", "world_size", "nproc_per_node", "grad_accum", "checkpoint_dir",
 )
 REMOTE_PREFIXES = ("rclone:", "hf:")
 # The instance scripts in templates/ a recipe's `templates:` folder may replace, by file name.
@@ -107,18 +107,28 @@ class Env(_Section):
     """The environment on the instance: Python, venv, packages, files, setup, variables."""
 
     python: str = _key('Required major.minor Python on the instance, quoted ("3.10" is not 3.1); '
-                       "checked before anything else.", "3.11")
+                       "checked before anything else. With installer uv, uv provides it when the image "
+                       "lacks it (installed beside the venv, on the same disk).", "3.11")
+    python_mirror: str | None = _key("Where uv gets env.python when the image lacks it, for instances without "
+                                     "internet access: a URL ending in .json is a downloads list of your own "
+                                     "builds (UV_PYTHON_DOWNLOADS_JSON_URL), any other a mirror of "
+                                     "python-build-standalone's releases (UV_PYTHON_INSTALL_MIRROR). http, https "
+                                     "or file; a token in it is handled as in index_url.",
+                                     "https://mirror.example.com/python-build-standalone", None)
     venv: str = _key("Where the venv lives on the instance.", "~/venvs/llama-ft", "", shown_default="~/venvs/NAME")
     installer: Literal["pip", "uv"] = _key("What installs the lock into the venv: uv (several times faster; "
                                            "pip takes over when the package index has no uv), or pip.",
                                            "pip", "uv")
     lock: Path | None = _key("A pinned `pip freeze` (relative to the recipe file); `relaunch freeze` writes it.",
                              "requirements.lock", None)
-    index_url: str | None = _key("Package index for the lock (a freeze does not record indexes); a token in it "
+    index_url: str | None = _key("Package index for the lock (`relaunch freeze` writes the one the instance's pip "
+                                 "or uv uses, unless it holds a token); a token in it "
                                  "(https://user:token@host/simple) reaches pip and uv through their environment, "
                                  "never a command line, and is shown as https://***@host/simple.",
                                  "https://download.pytorch.org/whl/cu124", None)
-    extra_index_urls: list[str] = _key("More package indexes.", ["https://pypi.org/simple"], list)
+    extra_index_urls: list[str] = _key("More package indexes (e.g. PyPI beside a CUDA index); each pin is found "
+                                       "on whichever index has it, with pip and with uv.",
+                                       ["https://pypi.org/simple"], list)
     system_site_packages: bool = _key("Let the venv see the image's preinstalled packages (torch, CUDA).",
                                       True, False)
     apt: list[str] = _key("Debian packages installed (with sudo when not root) only if missing.",
@@ -141,6 +151,13 @@ class Env(_Section):
             raise ValueError(f'write it as a quoted string: "{_scalar_text(v)}"')
         if isinstance(v, str) and not re.fullmatch(r"\d+\.\d+", v):
             raise ValueError(f'must be MAJOR.MINOR such as "3.11", got {v!r}')
+        return v
+
+    @field_validator("python_mirror")
+    @classmethod
+    def _mirror(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"(https?://[^/\s]+|file:///?[^/\s])", v):
+            raise ValueError(f"must be an http://, https:// or file:// URL, got {v!r}")
         return v
 
     @field_validator("vars", mode="before")

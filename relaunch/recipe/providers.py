@@ -167,7 +167,9 @@ checkpoint:
   # every: 600                  # seconds between copies in `relaunch sync`
 
 run:
-  # {{{{ checkpoint }}}} is the restored checkpoint's path on the instance, empty on a fresh start.
+  # {{{{ checkpoint }}}} is the restored checkpoint's path on the instance, empty on a fresh start;
+  # {{{{ checkpoint_dir }}}} is checkpoint.dir there: give it to your script's output flag, and the
+  # command works on every provider's disks.
   command: python train.py --resume "{{{{ checkpoint }}}}"
   workdir: ~/work
   # session: my-run             # tmux session; default: name

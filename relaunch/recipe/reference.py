@@ -33,8 +33,9 @@ where it came from (a file and line, a provider preset, `--set`, or the default)
 
 Every string may use Jinja2 variables: `name`, `host`, `user`, `home`, `checkpoint` (instance path
 of the restored checkpoint, empty on a fresh start), `step`, `gpus` (on this node), `nnodes`,
-`node_rank`, `master_addr`, `world_size`, and any `env.vars`. Local paths are relative to the file
-that wrote them; paths starting with `~` are on the instance.
+`node_rank`, `master_addr`, `world_size`, `checkpoint_dir` (checkpoint.dir as rendered, `~`
+expanded: a command that names it works on every provider's disks), and any `env.vars`. Local
+paths are relative to the file that wrote them; paths starting with `~` are on the instance.
 """
 
 

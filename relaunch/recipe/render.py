@@ -67,6 +67,12 @@ def render_context(
         "nproc_per_node": nproc,
         "grad_accum": grad_accum,
     }
+    # where checkpoints go, rendered (it may use the variables above, not itself), `~` expanded when
+    # the home is known: a command written once for every provider's disks (`--out "{{ checkpoint_dir }}"`)
+    folder = render_text(recipe, recipe.checkpoint.dir, ctx, "checkpoint.dir")
+    if home and (folder == "~" or folder.startswith("~/")):
+        folder = home.rstrip("/") + folder[1:]
+    ctx["checkpoint_dir"] = folder.rstrip("/") or "/"
     builtins = dict(ctx)
     for var, text in recipe.env.vars.items():
         ctx[var] = render_text(recipe, text, builtins, f"env.vars.{var}")

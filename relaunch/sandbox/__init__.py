@@ -3,12 +3,18 @@
 An instance is a Linux network namespace `rl-<name>` joined to this machine by a veth pair, with a
 real OpenSSH sshd listening on its own address, an empty private home and a private /tmp.
 
-- `instance`: create, destroy, list_instances, get, run_in, set_link, set_silent, commands (and sshd,
-  mounts, users)
+- `instance`: create, destroy, list_instances, get, run_in, set_link, set_silent, commands
+- `images`: the image profiles (`create(image=...)`): the facts of a provider's stock image, as data
+- `boot`: what an instance is made of on this machine (disks, mount points, PATH layers, its PID 1)
+  and the script that boots it
+- `power`: stop, start, pause, resume (what a provider does to a running instance)
+- `freezer`: the cgroup (v2 or the v1 freezer) a pausable instance runs in
+- `users`, `sshd`: the login users (`ubuntu` and its sudoers file); sshd's configuration
 - `network`: slots, addresses, namespaces, veth pairs, routes, link state, silence, rate shaping
 - `index`: build_index, a local PEP 503 package index an instance serves to itself
+- `pythons`: relocatable copies of this machine's CPython builds (an image's Python, uv's mirror)
 
-`instance` uses `network`; `index` stands alone.
+`power` uses `instance`, which uses the others; `index` and `pythons` stand alone.
 
 What the sandbox changes on this machine, and for how long (it runs as root):
 - Each instance: its namespace, veth pair, processes and folder, all gone when it is destroyed.
@@ -20,12 +26,17 @@ What the sandbox changes on this machine, and for how long (it runs as root):
   unlocked) and /etc/sudoers.d/relaunch-sandbox. When the last instance on this machine, of any
   sandbox dir, is destroyed, the sudoers file goes and the user is deleted if the sandbox made it
   (one that existed before is locked again as it was); nothing else on the machine is touched.
+- An instance of an image profile: tmpfs disks mounted under its folder, mount points this machine
+  lacks (/workspace, /lambda/nfs/NAME, /opt/dlami/nvme: made, recorded, and removed if empty when
+  no instance needs them any more), a cgroup `relaunch-sandbox-<name>` for one that pauses. All go
+  with it.
 - What stays: bookkeeping files under /run/relaunch-sandbox (locks, claims), which a reboot
   clears, and /run/sshd, the directory sshd itself needs.
 Every decision on names, slots, ranges and "the last one" is taken under one machine-wide lock,
 so several processes may create and destroy instances at once.
 """
 
+from .images import PROFILES
 from .index import build_index
 from .instance import (
     INDEX_PORT,
@@ -37,13 +48,17 @@ from .instance import (
     destroy,
     get,
     list_instances,
+    pid1,
     run_in,
     set_link,
     set_silent,
+    state,
 )
+from .power import pause, resume, start, stop
 
 __all__ = [
     "INDEX_PORT",
+    "PROFILES",
     "RUN_DIR",
     "Instance",
     "build_index",
@@ -53,7 +68,13 @@ __all__ = [
     "destroy",
     "get",
     "list_instances",
+    "pause",
+    "pid1",
+    "resume",
     "run_in",
     "set_link",
     "set_silent",
+    "start",
+    "state",
+    "stop",
 ]

@@ -6,6 +6,8 @@ user's home is an empty tmpfs (the instance's "disk"), /tmp is private, and this
 configuration is masked (a real instance has none). Every instance gets a fresh ed25519 host key,
 like a new cloud instance, and reaches no package registry: `index.build_index` prepares a local
 PEP 503 index on this machine that the instance can serve to itself. Its network is `network`'s.
+An image profile (images.py) adds its own PID 1, Python, disks and port (boot.py); power.py stops,
+starts, pauses and resumes it.
 
 Everything needed to find an instance again lives in `RUN_DIR/<name>/` (the CLI creates in one
 process and destroys in another). RUN_DIR, the sandbox dir, is /run/relaunch-sandbox unless
@@ -20,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import re
 import shlex
 import shutil
@@ -36,26 +37,17 @@ from typing import Any
 
 from relaunch.errors import RelaunchError, UsageError
 
-from . import network
+from . import boot, freezer, images, network, sshd, users
+from .boot import DEFAULT_PATH
 from .network import TOOLS, TOOLS_COMMAND_LOG, locked, netns_exists, require_tools, run, veths
+from .users import HOMES
 
 RUN_DIR = Path(os.path.abspath(os.environ.get("RELAUNCH_SANDBOX_DIR") or network.MACHINE_DIR))
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,12}")
 DISK_RE = re.compile(r"[1-9][0-9]*[kKmMgG]?")
 INDEX_PORT = 8765
-SSH_PORT = 22
-USERS = {"root": "/root", "ubuntu": "/home/ubuntu"}
-# sshd hands sessions this PATH; commands run with run_in get the same, so they see what ssh sees.
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-COMMAND_LOG, LOG_COMMAND = "commands.log", "log-command"  # in the instance's folder
-SFTP_SERVER = "/usr/lib/openssh/sftp-server"
-SUDOERS = Path("/etc/sudoers.d/relaunch-sandbox")  # the sandbox's own name: removed with the last instance
-SUDOERS_TMP = SUDOERS.with_name(".relaunch-sandbox.tmp")  # sudo ignores names containing "."
-# Global pip configuration of this machine points at local disks (find-links, constraints); a
-# fresh cloud image has none, so these are masked inside the instance.
-PIP_CONFIG_DIRS = [Path("/etc/xdg/pip")]
-PIP_CONFIG_FILES = [Path("/etc/pip.conf")]
+VOLUME_SIZE = "8G"  # an image's disk besides home (/workspace ...), unless create() is given another
 
 # Popen objects of the children this process started, so that destroy() can reap them instead
 # of leaving zombies behind in a long pytest session.
@@ -67,10 +59,11 @@ class Instance:
     name: str
     address: str  # instance IPv4, reachable from this machine
     user: str  # "root" | "ubuntu"
-    port: int  # 22
+    port: int  # 22; a container image's mapped port: 40000 + slot
     home: str  # "/root" | "/home/ubuntu"
     host_key_fingerprint: str  # "SHA256:..." of its ed25519 host key (as ssh-keygen -lf prints)
     index_url: str | None  # "http://127.0.0.1:PORT/simple/" when an index is served inside it
+    image: str = "default"  # the profile (images.PROFILES) it reproduces
 
     @property
     def host(self) -> str:
@@ -135,6 +128,14 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+def _state(pid: int) -> str | None:
+    """The state letter of a process (R, S, D, Z ...), None if there is none."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _spawn(name: str, role: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     """Start a background process in its own session and remember it in <state>/<role>.pid."""
     with open(log, "ab") as out:
@@ -175,163 +176,14 @@ def _public_key(authorized_key: Path | None) -> str:
     )
 
 
-def _ensure_ubuntu() -> tuple[int, int]:
-    """The `ubuntu` user as on cloud images: exists, not locked, passwordless sudo."""
-    with network.machine_lock():
-        _ensure_user("ubuntu", USERS["ubuntu"])
-        rule = "ubuntu ALL=(ALL) NOPASSWD:ALL\n"
-        if not SUDOERS.exists() or SUDOERS.read_text() != rule:
-            SUDOERS_TMP.write_text(rule)
-            SUDOERS_TMP.chmod(0o440)
-            os.replace(SUDOERS_TMP, SUDOERS)
-        entry = pwd.getpwnam("ubuntu")
-        return entry.pw_uid, entry.pw_gid
-
-
-def _user_record(user: str) -> Path:
-    return network.MACHINE_DIR / f".user-{user}.json"
-
-
-def _ensure_user(user: str, home: str) -> None:
-    """`user` exists, is not locked, and its home (the mount point of its disk) exists. What has to
-    change for that is recorded before it is done, for _restore_user. Call under machine_lock()."""
-    record = _user_record(user)
-    changes: dict[str, Any] = {"created": False, "password": None, "home": False}
-    with contextlib.suppress(OSError, ValueError):
-        changes = json.loads(record.read_text())
-    exists = _has_user(user)
-    # With `UsePAM no`, sshd refuses even key logins for a "locked" account (shadow password
-    # starting with "!", which is what useradd leaves). "*" means: no password, not locked.
-    password = _shadow_password(user) if exists else "!"
-    changes["created"] = changes["created"] or not exists
-    if password.startswith("!") and not changes["created"] and changes["password"] is None:
-        changes["password"] = password
-    changes["home"] = changes["home"] or not Path(home).exists()
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(changes) + "\n")
-    record.chmod(0o600)  # it may hold a password hash
-    if not exists:
-        require_tools(["useradd"])
-        run(["useradd", "-M", "-d", home, "-s", "/bin/bash", user])
-    if password.startswith("!"):
-        run(["usermod", "-p", "*", user])
-    Path(home).mkdir(parents=True, exist_ok=True)
-
-
-def _restore_user(user: str, home: str) -> None:
-    """Undo what _ensure_user changed: delete the user if it made it, else lock it again as it was;
-    remove the home folder if it made it. Call under machine_lock(), with no instance left."""
-    record = _user_record(user)
-    try:
-        changes = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return
-    if changes["created"]:
-        if _has_user(user):
-            run(["userdel", user])
-    elif changes["password"] is not None and _shadow_password(user) == "*":
-        # through stdin: a hash on a command line would be visible in `ps`
-        run(["chpasswd", "-e"], input=f"{user}:{changes['password']}\n")
-    if changes["home"]:
-        with contextlib.suppress(OSError):
-            Path(home).rmdir()  # only if empty: nothing of anyone else's goes
-    record.unlink()
-
-
-def _restore_machine() -> None:
-    """With the last instance on this machine gone: undo what the sandbox changed outside /run.
-    Call under machine_lock()."""
-    for path in (SUDOERS, SUDOERS_TMP):
-        path.unlink(missing_ok=True)
-    _restore_user("ubuntu", USERS["ubuntu"])
-
-
-def _has_user(user: str) -> bool:
-    try:
-        pwd.getpwnam(user)
-    except KeyError:
-        return False
-    return True
-
-
-def _shadow_password(user: str) -> str:
-    for line in Path("/etc/shadow").read_text().splitlines():
-        fields = line.split(":")
-        if fields[0] == user and len(fields) > 1:
-            return fields[1]
-    return ""
-
-
-def _sshd_config(folder: Path, address: str, command_log: bool) -> str:
-    return "\n".join(
-        [
-            f"ListenAddress {address}",
-            f"Port {SSH_PORT}",
-            f"HostKey {folder}/ssh_host_ed25519_key",
-            # the key this machine was given, and the user's own file, as on a cloud image
-            f"AuthorizedKeysFile {folder}/authorized_keys .ssh/authorized_keys",
-            f"PidFile {folder}/sshd.pid",
-            "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no",
-            "PermitRootLogin prohibit-password",
-            "UsePAM no",
-            "PrintMotd no",
-            "PrintLastLog no",
-            "X11Forwarding no",
-            # Fabric's put/get speak SFTP; the in-process server needs no binary from the image,
-            # but a forced command cannot run it: a logged instance runs the server program
-            *(
-                [f"ForceCommand {shlex.quote(str(folder / LOG_COMMAND))}", f"Subsystem sftp {SFTP_SERVER}"]
-                if command_log
-                else ["Subsystem sftp internal-sftp"]
-            ),
-            "",
-        ]
-    )
-
-
-def _log_command_script(log: Path) -> str:
-    """sshd runs this instead of what the client asked for (ForceCommand), as the login user."""
-    quoted = shlex.quote(str(log))
-    return f"""#!/bin/sh
-# Log the client's command, then run it exactly as sshd would have without a ForceCommand.
-if [ -n "${{SSH_ORIGINAL_COMMAND+set}}" ]; then
-    # channels run at once: the lock keeps one command's bytes together
-    {{ flock 9 && printf '%s\\0' "$SSH_ORIGINAL_COMMAND" >&9; }} 9>>{quoted} ||
-        {{ echo "relaunch sandbox: cannot log the command" >&2; exit 255; }}
-    exec "$SHELL" -c "$SSH_ORIGINAL_COMMAND"
-fi
-exec "$SHELL" -l
-"""
-
-
-def _mount_script(folder: Path, user: str, home: str, disk: str, ids: tuple[int, int] | None) -> str:
-    """Shell run inside the new mount namespace before sshd: the private disk and /tmp."""
-    if user == "root":
-        home_opts = f"size={disk},mode=700"
-    else:
-        assert ids is not None
-        home_opts = f"size={disk},mode=755,uid={ids[0]},gid={ids[1]}"
-    lines = [
-        "set -e",
-        f"mount -t tmpfs -o {home_opts} relaunch-disk {shlex.quote(home)}",
-        "mount -t tmpfs -o mode=1777 relaunch-tmp /tmp",
-    ]
-    for d in PIP_CONFIG_DIRS:
-        if d.is_dir():
-            lines.append(f"mount -t tmpfs -o mode=755,size=1m relaunch-mask {shlex.quote(str(d))}")
-    for f in PIP_CONFIG_FILES:
-        if f.is_file():
-            lines.append(f"mount --bind {shlex.quote(str(folder / 'empty'))} {shlex.quote(str(f))}")
-    return "; ".join(lines)
-
-
 def create(
     name: str,
     *,
-    user: str = "root",
+    image: str = "default",
+    user: str | None = None,
     authorized_key: Path | None = None,
     disk: str = "4G",
+    volume: str = VOLUME_SIZE,
     rate: str | None = None,
     index_dir: Path | None = None,
     boot_delay: float = 0.0,
@@ -341,22 +193,31 @@ def create(
 ) -> Instance:
     """Create and boot instance `name`; returns once sshd accepts TCP (at once with boot_delay).
 
-    authorized_key: public key file (or a private key with its .pub beside it) that may log in;
-    default: default_key(). disk: size of the home tmpfs ("4G"). rate: tc rate of the link both
-    ways ("20mbit"). index_dir: a build_index() folder served inside at INDEX_PORT. boot_delay:
-    sshd starts only after that many seconds (the address refuses connections meanwhile).
-    key_delay: the key is authorized only after that many seconds (auth fails meanwhile).
-    command_log: sshd logs every command it is asked to run, byte for byte, for `commands(name)`;
-    a session without a command (a login shell) logs nothing. SFTP still works, through
-    /usr/lib/openssh/sftp-server instead of sshd's own: each SFTP session logs that program's path
-    as its command. Other subsystems are not supported on such an instance. address: this free
-    address of the range (one a destroyed instance had), else the next free one.
+    image: a profile of images.PROFILES, the facts of a provider's stock image (see boot.py);
+    "default" is this machine as it is. user: who logs in, root or ubuntu (default: the image's;
+    an image other than the default has one). authorized_key: public key file (or a private key
+    with its .pub beside it) that may log in; default: default_key(). disk: size of the home tmpfs
+    ("4G"). volume: size of the image's other disk (/workspace, /lambda/nfs/NAME,
+    /opt/dlami/nvme). rate: tc rate of the link both ways ("20mbit"). index_dir: a build_index()
+    folder served inside at INDEX_PORT. boot_delay: sshd starts only after that many seconds (the
+    address refuses connections meanwhile). key_delay: the key is authorized only after that many
+    seconds (auth fails meanwhile). command_log: sshd logs every command it is asked to run, byte
+    for byte, for `commands(name)`; a session without a command (a login shell) logs nothing. SFTP
+    still works, through /usr/lib/openssh/sftp-server instead of sshd's own: each SFTP session logs
+    that program's path as its command. Other subsystems are not supported on such an instance.
+    address: this free address of the range (one a destroyed instance had), else the next free one.
     """
     _check_name(name)
-    if user not in USERS:
+    profile = images.profile(image)
+    if user is None:
+        user = profile.user
+    if user not in HOMES:
         raise UsageError(f"bad sandbox user {user!r}: use root or ubuntu")
-    if not isinstance(disk, str) or not DISK_RE.fullmatch(disk):
-        raise UsageError(f"bad disk size {disk!r}: use a number with K, M or G, like 4G")
+    if profile.own_pid_namespace and user != profile.user:
+        raise UsageError(f"the image {image} logs in as {profile.user}, not {user}", hint="leave out --user")
+    for label, size in (("disk", disk), ("volume", volume)):
+        if not isinstance(size, str) or not DISK_RE.fullmatch(size):
+            raise UsageError(f"bad {label} size {size!r}: use a number with K, M or G, like 4G")
     for label, value in (("boot_delay", boot_delay), ("key_delay", key_delay)):
         if not isinstance(value, (int, float)) or value < 0:
             raise UsageError(f"bad {label} {value!r}: use a number of seconds >= 0")
@@ -371,6 +232,7 @@ def create(
     pubkey = _public_key(authorized_key)
 
     folder = _folder(name)
+    boot.check_folder(folder, profile)
     with network.machine_lock():
         owner = network.claimed_dir(name)
         if folder.exists() or owner is not None or netns_exists(name):
@@ -381,14 +243,15 @@ def create(
         folder.mkdir(mode=0o755)
         try:
             slot, net = network.claim(name, folder, address)
+            # which mount points it needs, for the last one out (destroy) even before it booted
+            (folder / "image").write_text(f"{image}\n")
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             network.release(name, RUN_DIR)
             raise
     try:
-        return _boot(
-            name, folder, slot, net, user, pubkey, disk, rate, index_dir, boot_delay, key_delay, command_log
-        )
+        return _boot(name, folder, slot, net, profile, user, pubkey, {"home": disk, "volume": volume}, rate,
+                     index_dir, boot_delay, key_delay, command_log)
     except BaseException:
         # a half-created instance must leave nothing behind
         destroy(name)
@@ -400,34 +263,38 @@ def _boot(
     folder: Path,
     slot: int,
     net: IPv4Network,
+    image: images.Image,
     user: str,
     pubkey: str,
-    disk: str,
+    sizes: dict[str, str],
     rate: str | None,
     index_dir: Path | None,
     boot_delay: float,
     key_delay: float,
     command_log: bool,
 ) -> Instance:
+    """Make the instance (key, sshd, link, disks, layers) and power it on."""
     folder.chmod(0o755)
-    home = USERS[user]
-    ids = _ensure_ubuntu() if user == "ubuntu" else None
+    home = HOMES[user]
+    ids = users.ensure_ubuntu() if user == "ubuntu" else None
     host_dev, inst_dev = veths(slot)
     address = network.addresses(slot, net)[1]
+    port = image.port(slot)
     ns = network.netns(name)
 
     # a fresh host key: every instance is a new machine as far as ssh is concerned
     key = folder / "ssh_host_ed25519_key"
     run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{ns}", "-f", str(key)])
     fingerprint = run(["ssh-keygen", "-lf", f"{key}.pub"]).stdout.split()[1]
-    (folder / "sshd_config").write_text(_sshd_config(folder, address, command_log))
+    (folder / "sshd_config").write_text(
+        sshd.config(folder, address, port, command_log, pid_file=not image.own_pid_namespace))
     if command_log:
-        forced = folder / LOG_COMMAND
-        forced.write_text(_log_command_script(folder / COMMAND_LOG))
+        forced = folder / sshd.LOG_COMMAND
+        forced.write_text(sshd.log_command_script(folder / sshd.COMMAND_LOG))
         forced.chmod(0o755)
         # appended to by the login user's sessions, read from this machine; writable by no one else
-        (folder / COMMAND_LOG).touch(mode=0o644)
-        os.chown(folder / COMMAND_LOG, *(ids or (0, 0)))
+        (folder / sshd.COMMAND_LOG).touch(mode=0o644)
+        os.chown(folder / sshd.COMMAND_LOG, *(ids or (0, 0)))
     (folder / "empty").write_text("")
     if key_delay > 0:
         (folder / "authorized_keys.pending").write_text(pubkey + "\n")
@@ -439,20 +306,24 @@ def _boot(
 
     network.connect(name, slot, net)
 
-    # sshd in a private mount namespace: empty home, private /tmp, no pip config of this machine
-    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-    script = (
-        _mount_script(folder, user, home, disk, ids) + f"; exec /usr/sbin/sshd -D -e -f {folder}/sshd_config"
-    )
-    sshd_argv = ["ip", "netns", "exec", ns, "unshare", "-m", "--propagation", "private", "--", "sh", "-c"]
-    sshd_argv.append(script)
-    if boot_delay > 0:
-        # like a booting VM: the address answers (refusing connections) before sshd is there
-        delayed = f"sleep {float(boot_delay)}; exec {shlex.join(sshd_argv)}"
-        _spawn(name, "boot", ["sh", "-c", delayed], folder / "sshd.log")
-    else:
-        proc = _spawn(name, "boot", sshd_argv, folder / "sshd.log")
-        _wait_for_sshd(name, address, proc, folder / "sshd.log")
+    # what the image adds to this machine's filesystem: mount points, kept disks, PATH, its PID 1
+    with network.machine_lock():
+        boot.ensure_mount_points(image.volume_paths(name))
+    boot.mount_disks(folder, image, name, home, sizes, ids)
+    layers = boot.make_layers(folder, image)
+    if image.own_pid_namespace:
+        boot.pid1_script(folder, image)
+    cgroup = None
+    if image.can_pause:
+        cgroup = freezer.create(name)
+
+    inst = Instance(name, address, user, port, home, fingerprint, None, image.name)
+    meta = {**asdict(inst), "slot": slot, "range": str(net), "veth": [host_dev, inst_dev], "disk": sizes["home"],
+            "volume": sizes["volume"], "rate": rate, "index_dir": str(index_dir) if index_dir else None,
+            "command_log": command_log, "ids": list(ids) if ids else None, "layers": layers,
+            "cgroup": [cgroup.kind, str(cgroup.path)] if cgroup else None, "state": "running",
+            "created": time.time()}  # fmt: skip
+    _boot_sshd(name, meta, boot_delay)
     if key_delay > 0:
         # like cloud-init installing the key a while after sshd is up
         move = (
@@ -460,32 +331,74 @@ def _boot(
             + shlex.quote(str(folder / "authorized_keys"))
         )
         _spawn(name, "keys", ["sh", "-c", move], folder / "keys.log")
-
     if rate is not None:
         network.shape(name, slot, rate)
+    meta["index_url"] = _serve_index(name, meta)
+    _save(folder, meta)
+    return Instance(**{k: meta[k] for k in Instance.__dataclass_fields__})
 
-    index_url = None
-    if index_dir is not None:
-        server = [
-            "ip", "netns", "exec", ns, sys.executable, "-m", "http.server", str(INDEX_PORT),
-            "--bind", "127.0.0.1", "--directory", str(index_dir),
-        ]  # fmt: skip
-        _spawn(name, "index", server, folder / "index.log")
-        _wait_for_index(name, folder / "index.log")
-        index_url = f"http://127.0.0.1:{INDEX_PORT}/simple/"
 
-    inst = Instance(name, address, user, SSH_PORT, home, fingerprint, index_url)
-    meta = {**asdict(inst), "slot": slot, "range": str(net), "veth": [host_dev, inst_dev], "disk": disk,
-            "rate": rate, "index_dir": str(index_dir) if index_dir else None, "command_log": command_log,
-            "created": time.time()}  # fmt: skip
+def _cgroup(meta: dict[str, Any]) -> freezer.Cgroup | None:
+    return freezer.Cgroup(meta["cgroup"][0], Path(meta["cgroup"][1])) if meta.get("cgroup") else None
+
+
+def _boot_sshd(name: str, meta: dict[str, Any], boot_delay: float = 0.0) -> None:
+    """Boot sshd (under the image's PID 1) in fresh namespaces; returns once it accepts TCP (at
+    once with boot_delay). create() does this once, start() after every stop."""
+    folder = _folder(name)
+    image = images.profile(meta.get("image", "default"))
+    ids = (meta["ids"][0], meta["ids"][1]) if meta.get("ids") else None
+    sizes = {"home": meta["disk"], "volume": meta.get("volume", VOLUME_SIZE)}
+    layers = [(str(t), str(layer)) for t, layer in meta.get("layers") or []]
+    script = boot.script(folder, name, image, meta["user"], meta["home"], sizes, ids, layers)
+
+    # sshd in a private mount namespace: empty home, private /tmp, no pip config of this machine
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    sshd_argv = _in_cgroup(_cgroup(meta), boot.argv(name, image, script))
+    if boot_delay > 0:
+        # like a booting VM: the address answers (refusing connections) before sshd is there
+        delayed = f"sleep {float(boot_delay)}; exec {shlex.join(sshd_argv)}"
+        _spawn(name, "boot", ["sh", "-c", delayed], folder / "sshd.log")
+    else:
+        proc = _spawn(name, "boot", sshd_argv, folder / "sshd.log")
+        _wait_for_sshd(name, meta["address"], int(meta["port"]), proc, folder / "sshd.log")
+
+
+def _serve_index(name: str, meta: dict[str, Any]) -> str | None:
+    """Serve the instance's package index (if it has one) inside it; its URL there."""
+    if not meta.get("index_dir"):
+        return None
+    folder = _folder(name)
+    server = [
+        "ip", "netns", "exec", network.netns(name), sys.executable, "-m", "http.server", str(INDEX_PORT),
+        "--bind", "127.0.0.1", "--directory", meta["index_dir"],
+    ]  # fmt: skip
+    _spawn(name, "index", _in_cgroup(_cgroup(meta), server), folder / "index.log")
+    _wait_for_index(name, folder / "index.log")
+    return f"http://127.0.0.1:{INDEX_PORT}/simple/"
+
+
+def _in_cgroup(cgroup: freezer.Cgroup | None, argv: list[str]) -> list[str]:
+    """argv, started inside the cgroup (so are its children): it moves itself there, then runs."""
+    if cgroup is None:
+        return argv
+    enter = f'echo $$ > {shlex.quote(str(cgroup.enter_file()))} && exec "$@"'
+    return ["sh", "-c", enter, "sh", *argv]
+
+
+def _save(folder: Path, meta: dict[str, Any]) -> None:
     tmp = folder / "instance.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, folder / "instance.json")
-    return inst
+
+
+def _meta(name: str) -> dict[str, Any]:
+    get(name)
+    return json.loads((_folder(name) / "instance.json").read_text())  # type: ignore[no-any-return]
 
 
 def _wait_for_sshd(
-    name: str, address: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 20
+    name: str, address: str, port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 20
 ) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -494,7 +407,7 @@ def _wait_for_sshd(
                 f"sandbox {name}: sshd exited (status {proc.returncode}) at start\n{_log_tail(log)}"
             )
         with contextlib.suppress(OSError):
-            socket.create_connection((address, SSH_PORT), timeout=0.5).close()
+            socket.create_connection((address, port), timeout=0.5).close()
             return
         if time.monotonic() > deadline:
             raise RelaunchError(
@@ -560,10 +473,48 @@ def _netns_pids(name: str) -> list[int]:
     return [int(p) for p in proc.stdout.split() if p.isdigit() and int(p) != os.getpid()]
 
 
+def _kill_all(name: str) -> None:
+    """SIGKILL every process of the instance: the recorded ones (delayed starters live outside the
+    netns), then everything in its netns (sshd, the image's PID 1 and every process under it,
+    tmux servers, trainers, nohup'd jobs: `ip netns pids` sees into nested PID namespaces)."""
+    folder = _folder(name)
+    for cgroup in freezer.of(name):
+        if cgroup.frozen():
+            cgroup.freeze(False)  # a frozen process does not die until thawed
+    # who is there before anything is killed: killing the boot process group or a PID 1 kills others
+    killed: dict[int, str | None] = {pid: _start_time(pid) for pid in _netns_pids(name)}
+    if folder.exists():
+        _kill_recorded(folder)
+    deadline = time.monotonic() + 10
+    while pids := _netns_pids(name):
+        for pid in pids:
+            killed.setdefault(pid, _start_time(pid))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _reap(name)
+        if time.monotonic() > deadline:
+            raise RelaunchError(f"sandbox {name}: processes {pids} survived SIGKILL")
+        time.sleep(0.02)
+    # A dying process leaves its namespaces (and `ip netns pids`) before the kernel has released its
+    # files: its listening socket still accepts for a moment. Gone means a zombie, or no process.
+    deadline = time.monotonic() + 30
+    while left := [pid for pid, start in killed.items()
+                   if start is not None and _start_time(pid) == start and _state(pid) not in (None, "Z")]:
+        _reap(name)
+        if time.monotonic() > deadline:
+            raise RelaunchError(f"sandbox {name}: processes did not exit 30s after SIGKILL: "
+                                + "; ".join(f"{pid} ({_state(pid)}) {_cmdline(pid)[:60]!r}" for pid in left))
+        time.sleep(0.02)
+    _reap(name, wait=True)
+    for pid_file in folder.glob("*.pid"):
+        pid_file.unlink()
+
+
 def destroy(name: str) -> bool:
-    """Power off and delete instance `name`: every process in it, its link, its netns, its state.
-    With the last instance of the sandbox dir its address range goes, with the last one on this
-    machine the `ubuntu` user's sudoers file and the user itself if the sandbox made it.
+    """Power off and delete instance `name`: every process in it, its disks, its link, its netns,
+    its state. With the last instance of the sandbox dir its address range goes, with the last one
+    on this machine the `ubuntu` user's sudoers file, the user itself if the sandbox made it, and
+    the mount points it made (each as soon as no instance needs it).
 
     Idempotent; works on half-created instances. Returns True if anything existed.
     """
@@ -581,27 +532,31 @@ def destroy(name: str) -> bool:
         slot = int((folder / "slot").read_text())
     existed = folder.exists() or netns_exists(name) or (slot is not None and network.link_exists(veths(slot)[0]))
 
+    _kill_all(name)
+    for cgroup in freezer.of(name):
+        cgroup.remove()
     if folder.exists():
-        _kill_recorded(folder)
-    # everything started over ssh (tmux servers, trainers, nohup'd jobs) lives in the netns
-    deadline = time.monotonic() + 10
-    while pids := _netns_pids(name):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        _reap(name)
-        if time.monotonic() > deadline:
-            raise RelaunchError(f"sandbox {name}: processes {pids} survived SIGKILL")
-        time.sleep(0.02)
-    _reap(name, wait=True)
+        boot.unmount_disks(folder)
 
     network.disconnect(name, slot)
     with network.machine_lock():  # under the lock that creates take: who is last is decided once
         shutil.rmtree(folder, ignore_errors=True)
         network.release(name, RUN_DIR)
+        boot.release_mount_points(_mount_points_needed())
         if not network.names_everywhere():
-            _restore_machine()
+            users.restore_ubuntu()
     return existed
+
+
+def _mount_points_needed() -> set[str]:
+    """The mount points of every instance on this machine, of every sandbox dir. Call under
+    machine_lock()."""
+    needed: set[str] = set()
+    for other in network.names_everywhere():
+        world = network.claimed_dir(other) or network.MACHINE_DIR
+        with contextlib.suppress(OSError, UsageError):
+            needed |= set(images.profile((world / other / "image").read_text().strip()).volume_paths(other))
+    return needed
 
 
 def _reap(name: str, wait: bool = False) -> None:
@@ -627,6 +582,7 @@ def _load(folder: Path) -> Instance | None:
             home=meta["home"],
             host_key_fingerprint=meta["host_key_fingerprint"],
             index_url=meta.get("index_url"),
+            image=meta.get("image", "default"),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -648,26 +604,62 @@ def get(name: str) -> Instance:
     return inst
 
 
-def _sshd_pid(name: str) -> int:
+def state(name: str) -> str:
+    """running, stopped or paused."""
+    return str(_meta(name).get("state", "running"))
+
+
+def _recorded_pid(folder: Path, role: str) -> int | None:
+    """The process recorded in <folder>/<role>.pid, if it is still the one recorded."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        pid, start = (folder / f"{role}.pid").read_text().split()[:2]
+        if _start_time(int(pid)) == start:
+            return int(pid)
+    return None
+
+
+def pid1(name: str) -> int | None:
+    """This machine's PID of the instance's PID 1 (an image with a PID namespace of its own), or
+    None while it is not running: the only child of the boot process (`unshare -f`)."""
+    boot_pid = _recorded_pid(_folder(name), "boot")
+    if boot_pid is None:
+        return None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        child = int(Path(f"/proc/{boot_pid}/task/{boot_pid}/children").read_text().split()[0])
+        # (not a delayed boot's `sleep`): PID 1 of a namespace below this one
+        nspid = next(ln for ln in Path(f"/proc/{child}/status").read_text().splitlines() if ln.startswith("NSpid:"))
+        if nspid.split()[1:] == [str(child), "1"]:
+            return child
+    return None
+
+
+def _anchor_pid(name: str) -> int:
+    """A process in every namespace of the instance, to enter them by: its PID 1, else sshd."""
     folder = _folder(name)
-    with contextlib.suppress(OSError, ValueError):
-        pid = int((folder / "sshd.pid").read_text().split()[0])
-        if f"{folder}/".encode() in _cmdline(pid):
+    if get(name).image != "default":
+        pid = pid1(name)
+        if pid is not None:
             return pid
-    raise UsageError(f"sandbox {name!r} is not running (sshd not started yet, or gone)")
+    else:
+        with contextlib.suppress(OSError, ValueError):
+            pid = int((folder / "sshd.pid").read_text().split()[0])
+            if f"{folder}/".encode() in _cmdline(pid):
+                return pid
+    raise UsageError(f"sandbox {name!r} is not running (sshd not started yet, stopped, or gone)")
 
 
 def run_in(name: str, argv: list[str], **kw: object) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
-    """Run argv inside the instance (its network and mount namespaces) as root, like a console.
+    """Run argv inside the instance (its network, mount and PID namespaces) as root, like a console.
 
     Keyword arguments go to subprocess.run (capture_output, text, check, input, timeout ...).
     The environment is a clean one like an ssh session's unless `env` is given.
     """
-    get(name)
-    pid = _sshd_pid(name)
+    inst = get(name)
+    pid = _anchor_pid(name)
     kw.setdefault("env", {"PATH": DEFAULT_PATH, "HOME": "/root", "USER": "root", "LANG": "C.UTF-8"})
     kw.setdefault("cwd", "/")
-    return subprocess.run(["nsenter", "-t", str(pid), "-n", "-m", "--", *argv], **kw)  # type: ignore[call-overload]
+    spaces = ["-n", "-m"] + (["-p"] if inst.image != "default" else [])
+    return subprocess.run(["nsenter", "-t", str(pid), *spaces, "--", *argv], **kw)  # type: ignore[call-overload]
 
 
 def commands(name: str) -> list[str]:
@@ -675,7 +667,7 @@ def commands(name: str) -> list[str]:
     byte (bytes that are not UTF-8 come back as surrogate escapes). Needs create(command_log=True)."""
     get(name)
     try:
-        data = (_folder(name) / COMMAND_LOG).read_bytes()
+        data = (_folder(name) / sshd.COMMAND_LOG).read_bytes()
     except FileNotFoundError:
         raise UsageError(
             f"sandbox {name!r} does not log commands", hint="create it with command_log=True"
@@ -687,13 +679,13 @@ def commands(name: str) -> list[str]:
 def set_link(name: str, up: bool) -> None:
     """Take the instance's link down (an outage: packets vanish, connections time out) or up again."""
     inst = get(name)
-    meta = json.loads((_folder(name) / "instance.json").read_text())
+    meta = _meta(name)
     network.set_link_state(name, int(meta["slot"]), up, IPv4Network(meta["range"]) if meta.get("range") else None)
-    if up:
+    if up and meta.get("state", "running") == "running":
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
-                socket.create_connection((inst.address, SSH_PORT), timeout=0.5).close()
+                socket.create_connection((inst.address, inst.port), timeout=0.5).close()
                 return
             time.sleep(0.1)
         raise RelaunchError(f"sandbox {name}: sshd not reachable 20s after the link came back up")
@@ -702,6 +694,5 @@ def set_link(name: str, up: bool) -> None:
 def set_silent(name: str, silent: bool) -> None:
     """Drop every packet to and from the instance without a word (a machine that lost power:
     nothing answers, nothing is refused), or let them pass again. Its processes go on."""
-    get(name)
-    meta = json.loads((_folder(name) / "instance.json").read_text())
+    meta = _meta(name)
     network.set_silent(name, int(meta["slot"]), silent, meta.get("rate"))

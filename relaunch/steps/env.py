@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import shlex
+import urllib.parse
 
 from .. import scripts
 from ..host.connection import upload_command
@@ -11,7 +12,8 @@ from ..host.facts import FREEZE_PY
 from ..job import Job, drift
 from ..plan import LOCAL, Action, Ref
 from ..transports import rsync
-from ..transports.tools import index_exports, tool_action
+from ..scripts import export_lines
+from ..transports.tools import index_exports, indexes_searched, tool_action
 
 LANE = "env"
 INSTALL_DEADLINE = 3600.0
@@ -42,6 +44,36 @@ def render_setup(job: Job) -> tuple[list[str], dict[str, str]]:
     return lines, env
 
 
+def provides_python(job: Job) -> bool:
+    """uv installs env.python: the image has no such Python and the installer is uv."""
+    return not job.facts.host.python and job.recipe.env.installer == "uv"
+
+
+def uv_makes_venv(job: Job) -> bool:
+    """uv (not `python -m venv`) makes the venv: it has a lock to install, or a Python to provide."""
+    return job.recipe.env.installer == "uv" and (bool(job.facts.lock) or provides_python(job))
+
+
+def venv_works(job: Job) -> bool:
+    """The venv is there, its python runs and is env.python's major.minor (a venv whose Python a
+    stop wiped, or one made with another Python, is made again)."""
+    host = job.facts.host
+    return host.venv_freeze is not None and host.venv_python.split(".")[:2] == job.recipe.env.python.split(".")
+
+
+def python_env(job: Job) -> dict[str, str]:
+    """uv's variables for the Python it provides: where it goes, and where it comes from (a URL may
+    hold a token: exported by the script on stdin, never an argument)."""
+    if not provides_python(job):
+        return {}
+    values = {"UV_PYTHON_INSTALL_DIR": job.paths.pythons}
+    mirror = job.recipe.env.python_mirror
+    if mirror:
+        own_list = urllib.parse.urlsplit(mirror).path.endswith(".json")
+        values["UV_PYTHON_DOWNLOADS_JSON_URL" if own_list else "UV_PYTHON_INSTALL_MIRROR"] = mirror
+    return values
+
+
 def plan_env(job: Job) -> list[Action]:
     recipe, paths, facts = job.recipe, job.paths, job.facts
     lock = facts.lock
@@ -53,29 +85,39 @@ def plan_env(job: Job) -> list[Action]:
     actions = [act("relaunch's folder on the instance",
                    command=f"mkdir -p -- {q(paths.state)} && chmod 700 -- {q(paths.state)}")]
 
-    installed = facts.host.venv_freeze
+    installed = facts.host.venv_freeze if venv_works(job) else None
     if installed is not None and lock and not drift(lock, installed):
         actions.append(act("venv", skip=f"venv {paths.venv} already matches the lock ({len(lock)} lines)"))
     elif installed is not None and not lock:
         actions.append(act("venv", skip=f"venv {paths.venv} exists and there is no env.lock"))
     else:
-        # the indexes above the script, so that a team's own env.sh.j2 gets them too
-        script = index_exports(job) + scripts.render(
-            "env.sh.j2", name=recipe.name, venv=paths.venv, python=facts.host.python, lock=paths.lock if lock else "",
-            installer=recipe.env.installer, system_site_packages=recipe.env.system_site_packages,
+        provide = provides_python(job)
+        # the indexes (and where uv gets the Python) above the script, so that a team's own env.sh.j2
+        # gets them too
+        exported = index_exports(job) + (export_lines(python_env(job)) if provide else "")
+        script = exported + scripts.render(
+            "env.sh.j2", name=recipe.name, venv=paths.venv, python=facts.host.python or recipe.env.python,
+            want=recipe.env.python, lock=paths.lock if lock else "", installer=recipe.env.installer,
+            uv=uv_makes_venv(job), provide=provide, system_site_packages=recipe.env.system_site_packages,
             templates=recipe.templates)
         if lock:
             actions.append(act(f"upload {recipe.env.lock} -> {paths.lock}", command=upload_command(paths.lock, 0o600),
                                stdin=recipe.env.lock))
-        if recipe.env.installer == "uv" and lock:
+        if uv_makes_venv(job):
             # straight from its wheel (a download and an unzip); the env script falls back to pip
             uv = tool_action(job, "uv", "env", "env")
             actions.append(act(uv.title, command=f"{uv.command} || true", stdin=uv.stdin, deadline=uv.deadline))
-        pinned = f"installing {len(lock)} pinned packages with {recipe.env.installer}"
-        actions.append(act(f"create {paths.venv}" + (f" and install {len(lock)} pinned packages" if lock else ""),
+        title = f"create {paths.venv}"
+        if facts.host.venv_freeze is not None and not venv_works(job):
+            title = (f"make {paths.venv} again (its Python is {facts.host.venv_python or 'broken'}, "
+                     f"env.python is {recipe.env.python})")
+        say = (f"installing {len(lock)} pinned packages with {recipe.env.installer} from {indexes_searched(recipe)}"
+               if lock else "creating the venv")
+        if provide:
+            say = f"Python {recipe.env.python} from uv (the image has none) into {paths.pythons}; {say}"
+        actions.append(act(title + (f" and install {len(lock)} pinned packages" if lock else ""),
                            command="bash -s", stdin=script.encode(), deadline=INSTALL_DEADLINE,
-                           say=pinned if lock else "creating the venv", explain="checks.install_failure",
-                           progress="time",
+                           say=say, explain="checks.install_failure", progress="time",
                            hint="the full output is in the debug log (relaunch -v shows it live)"))
 
     for local, remote_path in recipe.env.files.items():

@@ -15,17 +15,22 @@ from .env import exports
 from .guard import guard_paths, plan_guard
 
 WATCH_SLACK = 30.0       # seconds beyond the grace for the watch itself (python start, a slow box)
+START_MARK = "=== relaunch: start "     # the line run.sh writes into the log at each start
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+
+SHUTDOWN_MARGIN = 15.0   # seconds torchrun waits beyond run.stop.timeout before it kills its ranks
 
 
 def launcher_env(job: Job) -> dict[str, str]:
     """torchrun SIGKILLs its ranks 30 s after the stop signal reaches it (with every rank: the
     process group), however long run.stop.timeout waits: a save that takes longer (a big model's
-    DCP checkpoint, a loaded box) was cut short. It waits run.stop.timeout too, unless the recipe's
-    env.vars says otherwise (a `--shutdown-timeout` in the command wins over both)."""
+    DCP checkpoint, a loaded box) was cut short. It waits run.stop.timeout and a margin, so that a
+    save that ends as relaunch's wait does is not killed on the way, unless the recipe's env.vars says
+    otherwise (a `--shutdown-timeout` in the command wins over both)."""
     if SHUTDOWN in job.recipe.env.vars:
         return {}
-    return {SHUTDOWN: str(math.ceil(job.recipe.run.stop.timeout))}
+    return {SHUTDOWN: str(math.ceil(job.recipe.run.stop.timeout + SHUTDOWN_MARGIN))}
 
 
 def render_run_script(job: Job) -> str:
@@ -37,6 +42,7 @@ def render_run_script(job: Job) -> str:
                           status_file=paths.status_file,
                           pgid_file=paths.pgid_file, python_path=paths.python_path,
                           stop_signal=job.recipe.run.stop.signal, notice_file=guard_paths(job).notice,
+                          start_mark=START_MARK,
                           templates=job.recipe.templates)
 
 

@@ -9,15 +9,19 @@ from ..job import Job
 from ..plan import Action
 from ..recipe.disks import recipe_disk_warnings, too_small
 from ..ui import human
+from .env import provides_python, uv_makes_venv, venv_works
 
 GiB = 1024**3
+# where a recipe puts these by default: the home folder, which any login user can write
+HOME_DEFAULTS = {"checkpoint.dir": "~/ckpt", "env.venv": "~/venvs/{name}"}
 
 
 def missing_packages(job: Job) -> list[str]:
     facts = job.facts.host
     missing = [tool for tool in ("tmux", "rsync") if not facts.tools.get(tool)]
     missing += [p for p in facts.missing_apt if p not in missing]
-    if facts.python and not facts.venv_module:
+    if facts.python and not facts.venv_module and not uv_makes_venv(job):
+        # only where pip makes the venv (`python -m venv`): uv needs no venv module
         missing.append(f"python{job.recipe.env.python}-venv")
     return missing
 
@@ -59,8 +63,12 @@ def summary(job: Job) -> list[str]:
         gpus = f"unknown ({facts.gpu_error})"
     else:
         gpus = "none (fine for a CPU run)"
-    lines = [f"python {facts.python or '-'} ({facts.python3_version}), {human(facts.free_ckpt)} free for "
-             f"checkpoints, GPUs: {gpus}"]
+    python = facts.python or "-"
+    if provides_python(job):
+        python = f"{job.recipe.env.python} from uv (the image has none; python3 is {facts.python3_version or '-'})"
+    else:
+        python += f" ({facts.python3_version})"
+    lines = [f"python {python}, {human(facts.free_ckpt)} free for checkpoints, GPUs: {gpus}"]
     if facts.free_venv < GiB:
         lines.append(f"warning: only {human(facts.free_venv)} free where the venv goes ({paths.venv})")
     return lines + disk_warnings(job)
@@ -69,13 +77,29 @@ def summary(job: Job) -> list[str]:
 def plan_preflight(job: Job, checkpoint_bytes: int) -> list[Action]:
     """Raise EnvError (exit 4) when the instance cannot work; else plan the missing system packages."""
     recipe, facts, paths = job.recipe, job.facts.host, job.paths
-    if not facts.python:
-        found = f"python3 is {facts.python3_version}" if facts.python3_version else "no python3 at all"
+    found = f"python3 is {facts.python3_version}" if facts.python3_version else "no python3 at all"
+    if not facts.python and not provides_python(job):
         raise EnvError(
             f"{job.host}: preflight: env.python is {recipe.env.python} but the instance has no "
             f"python{recipe.env.python} ({found})",
-            f"choose an image with Python {recipe.env.python}, or set env.python to what it has",
+            f"set env.installer: uv, which provides Python {recipe.env.python} (from env.python_mirror on an "
+            "instance without internet access); or choose an image with it, or set env.python to what it has",
         )
+    if provides_python(job) and not facts.python3_version and not venv_works(job):
+        # uv is put in place by templates/tool.py, which any python3 runs
+        raise EnvError(f"{job.host}: preflight: env.python is {recipe.env.python}, which uv would provide, but the "
+                       "instance has no python3 at all to put uv in place with",
+                       "choose an image with a python3 (any 3.8 or newer)")
+    blocked = [(key, path, folder) for key, path, folder in (("checkpoint.dir", paths.ckpt_dir, facts.ckpt_blocked),
+                                                              ("env.venv", paths.venv, facts.venv_blocked)) if folder]
+    if blocked:
+        # else the checkpoint step fails on mkdir (exit 5: "rerunning resumes", which it never would); a
+        # recipe made for one provider's disks (RunPod's /workspace) meets an image without them
+        where = "; ".join(f"{key} {path}: {facts.user} cannot create it in {folder}" for key, path, folder in blocked)
+        sets = " ".join(f"--set '{key}={HOME_DEFAULTS[key].format(name=recipe.name)}'" for key, _, _ in blocked)
+        raise EnvError(f"{job.host}: preflight: {where}",
+                       f"point it at a folder this user can write, e.g. {sets} (and the same folder in run.command), "
+                       "or extend the base recipe of this instance's provider (`relaunch providers`)")
     if checkpoint_bytes and facts.free_ckpt < checkpoint_bytes * 1.05:
         raise EnvError(
             f"{job.host}: preflight: the checkpoint needs {human(checkpoint_bytes)} but only "

@@ -13,19 +13,50 @@ STOPPED = "stopped"
 STILL_RUNNING = "still running"
 
 
+# The start time of a process, as the kernel counts it (field 22 of /proc/PID/stat; the command name
+# before it may hold spaces): with the pid and the boot it names one process, never a later reuse.
+START_OF = "sed 's/.*) //' /proc/{pid}/stat 2>/dev/null | cut -d' ' -f20"
+
+
+def group_script(job: Job) -> str:
+    """Shell that sets `pg` to the training's process group, or leaves it empty: the group run.sh
+    recorded (`PGID START BOOT_ID`), only while its leader is that same process of this boot (after a
+    reboot, or once it exited, the number may be another group's); else, for a run relaunch did not
+    start (`relaunch adopt`), the foreground group of the training's tmux pane."""
+    q, paths = shlex.quote, job.paths
+    pane = q("=" + job.recipe.run.session + ":")
+    return (
+        f"pg=; boot=$(cat /proc/sys/kernel/random/boot_id 2>/dev/null); "
+        f"if read -r g s b 2>/dev/null < {q(paths.pgid_file)} && [ -n \"$g\" ]; then "
+        f"if [ -n \"$b\" ]; then "
+        f"if [ \"$b\" = \"$boot\" ] && [ \"$({START_OF.format(pid='$g')})\" = \"$s\" ]; then pg=$g; fi; "
+        # a pgid file of an earlier relaunch (the group alone): trusted only while its session runs
+        f"elif tmux has-session -t {q('=' + job.recipe.run.session)} 2>/dev/null; then pg=$g; fi; "
+        f"elif p=$(tmux display-message -p -t {pane} '#{{pane_pid}}' 2>/dev/null) && [ -n \"$p\" ]; then "
+        "t=$(ps -o tpgid= -p \"$p\" 2>/dev/null | tr -d ' '); "
+        # the pane's foreground group, unless that is a shell idle at its prompt (the command ended)
+        "c=$(ps -o comm= -p \"$p\" 2>/dev/null); idle=; case \"$c\" in bash|sh|dash|zsh|fish|ksh|tcsh|csh) "
+        "[ \"$t\" = \"$p\" ] && [ -z \"$(ps -o pid= --ppid \"$p\")\" ] && idle=1;; esac; "
+        "if [ -n \"$t\" ] && [ \"$t\" != -1 ] && [ -z \"$idle\" ]; then pg=$t; fi; fi"
+    )
+
+
 def signal_command(job: Job) -> str:
     """run.stop.signal to the training's process group (torchrun and every rank it started)."""
     q = shlex.quote
-    return f"pgid=$(cat -- {q(job.paths.pgid_file)}) && kill -s {q(job.recipe.run.stop.signal)} -- -\"$pgid\""
+    return (f"{group_script(job)}; if [ -z \"$pg\" ]; then echo 'relaunch: no training process to signal (no pgid "
+            f"file of this boot, no command in the tmux pane): it has ended'; exit 0; fi; "
+            f"kill -s {q(job.recipe.run.stop.signal)} -- -\"$pg\"")
 
 
 def end_command(job: Job) -> str:
     """End the training at once, no save: its tmux session and its guard's, then SIGKILL to its
     process group while the command has not finished (no exit status yet, so the group is still
     its own: a launcher that outlives its session, torchrun waiting on a lost node, is ended too),
-    waiting up to 10 s for the group to be gone."""
+    waiting up to 10 s for the group to be gone. A group that is no longer the training's (a pgid
+    file from before a reboot) is left alone."""
     q, paths, session = shlex.quote, job.paths, job.recipe.run.session
-    return (f"pg=$(cat -- {q(paths.pgid_file)} 2>/dev/null); tmux kill-session -t {q('=' + session)} 2>/dev/null; "
+    return (f"{group_script(job)}; tmux kill-session -t {q('=' + session)} 2>/dev/null; "
             f"tmux kill-session -t {q('=' + session + '-guard')} 2>/dev/null; "
             f"if [ -n \"$pg\" ] && [ ! -s {q(paths.status_file)} ]; then kill -KILL -- \"-$pg\" 2>/dev/null; "
             "i=0; while kill -0 -- \"-$pg\" 2>/dev/null && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done; fi; true")
@@ -38,7 +69,11 @@ def plan_stop(job: Job) -> list[Action]:
     q = shlex.quote
     signal = signal_command(job)
     timeout = int(stop.timeout + 0.999)
-    wait = (f"end=$((SECONDS + {timeout})); while tmux has-session -t {q('=' + session)} 2>/dev/null; do "
+    # a run relaunch started ends with its tmux session (run.sh writes the exit status, then exits);
+    # in the session of a run started by hand a shell stays when the command ends: its group is what ends
+    running = (f"{{ [ -s {q(job.paths.pgid_file)} ] && tmux has-session -t {q('=' + session)} 2>/dev/null; }} || "
+               "{ [ -n \"$pg\" ] && kill -0 -- \"-$pg\" 2>/dev/null; }")
+    wait = (f"{group_script(job)}; end=$((SECONDS + {timeout})); while {running}; do "
             f"if [ \"$SECONDS\" -ge \"$end\" ]; then echo {q(STILL_RUNNING)}; exit 0; fi; sleep 1; done; "
             f"echo \"{STOPPED} $(cat -- {q(job.paths.status_file)} 2>/dev/null)\"")
     return [

@@ -66,6 +66,7 @@ from .. import processes
 from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError, shorten
 from ..host.hashing import FileHash
 from ..job import Job, StoreState
+from ..layouts.base import last_int
 from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
 from ..recipe import Recipe
@@ -560,6 +561,7 @@ class HfStore(Store):
         return bool(self._against_head(attempt, f"writing {rel}"))
 
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
+        self._delete_orphans()
         preview = StoreManifest(recipe=manifest.recipe, checkpoints=dict(manifest.checkpoints))
         if not preview.drop_beyond(keep, protect):
             return []
@@ -576,6 +578,36 @@ class HfStore(Store):
         self.manifest = manifest
         self._delete_unlisted(dropped)
         return [r.name for r in dropped]
+
+    def _delete_orphans(self) -> None:
+        """Remove the instance uploads left in `.relaunch/incoming/` that nothing will move into place
+        (their relaunch was killed between the upload and the move, or their check failed): those of
+        a checkpoint the head records (it is in place, from this upload or another writer's) and those
+        older than the oldest checkpoint the head keeps (keep would prune them). An upload of a newer
+        checkpoint stays: another writer may be about to move it."""
+        from huggingface_hub import CommitOperationDelete
+
+        def attempt() -> tuple[str, str] | None:
+            snap = self._head_snapshot()
+            records = self._manifest_at(snap).checkpoints
+            oldest = min((r.step for r in records.values()), default=None)
+
+            def orphan(path: str) -> bool:
+                parts = path[len(INCOMING) + 1:].split("/")
+                name = parts[1] if len(parts) >= 2 else ""        # <tag>/<checkpoint>[/file...]
+                step = last_int(name)
+                return bool(name) and (name in records or (oldest is not None and step is not None and step < oldest))
+
+            gone = sorted(p for p in snap.files if p.startswith(INCOMING + "/") and orphan(p))
+            if not gone:
+                return None
+            ops = [CommitOperationDelete(self._rp(p)) for p in gone]
+            return self._commit(ops, f"relaunch: remove {len(gone)} leftover upload file(s)", snap.sha,
+                                "removing leftover uploads"), snap.sha
+
+        done = self._against_head(attempt, "removing leftover uploads")
+        if done is not None and done[1] == self._revision:
+            self._revision = done[0]
 
     def _delete_unlisted(self, dropped: list[CheckpointRecord]) -> None:
         """Delete the files of dropped records that no record lists at the head the deletion is

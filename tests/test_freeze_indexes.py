@@ -1,0 +1,236 @@
+"""`relaunch freeze` records the package indexes the instance's pip and uv use: reading their
+configuration (pure, from what templates/indexes.py prints) and editing the recipe file in place."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relaunch.errors import UsageError
+from relaunch.freeze import index_change
+from relaunch.host.indexes import combined, pip_indexes, uv_indexes
+from relaunch.recipe import load_recipe
+from relaunch.recipe.edit import Edit, apply, scalar
+
+REPO = Path(__file__).resolve().parents[1]
+CU = "https://download.pytorch.org/whl/cu124"
+PYPI = "https://pypi.org/simple"
+MIRROR = "https://mirror.example.com/simple"
+
+
+# -- reading pip's and uv's configuration ----------------------------------------------------------
+
+def test_pip_config_list_install_over_global_and_the_login_environment_over_both() -> None:
+    listed = f"global.index-url='{PYPI}'\ninstall.index-url='{CU}'\nglobal.extra-index-url='{MIRROR}\\nhttps://b/simple'\n"
+    found = pip_indexes({"pip_config": listed, "pip_files": [["/etc/pip.conf", "[global]\nindex-url = x\n"]]})
+    assert (found.index_url, found.extra) == (CU, [MIRROR, "https://b/simple"])
+    assert found.where == {CU: "pip config list: install.index-url", MIRROR: "pip config list: global.extra-index-url",
+                           "https://b/simple": "pip config list: global.extra-index-url"}
+    found = pip_indexes({"pip_config": listed, "env": {"PIP_INDEX_URL": "https://env/simple"}})
+    assert found.index_url == "https://env/simple"
+    assert found.where["https://env/simple"] == "PIP_INDEX_URL in the login environment"
+
+
+def test_pip_files_when_there_is_no_pip_to_ask_later_files_win() -> None:
+    files = [["/etc/pip.conf", f"[global]\nindex-url = {PYPI}\nextra-index-url = {MIRROR}\n"],
+             ["/root/.config/pip/pip.conf", f"[global]\nindex-url = {CU}\n"],
+             ["/root/venv/pip.conf", "not an ini file ["]]
+    found = pip_indexes({"pip_config": None, "pip_files": files})
+    assert (found.index_url, found.extra) == (CU, [MIRROR])
+    assert found.shown() == (f"{CU} (/root/.config/pip/pip.conf [global] index-url), "
+                             f"{MIRROR} (/etc/pip.conf [global] extra-index-url)")
+
+
+def test_uv_toml_index_tables_the_pip_table_and_uv_variables() -> None:
+    system = f'index-url = "{PYPI}"\n'
+    user = (f'extra-index-url = ["{MIRROR}"]\n[[index]]\nname = "pytorch"\nurl = "{CU}"\ndefault = true\n'
+            '[[index]]\nurl = "https://other/simple"\n')
+    found = uv_indexes({"uv_files": [["/etc/uv/uv.toml", system], ["/root/.config/uv/uv.toml", user]]})
+    assert (found.index_url, found.extra) == (CU, [MIRROR, "https://other/simple"])
+    found = uv_indexes({"uv_files": [["/etc/uv/uv.toml", f'[pip]\nindex-url = "{CU}"\n']],
+                        "env": {"UV_INDEX": f"torch={CU} https://x/simple", "UV_DEFAULT_INDEX": PYPI}})
+    assert (found.index_url, found.extra) == (PYPI, [CU, "https://x/simple"])
+    assert uv_indexes({"uv_files": [["/etc/uv/uv.toml", "= broken"]]}).urls == []
+
+
+def test_both_tools_the_installers_default_first_the_others_an_extra() -> None:
+    doc = {"pip_config": f"global.index-url='{CU}'\n", "uv_files": [["/etc/uv/uv.toml", f'index-url = "{PYPI}"\n']]}
+    assert (combined(doc, "uv").index_url, combined(doc, "uv").extra) == (PYPI, [CU])
+    assert (combined(doc, "pip").index_url, combined(doc, "pip").extra) == (CU, [PYPI])
+
+
+def test_every_instance_script_is_python_3_8() -> None:
+    """The scripts that run with the instance's python3 (Ubuntu 20.04 ships 3.8) use no newer syntax."""
+    import ast
+
+    for script in sorted((REPO / "templates").glob("*.py")):
+        ast.parse(script.read_text(), str(script), feature_version=(3, 8))
+
+
+def test_the_reader_runs_on_python_3_8(tmp_path: Path) -> None:
+    """templates/indexes.py runs on the instance with the venv's Python, which may be 3.8."""
+    pythons = sorted(Path("/root/.pyenv/versions").glob("3.8.*/bin/python3.8"))
+    python = str(pythons[-1]) if pythons else sys.executable
+    out = subprocess.run([python, str(REPO / "templates" / "indexes.py"), str(tmp_path)], capture_output=True,
+                         text=True, check=True, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert '"uv_files": []' in out.stdout
+
+
+# -- editing the recipe file -----------------------------------------------------------------------
+
+RECIPE = """\
+# my run
+name: r
+env:
+  python: "3.11"   # the image's
+  # where packages come from
+  index_url: https://old/simple   # the team mirror
+  extra_index_urls:
+    - https://a/simple   # first
+    # a comment between items
+    - https://b/simple
+  lock: requirements.lock
+checkpoint: {remote: ./store}
+run:
+  command: python train.py
+"""
+
+
+def test_a_scalar_is_replaced_on_its_line_and_its_comment_kept() -> None:
+    out = apply(RECIPE, "r.yaml", [Edit("index_url", CU, 6)])
+    assert out.splitlines()[5] == f"  index_url: {CU}   # the team mirror"
+    assert out.replace(CU, "https://old/simple") == RECIPE
+
+
+def test_a_block_list_gains_items_after_its_last_one() -> None:
+    out = apply(RECIPE, "r.yaml", [Edit("extra_index_urls", ["https://a/simple", "https://b/simple", CU], 7)])
+    assert out.splitlines()[7:12] == ["    - https://a/simple   # first", "    # a comment between items",
+                                      "    - https://b/simple", f"    - {CU}", "  lock: requirements.lock"]
+
+
+def test_a_flow_list_is_rewritten_on_its_line_and_a_missing_key_goes_under_env(tmp_path: Path) -> None:
+    text = "name: r\nenv:\n  python: '3.11'\n  extra_index_urls: []  # none yet\ncheckpoint: {remote: ./s}\n" \
+           "run: {command: x}\n"
+    out = apply(text, "r.yaml", [Edit("extra_index_urls", [PYPI], 4), Edit("index_url", CU)])
+    assert out == (f"name: r\nenv:\n  python: '3.11'\n  extra_index_urls: [{PYPI}]  # none yet\n  index_url: {CU}\n"
+                   "checkpoint: {remote: ./s}\nrun: {command: x}\n")
+    path = tmp_path / "r.yaml"
+    path.write_text(out)
+    r = load_recipe(path)
+    assert (r.env.index_url, r.env.extra_index_urls) == (CU, [PYPI])
+
+
+def test_no_env_block_gets_one_and_a_flow_env_is_refused_with_what_to_write() -> None:
+    out = apply("name: r\nextends: base.yaml\n", "r.yaml", [Edit("index_url", CU)])
+    assert out == f"name: r\nextends: base.yaml\n\nenv:\n  index_url: {CU}\n"
+    with pytest.raises(UsageError) as info:
+        apply("name: r\nenv: {python: '3.11'}\n", "r.yaml", [Edit("index_url", CU)])
+    assert str(info.value) == "r.yaml: cannot edit env.index_url in place: its env: is written in flow style"
+    assert info.value.hint == f"write `index_url: {CU}` under env: yourself, then rerun `relaunch freeze`"
+
+
+def test_scalars_that_yaml_would_read_otherwise_are_quoted() -> None:
+    assert scalar(CU) == CU
+    assert scalar("https://h/simple #x") == '"https://h/simple #x"'
+    assert scalar("yes") == '"yes"'
+
+
+# -- what freeze writes ----------------------------------------------------------------------------
+
+def recipe_at(folder: Path, text: str, base: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    if base is not None:
+        (folder / "base.yaml").write_text(base)
+    path = folder / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_additive_what_the_recipe_names_stays_and_the_instances_indexes_are_added(tmp_path: Path) -> None:
+    path = recipe_at(tmp_path, RECIPE)
+    doc = {"pip_config": f"global.index-url='{CU}'\nglobal.extra-index-url='https://a/simple'\n"}
+    change, warnings = index_change(load_recipe(path), doc)
+    assert change is not None and not warnings
+    assert (change.index_url, change.extra) == ("https://old/simple", ["https://a/simple", "https://b/simple", CU])
+    assert change.new == RECIPE.replace("    - https://b/simple\n", f"    - https://b/simple\n    - {CU}\n")
+    path.write_text(change.new)
+    assert index_change(load_recipe(path), doc) == (None, [])          # now it says the same
+
+
+def test_a_key_from_a_base_file_is_overridden_in_the_top_file_never_edited_there(tmp_path: Path) -> None:
+    base = f"env:\n  python: '3.11'\n  extra_index_urls: [{MIRROR}]\n"
+    path = recipe_at(tmp_path, "name: r\nextends: base.yaml\ncheckpoint: {remote: ./s}\nrun: {command: x}\n", base)
+    change, _ = index_change(load_recipe(path), {"uv_files": [["/etc/uv/uv.toml", f'index-url = "{CU}"\n']],
+                                                 "pip_config": f"global.extra-index-url='{PYPI}'\n"})
+    assert change is not None
+    assert change.new.endswith(f"\nenv:\n  index_url: {CU}\n  extra_index_urls: [{MIRROR}, {PYPI}]\n")
+    assert (tmp_path / "base.yaml").read_text() == base
+
+
+def test_a_url_with_a_credential_is_never_written_and_the_warning_says_what_to_do(tmp_path: Path) -> None:
+    path = recipe_at(tmp_path, "name: r\nenv: {python: '3.11'}\ncheckpoint: {remote: ./s}\nrun: {command: x}\n")
+    doc = {"pip_config": None, "env": {"PIP_INDEX_URL": "https://me:s3cr3t-t0ken@private.example.com/simple"}}
+    change, warnings = index_change(load_recipe(path), doc)
+    assert change is None
+    assert len(warnings) == 1 and "s3cr3t-t0ken" not in warnings[0]
+    assert "https://***@private.example.com/simple (PIP_INDEX_URL in the login environment) carries a credential: " \
+           f"not written into {path}" in warnings[0]
+    assert warnings[0].endswith('--set env.index_url="$INDEX_URL"')
+
+
+# -- on a sandbox instance -------------------------------------------------------------------------
+
+def test_freeze_writes_the_indexes_of_the_instances_pip_conf_and_uv_toml_into_the_recipe(
+        tmp_path, sandbox, ssh, ssh_key, package_index):
+    from e2e import run_cli
+
+    inst = sandbox(index_dir=package_index)
+    ssh(inst, f"python3 -m venv ~/venvs/frozen && ~/venvs/frozen/bin/pip install -q --index-url {inst.index_url} "
+              "mpmath==1.3.0")
+    team = "https://pypi.team.example/simple"
+    token = "tok3n-never-written"
+    ssh(inst, "mkdir -p ~/.config/pip ~/.config/uv && "
+              f"printf '[global]\\nindex-url = {CU}\\n' > ~/.config/pip/pip.conf && "
+              f"printf '[[index]]\\nname = \"team\"\\nurl = \"{team}\"\\n' > ~/.config/uv/uv.toml && "
+              f"echo 'export UV_EXTRA_INDEX_URL=https://me:{token}@private.example.com/simple' > ~/.profile")
+    (tmp_path / "requirements.lock").write_text("mpmath==1.3.0\n")
+    recipe = tmp_path / "recipe.yaml"
+    text = ("# the team's fine-tune\n"
+            "name: frozen\n"
+            f"ssh: {{key: {ssh_key}, wait: 20}}\n"
+            "env:\n"
+            "  python: \"3.11\"      # what the image has\n"
+            "  venv: ~/venvs/frozen\n"
+            "  lock: requirements.lock   # relaunch freeze writes it\n"
+            "checkpoint:\n"
+            "  remote: ./store   # beside this file\n"
+            "run:\n"
+            "  command: sleep 600\n")
+    recipe.write_text(text)
+    home = tmp_path / "state"
+
+    out = run_cli("freeze", str(recipe), inst.host, "--yes", home=home)
+    assert out.returncode == 0, out.stderr
+    assert recipe.read_text() == text.replace("  lock: requirements.lock   # relaunch freeze writes it\n",
+                                              "  lock: requirements.lock   # relaunch freeze writes it\n"
+                                              f"  index_url: {CU}\n  extra_index_urls: [{team}]\n")
+    assert f"+  index_url: {CU}" in out.stdout                                     # shown as a diff
+    # uv's first (the recipe's installer), its variables' indexes before its files'
+    assert (f"the instance's indexes: {CU} (pip config list: global.index-url), https://***@private.example.com/simple "
+            f"(UV_EXTRA_INDEX_URL in the login environment), {team} (/root/.config/uv/uv.toml [[index]] team)"
+            ) in out.stderr
+    assert token not in out.stdout + out.stderr + recipe.read_text()
+    assert ("https://***@private.example.com/simple (UV_EXTRA_INDEX_URL in the login environment) carries a "
+            "credential") in out.stderr
+    assert (tmp_path / "requirements.lock").read_text() == "mpmath==1.3.0\n"    # the lock already matched
+    r = load_recipe(recipe)
+    assert (r.env.index_url, r.env.extra_index_urls) == (CU, [team])
+    check = run_cli("check", str(recipe), home=home)
+    assert check.returncode == 0, check.stderr
+
+    again = run_cli("freeze", str(recipe), inst.host, "--yes", "--json", home=home)
+    assert again.returncode == 0, again.stderr
+    assert '"changed": false' in again.stdout and "the recipe names its indexes" in again.stderr
