@@ -13,13 +13,15 @@ import pytest
 
 from e2e import plain_recipe, wait_for
 
+from relaunch import processes
+from relaunch.errors import RelaunchError
 from relaunch.host.spec import HostSpec
 from relaunch.recipe.loader import load_recipe
 from relaunch.steps.evacuate import Report
 from relaunch.ui import UI
 from relaunch.watch import Watch
 from relaunch.watch.looks import Looker
-from relaunch.watch.rounds import Rounds, child_argv
+from relaunch.watch.rounds import InternalError, Rounds, child_argv, parse
 
 
 def test_a_round_whose_child_exits_1_ends_with_an_internal_error_and_is_not_tried_again(tmp_path: Path) -> None:
@@ -89,3 +91,25 @@ def test_a_round_that_began_after_a_failed_look_clears_the_silence(tmp_path, mon
     wait_for("the round to end", lambda: not watch.rounds.busy and began.exists(), timeout=30, every=0.05)
     watch.drain()
     assert looker.view().silent_since is None
+
+
+def test_a_real_rounds_failure_document_is_read_as_its_error(tmp_path, monkeypatch, ssh_key) -> None:
+    """The child as the watch runs it (`relaunch sync ... --once --json`), against an address where
+    nothing listens: its one JSON document (indented, the error a field of it) is read as the
+    round's error, a failure worth another try, not an internal error."""
+    monkeypatch.setenv("RELAUNCH_HOME", str(tmp_path / "state"))
+    recipe = plain_recipe(tmp_path, name="refused", key=ssh_key)
+    done = processes.run(child_argv(str(recipe), ["root@127.0.0.1:9"], ["ssh.wait=1"]), deadline=120)
+    assert done.status == 6 and done.stdout.startswith(b"{\n"), done.err      # one indented document
+    answer = parse(done.status, done.stdout, done.stderr)
+    assert isinstance(answer, RelaunchError) and not isinstance(answer, InternalError), answer
+    assert "127.0.0.1" in answer.message and not answer.refused
+
+
+def test_a_round_document_with_its_report_and_its_error_is_the_report() -> None:
+    """A round that copied but did not verify the instance's newest (exit 6): the report travels with
+    the error in the one document; the watch takes the report (its lag), as a round that worked."""
+    document = {**Report(store="/s", copied=["ckpt-2.pt"]).as_dict(), "error": "ckpt-3.pt is not verified",
+                "hint": None, "exit": 6, "refused": False}
+    answer = parse(6, json.dumps(document, indent=2).encode(), b"")
+    assert isinstance(answer, Report) and answer.copied == ["ckpt-2.pt"]

@@ -67,18 +67,33 @@ class InternalError(RelaunchError):
     """The round's child exited 1: relaunch's own failure (exit 1 in the contract), never retried."""
 
 
-def parse(status: int | None, stdout: bytes, stderr: bytes) -> Report | RelaunchError:
-    """The child's answer: its report (first JSON line with a store), or its error as ours; exit 1
-    (an internal error) is an InternalError whatever the child printed."""
-    report, failure = None, None
-    for line in stdout.decode(errors="replace").splitlines():
+def _documents(text: str) -> list[Any]:
+    """The JSON on the child's stdout: its one document (`--json` prints one, indented), else (a
+    child that printed something beside it) each line that parses."""
+    try:
+        return [json.loads(text)]
+    except ValueError:
+        pass
+    found = []
+    for line in text.splitlines():
         try:
-            data = json.loads(line)
+            found.append(json.loads(line))
         except ValueError:
             continue
-        if isinstance(data, dict) and "store" in data and "copied" in data:
+    return found
+
+
+def parse(status: int | None, stdout: bytes, stderr: bytes) -> Report | RelaunchError:
+    """The child's answer: its report (the document with a store; a round not verified carries its
+    error beside it), or its error as ours; exit 1 (an internal error) is an InternalError whatever
+    the child printed."""
+    report, failure = None, None
+    for data in _documents(stdout.decode(errors="replace")):
+        if not isinstance(data, dict):
+            continue
+        if "store" in data and "copied" in data:
             report = report_from(data)
-        elif isinstance(data, dict) and "error" in data:
+        if "error" in data:
             failure = data
     lines = [ln for ln in stderr.decode(errors="replace").splitlines() if ln.strip()][-3:]
     if status == 1:
