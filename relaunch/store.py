@@ -20,6 +20,7 @@ One writer at a time: nothing here locks the store against a concurrent sync/eva
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ import re
 import shutil
 import stat
 import tempfile
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, UTC
 from pathlib import Path
@@ -35,6 +37,7 @@ from typing import Any
 from relaunch.errors import CheckpointError, EvacuationError, UsageError
 
 META_DIR = ".relaunch"
+SWAP_WAIT = 30.0        # seconds a compare-and-set of a metadata file waits for another one (held for milliseconds)
 MANIFEST = "manifest.json"
 PARTIAL = "partial"
 DAMAGED = "damaged"          # store files that no longer matched their record, set aside (never deleted)
@@ -336,6 +339,33 @@ class LocalStore:
             raise UsageError(f"write_meta: {filename!r} is not a plain metadata file name")
         self.meta.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.meta / filename, text)
+
+    def swap_meta(self, filename: str, expected: str | None, text: str, wait: float = SWAP_WAIT) -> bool:
+        """Compare and set `.relaunch/<filename>`: write `text` (atomically) only while it holds
+        `expected` (None: absent); False, writing nothing, when it holds anything else. Every writer
+        that comes this way takes an fcntl lock on `.relaunch/.<filename>.lock` first, which holds
+        for every process of this machine and, through a shared mount that supports locks, of others."""
+        if "/" in filename or filename in ("", ".", "..", MANIFEST, PARTIAL):
+            raise UsageError(f"swap_meta: {filename!r} is not a plain metadata file name")
+        self.meta.mkdir(parents=True, exist_ok=True)
+        with open(self.meta / f".{filename}.lock", "a") as handle:
+            end = time.monotonic() + wait
+            while True:
+                try:
+                    fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    if time.monotonic() > end:
+                        raise EvacuationError(f"{self.root}: {META_DIR}/{filename} stayed locked by another "
+                                              f"writer for {wait:g}s") from None
+                    time.sleep(0.05)
+            try:
+                if self.read_meta(filename) != expected:
+                    return False
+                _atomic_write(self.meta / filename, text)
+                return True
+            finally:
+                fcntl.lockf(handle, fcntl.LOCK_UN)
 
     def read_meta(self, filename: str) -> str | None:
         """`.relaunch/<filename>`, None when it does not exist."""

@@ -134,6 +134,49 @@ def sync_round(at_start: str | None, verified_now: list[str], newest: str | None
     return Verdict(True, f"{at_start} is in the store, checked after the copy{later}")
 
 
+@dataclass(frozen=True)
+class NoticeCopy:
+    """What was seen of the save a reclaim notice asked for and of its copy."""
+
+    save_state: str | None           # the guard's word: saved (exit 0 after the stop), not running, still running...
+    noticed_at: float                # when the guard saw the notice (the instance's clock)
+    deadline: float                  # the notice's deadline (the instance's clock)
+    finished: float                  # when the copy's verdict was given (this machine's clock)
+    newest: str | None = None        # the newest complete checkpoint on the instance after the stop
+    newest_step: int | None = None
+    newest_mtime: float | None = None    # when its last file was written (the instance's clock)
+    verified_now: tuple[str, ...] = ()   # checkpoints checked in the store after the copy (by their bytes)
+    seen_step: int | None = None     # the newest step training showed (its log, its checkpoints)
+
+
+def notice_saved(seen: NoticeCopy) -> Verdict:
+    """The notice's save made the deadline: the newest complete checkpoint training left holds every
+    step it showed (nothing trained after it), it is that save (written after the notice, or the
+    guard says training saved and stopped, or was not running), it is verified in the store by its
+    bytes, and all of that before the deadline. A copy of an older checkpoint, however fast, is not
+    that save; nor is a periodic save of a training that went on."""
+    state = seen.save_state
+    unsaved = None if state in ("saved", "not running") else {
+        "still running": "training had not finished saving when the copy began (run.stop.timeout)",
+        "exited": "training exited with a failure status after the notice",
+        "not asked": "training could not be asked to save"}.get(state or "", "the guard never said that training "
+                                                                            "saved")
+    if seen.newest is None:
+        return Verdict(False, "there is no complete checkpoint on the instance" + (f"; {unsaved}" if unsaved else ""))
+    named = f"{seen.newest} (step {seen.newest_step})" if seen.newest_step is not None else seen.newest
+    if seen.newest not in seen.verified_now:
+        return Verdict(False, f"{named} is not verified in the store")
+    if seen.newest_step is not None and seen.seen_step is not None and seen.newest_step < seen.seen_step:
+        return Verdict(False, f"{named} is older than step {seen.seen_step}, which training had reached: the save "
+                              "after the notice is not in the store" + (f" ({unsaved})" if unsaved else ""))
+    after = seen.newest_mtime is not None and seen.newest_mtime >= seen.noticed_at
+    if unsaved and not after:
+        return Verdict(False, f"{named} was written before the notice, and {unsaved}")
+    if seen.finished > seen.deadline:
+        return Verdict(False, f"{named} was verified {seen.finished - seen.deadline:.0f}s after the deadline")
+    return Verdict(True, f"{named} verified in the store {seen.deadline - seen.finished:.0f}s before the deadline")
+
+
 def launched(state: str | None) -> Verdict:
     """`up` exit 0: the command is running (its ready line seen, or alive after run.grace) or finished."""
     if state == "ready":

@@ -1,7 +1,8 @@
 """The watch tests' trainer (stdlib only, so an instance needs no install): a step every `--sleep`
 seconds, a checkpoint `ckpt-NNNNNNNN.pt` every `--every` steps of `--size` bytes, written as careful
 trainers do (temp name, then rename), the newest `--keep` kept; on SIGTERM it saves the step it is
-at and exits 0 ("stopped at step N"), as a trainer asked by a reclaim notice does.
+at and exits 0 ("stopped at step N"), as a trainer asked by a reclaim notice does; `--stop-save S`
+makes that save take S seconds (a big model's checkpoint).
 
 A checkpoint's bytes depend only on its step and size, so a test knows what each must hold
 (`content`); a resume reads them back and checks them. The log: `step N loss X` every step,
@@ -43,6 +44,7 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--keep", type=int, default=3)
     parser.add_argument("--sleep", type=float, default=0.1)
+    parser.add_argument("--stop-save", type=float, default=0.0)
     args = parser.parse_args()
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -75,6 +77,7 @@ def main() -> int:
         if step % args.every == 0:
             save()
             saved = step
+    time.sleep(args.stop_save)
     if saved != step:
         save()
     print(f"stopped at step {step}", flush=True)

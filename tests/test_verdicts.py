@@ -59,3 +59,11 @@ def test_extra_hashes_survive_the_manifest() -> None:
 def test_sync_round(doc: dict[str, Any], case: dict[str, Any]) -> None:
     verdict = verdicts.sync_round(case["at_start"], case["verified_now"], case["newest"], began=case.get("began"))
     assert (verdict.ok, verdict.why) == (case["ok"], case["why"])
+
+
+@pytest.mark.parametrize("doc,case", cases("notice-saved.json"))
+def test_notice_saved(doc: dict[str, Any], case: dict[str, Any]) -> None:
+    seen = {**doc["base"], **case["seen"]}
+    seen["verified_now"] = tuple(seen["verified_now"])
+    verdict = verdicts.notice_saved(verdicts.NoticeCopy(**seen))
+    assert (verdict.ok, verdict.why) == (case["ok"], case["why"])

@@ -348,7 +348,8 @@ class Recover(_Section):
                              120, 120, gt=0)
     attempts: int = _key("How many times `watch` tries to recover (the command, then `up`), with backoff.",
                          3, 3, ge=1)
-    timeout: float = _key("Seconds recover.command may run before it is ended and the attempt counts as failed.",
+    timeout: float = _key("Seconds recover.command may run before it is ended. It may have rented already, so it "
+                          "is not run again: the HOST on the last line it printed is used, else `watch` stops.",
                           900, 900, gt=0)
     alive: str | None = _key("A command run on this machine (in the recipe's folder) before an unreachable instance "
                              "counts as lost: is HOST (also in $RELAUNCH_HOST) still running at the provider? Exit 0 "

@@ -133,6 +133,21 @@ class Store(ABC):
         """`.relaunch/<filename>` as text (history.jsonl), None when the store has none."""
         raise NotImplementedError(f"{type(self).__name__} cannot read its metadata files")
 
+    # what swap_meta guarantees on this kind of store, in words
+    swap_guarantee = "read, compare, then write: a writer between the read and the write is not seen"
+
+    def swap_meta(self, filename: str, expected: str | None, text: str) -> bool:
+        """Compare and set `.relaunch/<filename>` (the watch's lease): write `text` only while it
+        holds `expected` (None: absent); False, writing nothing, when it holds anything else. As
+        atomic as `swap_guarantee` says; this default reads, compares and writes (with the manifest
+        as it is)."""
+        if self.read_meta(filename) != expected:
+            return False
+        self.read(writing=True)
+        self.write_meta(filename, text)
+        self.flush()
+        return True
+
     @abstractmethod
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         """Drop all but the newest `keep` records (never one named in protect), manifest first."""

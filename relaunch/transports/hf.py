@@ -535,6 +535,31 @@ class HfStore(Store):
         with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
             return self._download(rel, sha, Path(tmp)).read_text(encoding="utf-8", errors="replace")
 
+    swap_guarantee = "a compare-and-set: a commit against the head it compared with (parent_commit)"
+
+    def swap_meta(self, filename: str, expected: str | None, text: str) -> bool:
+        """Compare and set `.relaunch/<filename>`: the file at the head compared with `expected`,
+        and `text` committed with that head as parent_commit; when another commit got in between
+        (412), compared again at the new head."""
+        from huggingface_hub import CommitOperationAdd
+
+        rel = f"{META_DIR}/{filename}"
+        self.ensure_repo()
+
+        def attempt() -> bool:
+            snap = self._head_snapshot()
+            now: str | None = None
+            if rel in snap.files:
+                with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
+                    now = self._download(rel, snap.sha, Path(tmp)).read_text(encoding="utf-8", errors="replace")
+            if now != expected:
+                return False
+            self._commit([CommitOperationAdd(self._rp(rel), text.encode())], f"relaunch: {filename}", snap.sha,
+                         f"writing {rel}")
+            return True
+
+        return bool(self._against_head(attempt, f"writing {rel}"))
+
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         self._delete_orphans()
         preview = StoreManifest(recipe=manifest.recipe, checkpoints=dict(manifest.checkpoints))

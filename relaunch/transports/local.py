@@ -220,6 +220,11 @@ class LocalPathStore(Store):
     def read_meta(self, filename: str) -> str | None:
         return self.fs.read_meta(filename)
 
+    swap_guarantee = "a compare-and-set under an fcntl lock on the store folder's .relaunch/"
+
+    def swap_meta(self, filename: str, expected: str | None, text: str) -> bool:
+        return self.fs.swap_meta(filename, expected, text)
+
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         return self.fs.prune(manifest, keep, protect)
 

@@ -220,6 +220,21 @@ class RcloneStore(Store):
         """Kept until the next save_manifest, which evacuate always calls."""
         self._pending_meta[filename] = text
 
+    # rclone has no conditional write (S3's If-Match is not reachable through it)
+    swap_guarantee = ("read, compare, write, then read back: no conditional write through rclone; of two writers "
+                      "between one's read and write, the one that wrote first sees the other when it reads back "
+                      "or at its next compare")
+
+    def swap_meta(self, filename: str, expected: str | None, text: str) -> bool:
+        """Compare and set as far as rclone allows: read, compare, write this one file (`rcat`, the
+        manifest untouched), and read it back."""
+        if self.read_meta(filename) != expected:
+            return False
+        result = self.run("rcat", self._path(f"{META_DIR}/{filename}"), stdin=text.encode())
+        if result.status != 0:
+            raise self.fail(result, f"writing {META_DIR}/{filename}", EvacuationError)
+        return self.read_meta(filename) == text
+
     def read_meta(self, filename: str) -> str | None:
         result = self.run("cat", self._path(f"{META_DIR}/{filename}"))
         if result.status != 0:

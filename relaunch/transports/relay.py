@@ -41,6 +41,7 @@ class Relay(Store):
         self.label = remote.label
         self.recipe_name = remote.recipe_name
         self.hash_name = f"sha256 of the instance's bytes = sha256 of the copy here; then {remote.hash_name}"
+        self.swap_guarantee = remote.swap_guarantee
 
     @property  # type: ignore[override]
     def manifest(self) -> StoreManifest | None:
@@ -67,6 +68,9 @@ class Relay(Store):
 
     def read_meta(self, filename: str) -> str | None:
         return self.remote.read_meta(filename)
+
+    def swap_meta(self, filename: str, expected: str | None, text: str) -> bool:
+        return self.remote.swap_meta(filename, expected, text)
 
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         return self.remote.prune(manifest, keep, protect)

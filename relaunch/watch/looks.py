@@ -96,11 +96,19 @@ class Looker:
         with self._lock:
             return self._view
 
-    def answered(self) -> None:
-        """Something else heard from the node (a round that worked): it is not silent."""
+    def answered(self, at: float) -> None:
+        """Something else heard from the node at `at` (monotonic; a round that worked, when it began):
+        its silence counts from then at the latest. A look that failed after `at` still stands: a
+        long round must not hide a node that went silent while it copied."""
         with self._lock:
-            self._view = replace(self._view, answered_at=time.monotonic(), answered_epoch=time.time(),
-                                 silent_since=None)
+            v = self._view
+            if at <= v.answered_at:
+                return
+            # a look that failed after `at` (looked_at is the failed attempt) keeps the node silent,
+            # since `at`: the last time anything heard from it
+            still = v.silent_since is not None and v.looked_at > at
+            self._view = replace(v, answered_at=at, answered_epoch=time.time() - (time.monotonic() - at),
+                                 silent_since=at if still else None)
 
     def forget_silence(self, seconds: float) -> None:
         """This machine could not look for `seconds` (it was asleep): not the node's silence."""

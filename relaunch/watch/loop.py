@@ -3,7 +3,9 @@ copy-off rounds (rounds.py), and decides, from what the nodes show now:
 
 - a reclaim notice on any node: the round copying meanwhile is ended (the save after the notice
   goes first), the guard's save is waited for (in a node group every node is asked to save), the
-  newest checkpoint is evacuated and verified, whether that made the deadline is said and
+  newest checkpoint is evacuated and verified (its bytes hashed on the instance again, whatever
+  the store records), and whether the save after the notice made the deadline (verdicts.
+  notice_saved: that save, not an older checkpoint, verified by its bytes in time) is said and
   recorded; then recover;
 - a rebalance recommendation (aws-rebalance): a round at once; training goes on;
 - no answer for recover.lost_after (and recover.alive, when set, does not say the provider still
@@ -32,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .. import cycle, history, processes
+from .. import cycle, history, processes, verdicts
 from ..errors import ConnectError, EnvError, EvacuationError, HostKeyError, Interrupted, RelaunchError, UsageError
 from ..host.connection import connect
 from ..host.spec import HostSpec
@@ -45,7 +47,7 @@ from ..ui import UI, redact
 from . import recover as rent
 from .holder import Holder
 from .looks import Looker, View, brief
-from .rounds import Rounds, child_argv, clock
+from .rounds import LAST_ROUND_TRIES, Rounds, child_argv, clock
 
 RETRY_WAIT = 20.0          # ssh.wait for the watch's own connections once it runs
 SAVE_SLACK = 10.0          # seconds beyond run.stop.timeout to wait for the guard's save
@@ -95,11 +97,13 @@ class Watch:
         self.lookers: dict[str, Looker] = {}
         self.ghosts: dict[str, Looker] = {}        # replaced instances, looked at now and then
         self.ending: Future[Any] | None = None     # a replaced instance's training being ended
-        self.renting: Future[list[rent.Rented]] | None = None   # shrink: replacements being rented
-        self.spares: list[rent.Rented] | None = None             # ... rented, waiting for the next checkpoint
+        self.size = len(self.specs)                              # the group's size, to grow back to
+        self.renting: list[Future[None]] = []                    # shrink: replacements being rented (and made)
+        self.spares: list[rent.Rented] = []                      # ... every one rented so far, not in the group yet
+        self.spare_lock = threading.Lock()                       # the renting threads add to spares
+        self.said_ready = False
         self.grow_after = 0                                      # the step the shrunk group resumed from
         self.last_stored: int | None = None                      # the newest verified, as the last round saw
-        self.renewing: Future[Any] | None = None
         self.asking: dict[str, Future[rent.Alive]] = {}         # recover.alive in flight, by host
         self.alive_after: dict[str, float] = {}                 # ... and when to ask it again
         self.alive_said: dict[str, bool | None] = {}            # its last answer, said once
@@ -113,8 +117,11 @@ class Watch:
 
     # -- output ------------------------------------------------------------------------------
     def emit(self, event: str, **data: Any) -> None:
+        """One JSON line per event (--json), redacted as every other line is: a notice's source may be
+        a URL with a token in it, a command's output a secret."""
         if self._emit is not None:
-            self._emit(json.dumps({"event": event, "time": history.iso(time.time()), "host": self.host, **data}))
+            self._emit(redact(json.dumps({"event": event, "time": history.iso(time.time()), "host": self.host,
+                                          **data})))
 
     def say(self, text: str) -> None:
         self.ui.say(f"{clock()} {text}")
@@ -156,6 +163,15 @@ class Watch:
             recipe = recipe.model_copy(update={"ssh": recipe.ssh.model_copy(update={"host_key": None})})
         return recipe
 
+    def still_holding(self) -> None:
+        """Before renting, starting or stopping training: this watch still holds the store (its
+        lease), else it stops acting (exit 2): another watch carries on."""
+        why = self.holder.why_not_mine()
+        if why is not None:
+            self.rounds.abort()
+            raise UsageError(f"this watch stops: {why}; it rents nothing and starts nothing more",
+                             "the watch that holds the store carries on (`relaunch status` on its machine shows it)")
+
     def _round_argv(self) -> list[str]:
         sets = [*self.overrides, f"ssh.wait={min(self.recipe.ssh.wait, RETRY_WAIT):g}"]
         if self.unpinned:
@@ -187,10 +203,12 @@ class Watch:
     def run(self) -> Outcome:
         self.holder.take(self.inner, self.take_over)
         try:
+            self.holder.start_renewing(self.inner, self._post)
             self.look_at(self.specs)
             return self._loop()
         finally:
             self.rounds.abort()
+            self.say_unused()
             for looker in [*self.lookers.values(), *self.ghosts.values()]:
                 looker.stop()
             self.chores.shutdown(wait=False, cancel_futures=True)
@@ -223,26 +241,27 @@ class Watch:
                 self.holder.note(last_error={"at": history.iso(time.time()), "message": redact(outcome.error.message)})
                 raise outcome.error         # the store refuses: the watch cannot do its work
             if outcome.report is not None:
-                self.after_round(outcome.report)
-        for done in [f for f in (self.renewing, self.ending) if f is not None and f.done()]:
-            exc = done.exception()
+                self.after_round(outcome.report, outcome.started)
+            elif outcome.failed is not None:
+                self.next_round = time.monotonic() + self.recipe.checkpoint.every   # its tries are used up
+        if self.ending is not None and self.ending.done():
+            exc = self.ending.exception()
             if isinstance(exc, RelaunchError):
                 self.warn(_first_line(exc))
-            if done is self.renewing:
-                self.renewing = None
-            else:
-                self.ending = None
+            self.ending = None
 
-    def after_round(self, report: Report) -> None:
+    def after_round(self, report: Report, started: float) -> None:
         self.next_round = time.monotonic() + self.recipe.checkpoint.every
         self.last_stored = report.stored_step
         for looker in self.lookers.values():
-            looker.answered()               # a round that worked heard from every node
+            looker.answered(started)        # a round that worked heard from every node, when it began
         self.ui.ok(round_line(report))
         self.emit("round", **report.as_dict())
         self.holder.note(last_round={"at": history.iso(time.time()), "line": round_line(report)})
 
     def tick(self) -> Outcome | None:
+        if self.holder.taken is not None:            # seen by the lease's renewal: stop acting at once
+            self.still_holding()
         now = time.monotonic()
         views = self.views()
         for view in views:
@@ -272,8 +291,6 @@ class Watch:
         self.grow_back()
         if now >= self.next_round and not self.rounds.busy:
             self.rounds.start()
-        if self.holder.due() and self.renewing is None:
-            self.renewing = self.chores.submit(self.holder.renew, self.inner)
         return None
 
     def say_silences(self, views: list[View], now: float) -> None:
@@ -321,7 +338,9 @@ class Watch:
         started = time.time()
         report: Report | None = None
         try:
-            report = cycle.evacuate(self.current(), self.specs, self.inner, newest_only=True, reverify=False)
+            # reverify: a checkpoint the store records may have been saved again in place since (same
+            # name, same size, other bytes): the instance's bytes are hashed again, never taken on the record
+            report = cycle.evacuate(self.current(), self.specs, self.inner, newest_only=True)
         except (Interrupted, UsageError):
             raise
         except RelaunchError as exc:
@@ -336,24 +355,35 @@ class Watch:
             except RelaunchError as exc:
                 self.warn(f"could not end what is left of the training: {_first_line(exc)}")
         verified = report is not None and report.safe
-        made = verified and finished <= deadline
+        shown = self.newest_seen()
+        # made the deadline: the save the notice asked for, verified by its bytes in time; not merely
+        # a verified checkpoint (an older one is verified in no time when the save was cut short)
+        verdict = verdicts.notice_saved(verdicts.NoticeCopy(
+            save_state=save.get("state"), noticed_at=seen, deadline=deadline, finished=finished,
+            newest=report.newest if report else None, newest_step=report.newest_step if report else None,
+            newest_mtime=report.newest_mtime if report else None,
+            verified_now=tuple(report.verified_now) if report else (), seen_step=shown))
+        made = verified and verdict.ok
+        late = finished > deadline
         if report is not None and verified:
             newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint"
             timing = (f"{deadline - finished:.0f}s before the deadline" if made
-                      else f"NOT before the deadline ({finished - deadline:.0f}s late)")
+                      else f"NOT before the deadline ({finished - deadline:.0f}s late)" if late
+                      else f"but NOT the save after the notice before the deadline: {verdict.why}")
             (self.ok if made else self.warn)(f"{where}evacuated after the notice: {newest} verified in "
                                              f"{report.store}, {timing}")
         copy = {"by": "relaunch watch", "verified": verified, "checkpoint": report.newest if report else None,
                 "step": report.newest_step if report else None, "seconds": round(finished - started, 1),
-                "finished": history.iso(finished), "made_deadline": made}
+                "finished": history.iso(finished), "made_deadline": made, "why": verdict.why}
         self.emit("evacuated", **copy, report=report.as_dict() if report else None)
         notice["copy"] = copy
         notice["verdict"] = (f"{notice.get('verdict') or ''}; the copy: "
                              + (f"{copy['checkpoint']} verified in the store "
-                                + ("before the deadline" if made else "AFTER the deadline")
+                                + ("before the deadline" if made else "AFTER the deadline" if late
+                                   else f"before the deadline, but it is not the save after the notice: {verdict.why}")
                                 if verified else "NOT verified")).lstrip("; ")
         self.write_back(view, notice)
-        seen_step = max([s for s in (self.newest_seen(), report.newest_step if report else None) if s is not None],
+        seen_step = max([s for s in (shown, report.newest_step if report else None) if s is not None],
                         default=None)
         verified_step = report.stored_step if report is not None else self.store_newest()
         entry = history.Interruption.start(view.host, "notice", f"{source}: {detail}", seen, seen_step,
@@ -547,26 +577,49 @@ class Watch:
             self.record(entry)
             return None
         self.rounds.abort()
-        self.last_round()
+        problem = self.last_round()
         if look.exit == "0":
+            if problem is not None:
+                raise EvacuationError(f"{first.host}: training finished (exit 0), but {problem}",
+                                      "the instance still holds its checkpoints: `relaunch evacuate RECIPE HOST` once "
+                                      "it and the store answer; do not destroy it before")
             self.ok(f"{first.host}: training finished (exit 0); nothing more to watch")
             self.emit("finished")
             return Outcome("finished", self.host)
         raise EnvError(f"{first.host}: training exited with status {look.exit}: it failed by itself, the instance was "
-                       "not taken away", "see `relaunch status` for its last lines; `relaunch up` starts it again")
+                       "not taken away" + (f"; and {problem}" if problem else ""),
+                       "see `relaunch status` for its last lines; `relaunch up` starts it again")
 
-    def last_round(self) -> None:
-        self.rounds.start()
+    def last_round(self) -> str | None:
+        """Training ended: one more round, of LAST_ROUND_TRIES tries at most (each child has its
+        actions' deadlines), so that an instance or a store that stopped answering cannot hold the
+        watch forever. None when it verified the instance's newest checkpoint, else what went wrong."""
+        while not self.rounds.start(tries=LAST_ROUND_TRIES):
+            processes.sleep(0.5)          # the round ended just before is still cleaning up (bounded)
         while self.rounds.busy:
             processes.sleep(0.5)
-        self.drain()
+            self.drain_messages()
+        outcome = self.rounds.take()
+        if outcome is None or outcome.aborted:
+            return "the last sync round was ended"
+        if outcome.error is not None:
+            self.holder.note(last_error={"at": history.iso(time.time()), "message": redact(outcome.error.message)})
+            raise outcome.error
+        if outcome.report is None:
+            why = _first_line(outcome.failed) if outcome.failed is not None else "no report"
+            return f"the last sync round failed {LAST_ROUND_TRIES} times: {why}"
+        self.after_round(outcome.report, outcome.started)
+        return None if outcome.report.safe else outcome.report.why
 
     def up_here(self, entry: history.Interruption) -> None:
         def again(exc: BaseException, seconds: float) -> None:
             self.warn(f"{self.host}: up failed: {_first_line(exc)}; again in {seconds:.0f}s")
 
-        results = retrying(lambda: cycle.up(self.current(self.recipe.ssh.wait), self.specs, self.inner),
-                           transient=_recoverable, attempts=self.recipe.recover.attempts, first=5.0, most=60.0,
+        def up() -> list[cycle.UpResult]:
+            self.still_holding()
+            return cycle.up(self.current(self.recipe.ssh.wait), self.specs, self.inner)
+
+        results = retrying(up, transient=_recoverable, attempts=self.recipe.recover.attempts, first=5.0, most=60.0,
                            on_retry=again)
         entry.resumed(self.host, time.time())
         result = results[0]
@@ -580,6 +633,7 @@ class Watch:
     def recover(self, entry: history.Interruption, gone: list[HostSpec]) -> None:
         """Replace what is gone, or (a group with recover.shrink) go on with the nodes left."""
         self.rounds.abort()
+        self.still_holding()
         left = [s for s in self.specs if s not in gone]
         old = self.host if not self.group else f"the group ({len(self.specs)} nodes)"
         if self.group and self.recipe.recover.shrink and left:
@@ -589,9 +643,17 @@ class Watch:
             results = self.bring_up(left)
             self.grow_after = results[0].step
             if self.recipe.recover.command:
-                self.renting = self.chores.submit(self.rent_and_prepare, entry, len(gone))
+                # another loss while earlier replacements are still being rented adds to them: every
+                # one rented is used when the group grows back (or named when the watch ends)
+                with self.spare_lock:
+                    group = [*self.specs, *(r.spec for r in self.spares)]
+                self.renting.append(self.chores.submit(self.rent_and_prepare, entry, len(gone), group))
         else:
-            rented = self.rent_many(entry, len(gone))
+            # what earlier shrinks rented counts towards the replacements (the last nodes of a shrunk
+            # group lost too): rented once, never forgotten
+            spares = self.take_spares()
+            need = max(self.size - len(left) - len(spares), 0) if self.group else len(gone)
+            rented = [*spares, *self.rent_many(entry, need, already=spares)]
             if left:
                 cycle.stop_training(self.current(), left, self.inner)
             results = self.bring_up(left + [r.spec for r in rented], new=rented)
@@ -605,15 +667,36 @@ class Watch:
         self.emit("up", **first.as_dict(), nodes=[str(s) for s in self.specs])
         self.record(entry)
 
-    def rent_many(self, entry: history.Interruption, count: int) -> list[rent.Rented]:
-        return [self.rent_one(entry, n) for n in range(count)]
+    def rent_many(self, entry: history.Interruption, count: int,
+                  already: list[rent.Rented] | None = None) -> list[rent.Rented]:
+        """`count` replacements; a failure names every one rented before it (they bill)."""
+        rented: list[rent.Rented] = []
+        for n in range(count):
+            try:
+                rented.append(self.rent_one(entry, n))
+            except RelaunchError as exc:
+                billing = [*(already or []), *rented]
+                if billing:
+                    hosts = " ".join(str(r.spec) for r in billing)
+                    exc.message += (f"\nrented for this recovery and billing: {hosts}: run `relaunch up RECIPE "
+                                    "HOST...` there, or destroy them")
+                raise
+        return rented
 
-    def rent_and_prepare(self, entry: history.Interruption, count: int) -> list[rent.Rented]:
-        """recover.shrink: the replacements are rented while the shrunk group trains, and their env
-        is made then too, so that growing back installs nothing while training is stopped."""
-        spares = self.rent_many(entry, count)
-        group = [*self.specs, *(r.spec for r in spares)]           # as growing back will make it
-        for rank, found in enumerate(spares, start=len(self.specs)):
+    def rent_and_prepare(self, entry: history.Interruption, count: int, group: list[HostSpec]) -> None:
+        """recover.shrink, in a chore thread: the replacements are rented while the shrunk group
+        trains, each added to `spares` as soon as recover.command gave it, and their env is made then
+        too, so that growing back installs nothing while training is stopped. `group`: the nodes as
+        they were when this renting began (the loop's specs may change meanwhile); the env is made
+        as the node it will likely be, and `up` makes it again where that rendered differently."""
+        spares: list[rent.Rented] = []
+        for n in range(count):
+            found = self.rent_one(entry, n)
+            with self.spare_lock:
+                self.spares.append(found)
+            spares.append(found)
+        group = [*group, *(r.spec for r in spares)]           # as growing back will make it
+        for rank, found in enumerate(spares, start=len(group) - len(spares)):
             self._post("say", f"recover: making the env on {found.spec} while the group trains (preflight, venv, "
                               "lock, env.files, env.setup)")
             try:
@@ -623,12 +706,40 @@ class Watch:
             except RelaunchError as exc:
                 self._post("warn", f"recover: the env on {found.spec} could not be made ahead "
                                    f"({_first_line(exc)}); the `up` that grows the group back makes it")
+
+    def take_spares(self) -> list[rent.Rented]:
+        """Every replacement rented by earlier shrinks, once their renting is over (each bounded by
+        recover.attempts and recover.timeout); they leave `spares`."""
+        for renting in self.renting:
+            try:
+                renting.result()
+            except (Interrupted, UsageError):
+                raise
+            except RelaunchError as exc:
+                self.warn(f"recover: renting a replacement failed: {_first_line(exc)}")
+        self.renting = []
+        with self.spare_lock:
+            spares, self.spares = self.spares, []
         return spares
+
+    def say_unused(self) -> None:
+        """The watch ends: replacements rented and not (yet) in the group bill; they are named."""
+        with self.spare_lock:
+            unused = list(self.spares)
+        if unused:
+            hosts = " ".join(str(r.spec) for r in unused)
+            self.warn(f"the replacement{'s' if len(unused) > 1 else ''} {hosts} rented by recover.command "
+                      f"{'are' if len(unused) > 1 else 'is'} not in the group and billing: `relaunch up RECIPE "
+                      "HOST...` with them, or destroy them")
+            self.emit("unused", nodes=[str(r.spec) for r in unused])
+        if any(not f.done() for f in self.renting):
+            self.warn("a replacement was being rented when the watch stopped: recover.command may have rented an "
+                      "instance; look at your provider's console")
 
     def rent_one(self, entry: history.Interruption, n: int) -> rent.Rented:
         """recover.command until it names a HOST that answers with an accepted key. Once it has
         named one, a later attempt connects to that one again: nothing more is rented for it (only
-        a command that failed, exit non-zero, rented nothing and may be run again)."""
+        a command that failed, exit non-zero before its timeout, rented nothing and may be run again)."""
         recover = self.recipe.recover
         attempt = [0]
         rented: list[rent.Rented] = []
@@ -641,14 +752,15 @@ class Watch:
                 self._post("say", f"recover attempt {attempt[0]} of {recover.attempts}{for_whom}: connecting to "
                                   f"{found.spec} again (rented already: nothing more is rented)")
             else:
-                taken = self.holder.still_mine()
-                if taken is not None:
-                    raise rent.RecoverStopped(f"another watch holds the store now ({taken.get('machine')}, pid "
-                                              f"{taken.get('pid')}): renting nothing", refused=True)
+                why = self.holder.why_not_mine()
+                if why is not None:
+                    raise rent.RecoverStopped(f"{why}: renting nothing", refused=True)
                 self._post("say", f"recover attempt {attempt[0]} of {recover.attempts}{for_whom}: running "
                                   f"recover.command `{recover.command}` (up to {recover.timeout:g}s)")
                 found = rent.rent(self.recipe, self.inner, attempt[0], entry.host, entry.cause)
                 rented.append(found)
+                if found.note:
+                    self._post("warn", f"recover: {found.note}")
                 self._post("say", f"recover.command gave {found.spec}" + (f" {found.pin}" if found.pin else ""))
                 self.emit("recover", new_host=str(found.spec), host_key=found.pin, attempt=attempt[0])
             self.admit(found)
@@ -693,8 +805,12 @@ class Watch:
         def again(exc: BaseException, seconds: float) -> None:
             self.warn(f"recover: up failed: {_first_line(exc)}; again in {seconds:.0f}s")
 
+        def up() -> list[cycle.UpResult]:
+            self.still_holding()
+            return cycle.up(self.current(self.recipe.ssh.wait), specs, self.inner)
+
         try:
-            results = retrying(lambda: cycle.up(self.current(self.recipe.ssh.wait), specs, self.inner),
+            results = retrying(up,
                                transient=lambda e: _recoverable(e) and isinstance(e, ConnectError),
                                attempts=self.recipe.recover.attempts, first=5.0, most=60.0, on_retry=again)
         except RelaunchError as exc:
@@ -708,24 +824,31 @@ class Watch:
         return results
 
     def grow_back(self) -> None:
-        """recover.shrink: once the replacements answer and the shrunk group's next checkpoint is
-        verified in the store, the group saves (run.stop), is evacuated and comes back at full size."""
-        if self.renting is None or not self.renting.done():
+        """recover.shrink: once every replacement being rented is there and the shrunk group's next
+        checkpoint is verified in the store, the group saves (run.stop), is evacuated and comes back
+        at full size, with every replacement rented (also those of a second loss meanwhile)."""
+        if not self.renting and not self.spares:
             return
-        if self.spares is None:
-            try:
-                self.spares = self.renting.result()
-            except RelaunchError as exc:
-                self.renting = None
-                self.warn(f"recover: no replacement to grow back with: {_first_line(exc)}; training goes on on "
-                          f"{len(self.specs)} node(s)")
-                return
-            self.say(f"replacement{'s' if len(self.spares) > 1 else ''} ready: "
-                     f"{' '.join(str(r.spec) for r in self.spares)}; growing back at the next checkpoint verified "
-                     f"in the store (after step {self.grow_after})")
+        for renting in [f for f in self.renting if f.done()]:
+            self.renting.remove(renting)
+            exc = renting.exception()
+            if isinstance(exc, RelaunchError):
+                self.warn(f"recover: renting a replacement failed: {_first_line(exc)}")
+        if self.renting:
+            return                       # one grow back, with every replacement
+        with self.spare_lock:
+            spares = list(self.spares)
+        if not spares:
+            self.warn(f"recover: no replacement to grow back with; training goes on on {len(self.specs)} node(s)")
+            return
+        if not self.said_ready:
+            self.said_ready = True
+            self.say(f"replacement{'s' if len(spares) > 1 else ''} ready: {' '.join(str(r.spec) for r in spares)}; "
+                     f"growing back at the next checkpoint verified in the store (after step {self.grow_after})")
         if (self.last_stored or 0) <= self.grow_after:
             return
-        spares, self.spares, self.renting = self.spares, None, None
+        self.still_holding()
+        self.said_ready = False
         before, old = len(self.specs), self.host
         entry = history.Interruption.start(old, "grow", f"{before} -> {before + len(spares)} nodes: replacements "
                                            f"{' '.join(str(r.spec) for r in spares)} are there", time.time(),
@@ -734,8 +857,8 @@ class Watch:
                  "then `up` on the whole group")
         self.rounds.abort()
         try:
-            report = cycle.evacuate(self.current(), self.specs, self.inner, stop=True, newest_only=True,
-                                    reverify=False)
+            # reverify: as after a notice, the newest is hashed on the instance again, never taken on its record
+            report = cycle.evacuate(self.current(), self.specs, self.inner, stop=True, newest_only=True)
             entry.newest_verified_step = report.stored_step
             seen = max([s for s in (entry.newest_seen_step, report.newest_step) if s is not None], default=None)
         except (Interrupted, UsageError):
@@ -749,7 +872,9 @@ class Watch:
         entry.newest_seen_step = seen
         entry.steps_lost = None if seen is None else max(seen - (entry.newest_verified_step or 0), 0)
         entry.nodes_before = before
-        results = self.bring_up(self.specs + [r.spec for r in spares])
+        with self.spare_lock:            # from here on the group's (or named by bring_up's error)
+            self.spares = [r for r in self.spares if r not in spares]
+        results = self.bring_up(self.specs + [r.spec for r in spares], new=spares)
         entry.resumed(self.host, time.time())
         entry.nodes_after = len(self.specs)
         first = results[0]

@@ -7,7 +7,10 @@ recover.command, and what its answer allows next (nothing is ever rented twice b
   user's own command: its host key is accepted for that address (the key an earlier instance
   left there belonged to a machine that is gone), or pinned when the command printed it;
 - exit 0 without a HOST on its last line: it may have rented something it did not name, so the
-  watch stops, quotes what it printed, and rents nothing more.
+  watch stops, quotes what it printed, and rents nothing more;
+- ended at recover.timeout: it may have rented an instance already (it was waiting for it to
+  boot), so it is never run again: a HOST on the last line it printed is used as if it had
+  exited 0, anything else stops the watch quoting what it printed.
 
 recover.alive, asked before an instance counts as lost: exit 0 = the provider still runs HOST
 (unreachable from here is this machine's trouble or a passing one: nothing is rented), 1 = it
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import processes
 from ..errors import ConnectError, RelaunchError
@@ -37,6 +40,7 @@ TAIL = 5                 # lines of a command's output quoted in a message
 class Rented:
     spec: HostSpec
     pin: str | None          # the host key fingerprint the command printed, else None (accept the new key)
+    note: str = ""           # said beside it (the command was ended at its timeout after printing it)
 
 
 class RentedNothing(ConnectError):
@@ -44,7 +48,8 @@ class RentedNothing(ConnectError):
 
 
 class RecoverStopped(ConnectError):
-    """recover.command exited 0 without naming a HOST: no more attempts (it may have rented one)."""
+    """recover.command exited 0 without naming a HOST, or was ended at its timeout without naming
+    one: no more attempts (it may have rented one)."""
 
 
 def looks_like_host(address: str) -> bool:
@@ -102,8 +107,17 @@ def rent(recipe: Recipe, ui: UI, attempt: int, lost_host: str, cause: str) -> Re
     done = processes.run(["bash", "-c", text], deadline=recover.timeout, env=env, cwd=recipe.source.parent,
                          on_stderr=lambda data: ui.detail(data.decode(errors="replace").rstrip()))
     if done.timed_out:
-        raise RentedNothing(f"recover.command did not finish within recover.timeout={recover.timeout:g}s; it was "
-                            "ended", "make it wait for the instance itself, or raise recover.timeout")
+        # it may have rented already: never run again; what it printed is used, or quoted
+        ended = f"recover.command did not finish within recover.timeout={recover.timeout:g}s and was ended"
+        printed = parse_rented(done.text)
+        if isinstance(printed, Rented):
+            return replace(printed, note=f"{ended} after it printed {printed.spec}: that instance is used, and "
+                                         "the command is not run again")
+        raise RecoverStopped(f"{ended}; it may have rented an instance meanwhile, and {printed}; it printed: "
+                             f"{_tail(done)}",
+                             "look at your provider's console and destroy what you do not want; nothing more is "
+                             "rented. Raise recover.timeout, or make the command print HOST as soon as it has one",
+                             refused=True)
     if done.status != 0:
         raise RentedNothing(f"recover.command failed (exit {done.status}): {_tail(done)}",
                             "try the command by hand; it must print the new HOST on its last line")
