@@ -230,16 +230,25 @@ def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple
     deadline is said; when an instance is lost (recover.lost_after, and recover.alive if set), run
     recover.command and `up` on the HOST it prints (a node group with recover.shrink goes on on the
     nodes left and grows back), then watch that. One watch per recipe and store. One line per step
-    (--json: one JSON line per event). Ctrl-C stops the watch, never the training."""
+    (--json: each event a JSON line on stderr as it comes; stdout gets one document at the end, how
+    the watch ended and every event). Ctrl-C stops the watch, never the training."""
     from . import cycle
     from .watch import watch as watch_loop
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
     specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
-    outcome = watch_loop(r, specs, ui, emit=click.echo if as_json else None, overrides=list(overrides),
+    events: list[dict[str, Any]] = []
+
+    def each_event(line: str) -> None:
+        # each event as it comes, on stderr with the lines; stdout gets one document at the end
+        click.echo(line, err=True)
+        events.append(json.loads(line))
+        emit(as_json, {"events": events})
+
+    outcome = watch_loop(r, specs, ui, emit=each_event if as_json else None, overrides=list(overrides),
                          take_over=take_over)
-    emit(as_json, outcome.as_dict())
+    emit(as_json, {**outcome.as_dict(), "events": events})
 
 
 @cli.command()

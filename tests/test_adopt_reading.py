@@ -396,10 +396,12 @@ def test_the_instance_script_never_lets_a_secret_value_out() -> None:
 
 
 def test_the_instance_script_runs_on_its_own_and_reads_this_machine(tmp_path) -> None:
-    """As the instance runs it: `python3 -I -S -B -c SCRIPT scan`; one JSON document, this process among it."""
-    from relaunch.adopt.facts import script_command
+    """As the instance runs it: `python3 -I -S -B - scan`, the script on stdin; one JSON document, this
+    process among it."""
+    from relaunch.adopt.facts import script_command, script_stdin
 
-    out = subprocess.run(["bash", "-c", script_command("scan")], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(["bash", "-c", script_command("scan")], input=script_stdin("scan", None).decode(),
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     found = Scan.from_dict(json.loads(out.stdout))
     assert found.self_pid in found.mine and any(p.python for p in found.procs.values())

@@ -110,7 +110,16 @@ def watching(recipe: Path, home: Path, folder: Path, *args: str,
 
 
 def events(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "watch.out").read_text().splitlines() if line.startswith("{")]
+    """The watch's events so far: JSON lines on its stderr (--json); stdout gets one document at the end."""
+    return [json.loads(line) for line in (folder / "watch.err").read_text().splitlines()
+            if line.startswith('{"event"')]
+
+
+def watch_document(folder: Path) -> dict:
+    """The one document `watch --json` printed on stdout when it ended: its end, or its error, and every event."""
+    doc = json.loads((folder / "watch.out").read_text())
+    assert doc["events"] == events(folder), "the document's events are the ones said on stderr"
+    return doc
 
 
 def step_lines(log: str) -> list[int]:
@@ -190,7 +199,9 @@ def test_a_providers_notice_ends_in_a_save_verified_in_the_store(provider, tmp_p
     notice = assert_saved_after_notice_and_verified(ssh, inst, name, store, raised, provider)
     assert notice["deadline_from"] == ("the gcp window of 30s" if provider == "gcp" else "the notice")
     kinds = [e["event"] for e in events(tmp_path)]
-    assert kinds.index("notice") < kinds.index("evacuated") < kinds.index("interruption") and kinds[-1] == "end"
+    assert kinds.index("notice") < kinds.index("evacuated") < kinds.index("interruption")
+    # stdout: one document, how the watch ended with every event
+    assert watch_document(tmp_path)["reason"] == "notice handled"
     # the guard spoke each API as documented: the IMDSv2 token first, the headers every time
     if provider == "aws":
         mine = [r for r in requests if r["path"].startswith("/latest/")]

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from e2e import EXAMPLE, REPO, plain_recipe, run_cli, wait_for
-from test_guard import guard_file, metadata_service, set_keys, watching
+from test_guard import guard_file, metadata_service, set_keys, watch_document, watching
 from test_watch import go_silent
 from test_watch_unattended import _free_port, _serve_s3, _stop, err_of, events, history, manifest, sandbox_env, \
     spot_recipe
@@ -59,6 +59,9 @@ def test_a_watch_started_in_a_folder_holding_a_relaunch_tree_copies_with_the_ins
     err = err_of(tmp_path)
     assert watch.returncode == 130, err
     assert any(e["event"] == "round" for e in events(tmp_path)) and "No module named" not in err, err
+    # Ctrl-C: still one document on stdout, the error a field of it beside the events so far
+    doc = watch_document(tmp_path)
+    assert doc["exit"] == 130 and "Ctrl-C" in doc["error"] and doc["events"], doc
 
 
 def test_the_watchs_json_events_are_redacted_like_its_lines(tmp_path, sandbox, ssh, ssh_key):

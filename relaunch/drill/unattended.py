@@ -91,23 +91,48 @@ class WatchChild:
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
         self.events: list[dict[str, Any]] = []
+        self.document: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.proc = subprocess.Popen([*processes._DIE_WITH_US, *argv], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=None, start_new_session=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                      env={**os.environ, "COLUMNS": os.environ.get("COLUMNS", "200")})
-        self._reader = threading.Thread(target=self._read, name="watch events", daemon=True)
-        self._reader.start()
+        self._readers = [threading.Thread(target=self._read_events, name="watch events", daemon=True),
+                         threading.Thread(target=self._read_document, name="watch document", daemon=True)]
+        for reader in self._readers:
+            reader.start()
 
-    def _read(self) -> None:
+    def _read_events(self) -> None:
+        """`watch --json` says each event as a JSON line on stderr among its progress lines: the
+        events are kept, every other line passes on to our stderr."""
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace")
+            if line.startswith('{"event"'):
+                try:
+                    data = json.loads(line)
+                except ValueError:
+                    data = None
+                if isinstance(data, dict):
+                    with self._lock:
+                        self.events.append(data)
+                    continue
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def _read_document(self) -> None:
+        """Its stdout: one document when it ends (how it ended, or its error)."""
         assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            try:
-                data = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(data, dict):
-                with self._lock:
-                    self.events.append(data)
+        text = self.proc.stdout.read().decode(errors="replace")
+        try:
+            data = json.loads(text) if text.strip() else {}
+        except ValueError:
+            data = {}
+        with self._lock:
+            self.document = data if isinstance(data, dict) else {}
+
+    def _join(self) -> None:
+        for reader in self._readers:
+            reader.join(timeout=5)
 
     def since(self, n: int) -> list[dict[str, Any]]:
         with self._lock:
@@ -119,10 +144,12 @@ class WatchChild:
 
     def failure(self) -> RelaunchError:
         """The watch ended by itself: its own error, with its exit code."""
-        self._reader.join(timeout=5)
         status = self.proc.wait()
-        error = next((e for e in reversed(self.since(0)) if "error" in e), None)
-        end = next((e for e in reversed(self.since(0)) if e.get("event") == "end"), None)
+        self._join()
+        with self._lock:
+            doc = dict(self.document)
+        error = doc if "error" in doc else None
+        end = doc if doc.get("event") == "end" else None
         if error is not None:
             kind = ERRORS.get(int(error.get("exit") or status), RelaunchError)
             return kind(f"the watch ended (exit {status}): {error['error']}", error.get("hint"))
@@ -139,7 +166,7 @@ class WatchChild:
                 processes.end_group(self.proc)
             except ProcessLookupError:
                 pass
-        self._reader.join(timeout=5)
+        self._join()
         return self.proc.poll()
 
 

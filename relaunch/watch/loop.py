@@ -117,8 +117,9 @@ class Watch:
 
     # -- output ------------------------------------------------------------------------------
     def emit(self, event: str, **data: Any) -> None:
-        """One JSON line per event (--json), redacted as every other line is: a notice's source may be
-        a URL with a token in it, a command's output a secret."""
+        """One JSON line per event (--json: to stderr, collected in stdout's document), redacted as
+        every other line is: a notice's source may be a URL with a token in it, a command's output a
+        secret."""
         if self._emit is not None:
             self._emit(redact(json.dumps({"event": event, "time": history.iso(time.time()), "host": self.host,
                                           **data})))
