@@ -7,6 +7,7 @@ import shlex
 import urllib.parse
 
 from .. import scripts
+from ..recipe import render_shell_at
 from ..host.connection import upload_command
 from ..host.facts import FREEZE_PY
 from ..job import Job, drift
@@ -38,7 +39,7 @@ def render_setup(job: Job) -> tuple[list[str], dict[str, str]]:
     lines: list[str] = []
     env: dict[str, str] = {}
     for i in range(len(job.recipe.env.setup)):
-        text, values = job.recipe.render_shell(f"env.setup.{i}", job.context())
+        text, values = render_shell_at(job.recipe, f"env.setup.{i}", job.context())
         lines.append(text)
         env.update(values)
     return lines, env

@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 from .. import scripts, train
+from ..recipe import render_shell_at
 from ..host.connection import upload_command
 from ..job import Job
 from ..plan import Action
@@ -34,7 +35,7 @@ def launcher_env(job: Job) -> dict[str, str]:
 
 
 def render_run_script(job: Job) -> str:
-    command, values = job.recipe.render_shell("run.command", job.context())
+    command, values = render_shell_at(job.recipe, "run.command", job.context())
     paths = job.paths
     return scripts.render("run.sh.j2", name=job.recipe.name, session=job.recipe.run.session, command=command,
                           workdir=paths.workdir, venv=paths.venv, secrets_file=paths.secrets_file,
