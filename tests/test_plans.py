@@ -92,7 +92,7 @@ def planned(case: dict[str, Any], state: Path) -> list[Action]:
     if what == "copy":
         checkpoints = {c.name: c for c in _instance_checkpoints(job)}
         unpinned = frozenset([job.host] if case.get("unpinned") else [])
-        return plan_copy(job, store, checkpoints[case["checkpoint"]], again=case.get("again", False),
+        return plan_copy(job, store, checkpoints[case["checkpoint"]], every_byte=case.get("every_byte", False),
                          unpinned=unpinned)
     raise AssertionError(f"unknown plan {what}")
 

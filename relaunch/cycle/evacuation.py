@@ -168,7 +168,7 @@ def _check_in_store(jobs: list[Job], store: Store, executor: Executor, cp: Check
         for name in (report.copied, report.already, report.unchanged, report.pinned):
             if cp.name in name:
                 name.remove(cp.name)
-        _evacuate_one(jobs, store, executor, cp, report, reverify, again=True)
+        _evacuate_one(jobs, store, executor, cp, report, reverify, recopy=True)
         if cp.name not in report.copied:
             break
 
@@ -238,28 +238,28 @@ def parts_of(jobs: list[Job], cp: Checkpoint) -> list[tuple[Job, Checkpoint]]:
 
 
 def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpoint, report: Report,
-                  reverify: bool, again: bool = False, check_store: bool = True) -> bool:
+                  reverify: bool, recopy: bool = False, check_store: bool = True) -> bool:
     """Copy cp into the store, verified, unless the store holds it already: the manifest's record
     of it matched by the instance's bytes (re-hashed there) and (`check_store`) by what the store
-    holds now. `again`: the store was found not to hold it; set aside what differs and copy it.
+    holds now. `recopy`: the store was found not to hold it; set aside what differs and copy it.
     Whether a copy ran (it pinned first, so it removed what a killed relaunch left pinned)."""
     job = jobs[0]
     known = store.manifest.checkpoints.get(cp.name) if store.manifest else None
     sizes = {e.path: e.size for e in cp.files}
     parts = parts_of(jobs, cp)
-    if known is not None and not again:
+    if known is not None and not recopy:
         if not reverify and {p: f.size for p, f in known.files.items()} == sizes:
             # a sync round: same files, same sizes, verified before; and the store still holds them
             # as recorded, as far as a cheap look shows (sizes; a remote's listing gives its hashes too)
             seen = executor.run_one(_observe_action(store, known, size_only=True))
-            cheap = verdicts.store_holds(known, seen, size_only=not any(s.hashes for s in seen.values()))
-            if not cheap:
+            size_problems = verdicts.store_holds(known, seen, size_only=not any(s.hashes for s in seen.values()))
+            if not size_problems:
                 report.already.append(cp.name)
                 report.unchanged.append(cp.name)
                 return False
-            executor.ui.warn(f"{job.host}: {lost_from_store(cp.name, store, cheap)}; copying it again")
-            again = True
-    if known is not None and not again:
+            executor.ui.warn(f"{job.host}: {lost_from_store(cp.name, store, size_problems)}; copying it again")
+            recopy = True
+    if known is not None and not recopy:
         hashes: dict[str, Any] = {}
         for part_job, part in parts:
             found = executor.run_one(tag([hash_action(part_job, store, part)], part_job)[0]
@@ -279,8 +279,8 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
             report.already.append(cp.name)
             return False
         executor.ui.warn(f"{job.host}: {lost_from_store(cp.name, store, problems)}; copying it again")
-        again = True
-    if again and known is not None:
+        recopy = True
+    if recopy and known is not None:
         seen = executor.run_one(_observe_action(store, known))
         moved = store.set_aside(known, verdicts.differing(known, seen))
         if moved:
@@ -315,10 +315,11 @@ def _copy(jobs: list[Job], store: Store, executor: Executor, cp: Checkpoint, par
     said); after a mismatch once more, comparing every byte."""
     job = jobs[0]
     unpinned: frozenset[str] = frozenset()
-    again = False
+    every_byte = False
     while True:
         try:
-            return executor.run(plan_copy(job, store, cp, again=again, parts=parts, about=about, unpinned=unpinned))
+            return executor.run(plan_copy(job, store, cp, every_byte=every_byte, parts=parts, about=about,
+                                          unpinned=unpinned))
         except Unpinned as exc:
             for host, why in exc.why.items():
                 executor.ui.warn(f"{host}: {cp.name} is copied unpinned: {why}; if the trainer's rotation deletes "
@@ -326,11 +327,11 @@ def _copy(jobs: list[Job], store: Store, executor: Executor, cp: Checkpoint, par
             report.unpinned.append(f"{cp.name}: {exc}")
             unpinned |= frozenset(exc.why)
         except Mismatch as exc:
-            if again:
+            if every_byte:
                 raise
             # a quick check (size + mtime) can trust a damaged partial file: compare every byte
             executor.ui.warn(f"{cp.name}: {exc.problems[0]}; copying again, comparing every byte")
-            again = True
+            every_byte = True
 
 
 def lost_from_store(name: str, store: Store, problems: list[str]) -> str:

@@ -698,11 +698,11 @@ class HfStore(Store):
         return f"{INCOMING}/{tag.hexdigest()[:16]}"
 
     def plan_receive_parts(self, parts: list[tuple[Job, Checkpoint]], cp: Checkpoint,
-                           again: bool = False) -> list[Action]:
+                           every_byte: bool = False) -> list[Action]:
         return [dataclasses.replace(a, host=job.host) if a.where != LOCAL else a
                 for job, part in parts for a in self._receive(job, part, self.incoming(cp))]
 
-    def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
+    def plan_receive(self, job: Job, cp: Checkpoint, every_byte: bool = False) -> list[Action]:
         return self._receive(job, cp, self.incoming(cp))
 
     def _receive(self, job: Job, cp: Checkpoint, incoming: str) -> list[Action]:

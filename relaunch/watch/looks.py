@@ -110,12 +110,6 @@ class Looker:
             self._view = replace(v, answered_at=at, answered_epoch=time.time() - (time.monotonic() - at),
                                  silent_since=at if still else None)
 
-    def forget_silence(self, seconds: float) -> None:
-        """This machine could not look for `seconds` (it was asleep): not the node's silence."""
-        with self._lock:
-            if self._view.silent_since is not None:
-                self._view = replace(self._view, silent_since=self._view.silent_since + seconds)
-
     def _run(self) -> None:
         while not self._stop.is_set() and not processes.CANCEL.is_set():
             started = time.monotonic()

@@ -57,7 +57,7 @@ ALIVE_AGAIN = 30.0         # seconds before recover.alive is asked again about t
 
 
 @dataclass
-class Outcome:
+class WatchEnd:
     """How the watch ended (when it did not run until Ctrl-C)."""
 
     reason: str              # "finished" | "notice handled"
@@ -201,7 +201,7 @@ class Watch:
         return max(seen) if seen else None
 
     # -- the loop ------------------------------------------------------------------------------
-    def run(self) -> Outcome:
+    def run(self) -> WatchEnd:
         self.holder.take(self.inner, self.take_over)
         try:
             self.holder.start_renewing(self.inner, self._post)
@@ -215,7 +215,7 @@ class Watch:
             self.chores.shutdown(wait=False, cancel_futures=True)
             self.holder.release(self.inner)
 
-    def _loop(self) -> Outcome:
+    def _loop(self) -> WatchEnd:
         recover = self.recipe.recover
         self.say(f"watching {self.host}: a look every {self.every:g}s, a sync round every "
                  f"{self.recipe.checkpoint.every:g}s, lost after {recover.lost_after:g}s without an answer"
@@ -260,7 +260,7 @@ class Watch:
         self.emit("round", **report.as_dict())
         self.holder.note(last_round={"at": history.iso(time.time()), "line": round_line(report)})
 
-    def tick(self) -> Outcome | None:
+    def tick(self) -> WatchEnd | None:
         if self.holder.taken is not None:            # seen by the lease's renewal: stop acting at once
             self.still_holding()
         now = time.monotonic()
@@ -308,7 +308,7 @@ class Watch:
                 self.say(f"{view.host}: answers again")
 
     # -- a reclaim notice ----------------------------------------------------------------------
-    def on_notice(self, view: View) -> Outcome | None:
+    def on_notice(self, view: View) -> WatchEnd | None:
         assert view.look is not None and view.look.notice is not None
         notice = dict(view.look.notice)
         self.handled.add(notice.get("seen_at"))
@@ -399,7 +399,7 @@ class Watch:
                                       "verified in the store", "rerun `relaunch evacuate` while the instance exists")
             self.say(f"{view.host}: no recover.command: training is stopped and its newest checkpoint is in the store; "
                      "bring it up on a new instance with `relaunch up RECIPE HOST`")
-            return Outcome("notice handled", self.host)
+            return WatchEnd("notice handled", self.host)
         self.recover(entry, [view.spec])
         return None
 
@@ -552,7 +552,7 @@ class Watch:
             self.up_here(entry)
         self.record(entry)
 
-    def maybe_ended(self, views: list[View]) -> Outcome | None:
+    def maybe_ended(self, views: list[View]) -> WatchEnd | None:
         """Training gone on node 0: decided once every node was looked at again after it was first
         seen gone (in a group, a notice on another node may be why: that look shows it);
         meanwhile `ending_seen` holds the looks of that first sight."""
@@ -586,7 +586,7 @@ class Watch:
                                       "it and the store answer; do not destroy it before")
             self.ok(f"{first.host}: training finished (exit 0); nothing more to watch")
             self.emit("finished")
-            return Outcome("finished", self.host)
+            return WatchEnd("finished", self.host)
         raise EnvError(f"{first.host}: training exited with status {look.exit}: it failed by itself, the instance was "
                        "not taken away" + (f"; and {problem}" if problem else ""),
                        "see `relaunch status` for its last lines; `relaunch up` starts it again")
@@ -942,5 +942,5 @@ def _save_words(save: dict[str, Any]) -> str:
 
 
 def watch(recipe: Recipe, specs: list[HostSpec], ui: UI, emit: Callable[[str], None] | None = None,
-          overrides: list[str] | None = None, take_over: bool = False) -> Outcome:
+          overrides: list[str] | None = None, take_over: bool = False) -> WatchEnd:
     return Watch(recipe, specs, ui, emit, overrides, take_over).run()
