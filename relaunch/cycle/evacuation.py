@@ -24,7 +24,8 @@ from ..steps.checkpoint import instance_checkpoints
 from ..steps.group import tag
 from ..steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan_copy, plan_meta, plan_unpin
 from ..steps.guard import newest_logged_step
-from ..steps.launch import START_MARK, tail_command
+from ..scripts import this_run
+from ..steps.launch import tail_command
 from ..transports import Damaged, Mismatch, Store, Vanished, open_store
 from ..transports.base import store_deadline
 from ..ui import UI
@@ -201,8 +202,7 @@ def _progress(job: Job, executor: Executor) -> verdicts.Progress:
     text = str(executor.run([read]).get("progress") or "")
     head, lines = text.splitlines()[:2], text.splitlines()[2:]
     # this run's lines: an earlier run's higher steps above its start line are not this one's progress
-    starts = [n for n, line in enumerate(lines) if line.startswith(START_MARK)]
-    lines = lines[starts[-1] + 1:] if starts else lines
+    lines = this_run(lines)
     words = dict(line.partition("=")[::2] for line in head)
     host = job.facts.host
     since, now = host.session_since, words.get("now", "")

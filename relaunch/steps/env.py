@@ -7,11 +7,11 @@ import shlex
 import urllib.parse
 
 from .. import scripts
-from ..recipe import render_shell_at
 from ..host.connection import upload_command
 from ..host.facts import FREEZE_PY
 from ..job import Job, drift
 from ..plan import LOCAL, Action, Ref
+from ..recipe import render_shell_at
 from ..transports import rsync
 from ..scripts import export_lines
 from ..transports.tools import index_exports, indexes_searched, tool_action

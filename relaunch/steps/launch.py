@@ -8,15 +8,14 @@ import shlex
 from pathlib import Path
 
 from .. import scripts, train
-from ..recipe import render_shell_at
 from ..host.connection import upload_command
 from ..job import Job
 from ..plan import Action
+from ..recipe import render_shell_at
 from .env import exports
 from .guard import guard_paths, plan_guard
 
 WATCH_SLACK = 30.0       # seconds beyond the grace for the watch itself (python start, a slow box)
-START_MARK = "=== relaunch: start "     # the line run.sh writes into the log at each start
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 
@@ -43,7 +42,7 @@ def render_run_script(job: Job) -> str:
                           status_file=paths.status_file,
                           pgid_file=paths.pgid_file, python_path=paths.python_path,
                           stop_signal=job.recipe.run.stop.signal, notice_file=guard_paths(job).notice,
-                          start_mark=START_MARK,
+                          start_mark=scripts.START_MARK,
                           templates=job.recipe.templates)
 
 

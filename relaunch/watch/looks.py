@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, replace
 
 from .. import processes
+from ..scripts import this_run
 from ..cycle import make_target
 from ..errors import ConnectError, HostKeyError, RelaunchError
 from ..host.connection import Remote, connect
@@ -25,16 +26,6 @@ from ..ui import redact
 
 CONNECT_WAIT = 10.0        # seconds one reconnection for a look may take
 LISTING_EVERY = 10.0       # seconds between looks that also list checkpoint.dir (newest step seen)
-
-
-START_MARK = "=== relaunch: start "      # the line run.sh writes into the log at each start
-
-
-def this_run(lines: list[str]) -> list[str]:
-    """The log's lines since the last start (a run resumed elsewhere, or before a shrink, printed
-    steps of its own that this one may never reach)."""
-    starts = [n for n, line in enumerate(lines) if line.startswith(START_MARK)]
-    return lines[starts[-1] + 1:] if starts else lines
 
 
 def brief(recipe: Recipe, wait: float) -> Recipe:
