@@ -455,6 +455,11 @@ class Recipe(_Section):
                 pass
         return self._origins.get(best, top)
 
+    def ssh_wait_at_most(self, seconds: float) -> Recipe:
+        """This recipe with ssh.wait cut to `seconds`: a loop that reconnects (sync, watch) does not
+        sit through a whole boot wait on every outage."""
+        return self.model_copy(update={"ssh": self.ssh.model_copy(update={"wait": min(self.ssh.wait, seconds)})})
+
     def wrote(self, key: str) -> bool:
         """Whether a recipe file (or `--set`) wrote dotted `key` itself, rather than a default or
         the provider preset filling it in."""

@@ -28,11 +28,6 @@ CONNECT_WAIT = 10.0        # seconds one reconnection for a look may take
 LISTING_EVERY = 10.0       # seconds between looks that also list checkpoint.dir (newest step seen)
 
 
-def brief(recipe: Recipe, wait: float) -> Recipe:
-    """The recipe with ssh.wait cut to `wait`: a watch does not sit through a whole boot wait."""
-    return recipe.model_copy(update={"ssh": recipe.ssh.model_copy(update={"wait": min(recipe.ssh.wait, wait)})})
-
-
 @dataclass(frozen=True)
 class View:
     """What the latest look at one node saw."""
@@ -127,7 +122,7 @@ class Looker:
     def _once(self) -> None:
         if self._remote is None or not self._remote.alive:
             self._close()
-            target = make_target(brief(self.recipe, CONNECT_WAIT), self.spec)
+            target = make_target(self.recipe.ssh_wait_at_most(CONNECT_WAIT), self.spec)
             try:
                 remote = connect(target)
             except HostKeyError as exc:

@@ -39,17 +39,16 @@ from ..errors import ConnectError, EnvError, EvacuationError, HostKeyError, Inte
 from ..host.connection import connect
 from ..host.spec import HostSpec
 from ..recipe import Recipe
-from ..retry import retrying
+from ..retry import RECONNECT_WAIT, retrying
 from ..steps.evacuate import Report, round_line
 from ..steps.guard import record_command
 from ..transports import open_store
 from ..ui import UI, redact
 from . import recover as rent
 from .holder import Holder
-from .looks import Looker, View, brief
+from .looks import Looker, View
 from .rounds import LAST_ROUND_TRIES, Rounds, child_argv, clock
 
-RETRY_WAIT = 20.0          # ssh.wait for the watch's own connections once it runs
 SAVE_SLACK = 10.0          # seconds beyond run.stop.timeout to wait for the guard's save
 WRITE_BACK_DEADLINE = 15.0
 GHOST_LOOKS = 5            # a replaced instance is looked at every GHOST_LOOKS x guard.every seconds
@@ -158,8 +157,8 @@ class Watch:
         return len(self.specs) > 1
 
     # -- the recipe as the watch uses it -----------------------------------------------------
-    def current(self, wait: float = RETRY_WAIT) -> Recipe:
-        recipe = brief(self.recipe, wait)
+    def current(self, wait: float = RECONNECT_WAIT) -> Recipe:
+        recipe = self.recipe.ssh_wait_at_most(wait)
         if self.unpinned:
             recipe = recipe.model_copy(update={"ssh": recipe.ssh.model_copy(update={"host_key": None})})
         return recipe
@@ -174,7 +173,7 @@ class Watch:
                              "the watch that holds the store carries on (`relaunch status` on its machine shows it)")
 
     def _round_argv(self) -> list[str]:
-        sets = [*self.overrides, f"ssh.wait={min(self.recipe.ssh.wait, RETRY_WAIT):g}"]
+        sets = [*self.overrides, f"ssh.wait={min(self.recipe.ssh.wait, RECONNECT_WAIT):g}"]
         if self.unpinned:
             sets.append("ssh.host_key=null")
         return child_argv(str(self.recipe.source), [str(s) for s in self.specs], sets)
@@ -431,7 +430,7 @@ class Watch:
     def write_back(self, view: View, notice: dict[str, Any]) -> None:
         """Add the copy and the verdict to the notice record on the instance (when it still answers)."""
         try:
-            node, remote = cycle.open_host(brief(self.current(), 5), view.spec, self.inner)
+            node, remote = cycle.open_host(self.current(5), view.spec, self.inner)
         except RelaunchError:
             return
         with remote:
