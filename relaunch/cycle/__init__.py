@@ -19,7 +19,7 @@ from ..host.spec import HostSpec
 from ..recipe import Recipe
 from ..ui import UI
 from .evacuation import evacuate, evacuate_jobs, parts_of, relist
-from .handlers import Checks, Fanout, executor_for
+from .handlers import GroupCopyKey, StepOutputs, executor_for
 from .hosts import (connected, group_known_hosts, last_host, last_hosts, make_target, open_group, open_host,
                     remember_host)
 from .node_group import plan_group_up, unsaved_group_checkpoint, up_group
@@ -28,7 +28,7 @@ from .starting import UpResult
 from .stopping import ask_to_stop, stop_training
 
 __all__ = [
-    "Checks", "Fanout", "UpResult", "ask_to_stop", "connected", "evacuate", "evacuate_jobs", "executor_for",
+    "GroupCopyKey", "StepOutputs", "UpResult", "ask_to_stop", "connected", "evacuate", "evacuate_jobs", "executor_for",
     "group_known_hosts", "last_host", "last_hosts", "make_target", "open_group", "open_host", "parts_of",
     "plan_group_up", "plan_up", "prepare", "relist", "remember_host", "stop_training", "unsaved_group_checkpoint",
     "up", "up_group", "up_one",

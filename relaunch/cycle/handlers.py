@@ -36,8 +36,8 @@ _SETUP_LINE = re.compile(r"^relaunch-setup-line (\d+)$", re.M)
 SETUP_TAIL_LINES = 15
 
 
-class Checks:
-    """In-process checks that plans call (`checks.x`): they say what they found."""
+class StepOutputs:
+    """What the plans' steps printed, read in-process (`checks.x`): each says what it found."""
 
     def __init__(self, ui: UI, host: str, recipe: Recipe | None = None) -> None:
         self.ui, self.host, self.recipe = ui, host, recipe
@@ -114,7 +114,7 @@ class Checks:
             self.ui.step(self.host, "env", "pip freeze matches the lock")
 
 
-class Fanout:
+class GroupCopyKey:
     """The key a node group uses to copy a checkpoint between its nodes (`fanout.keypair`): made
     here for one copy, never written to this machine's disk."""
 
@@ -132,7 +132,7 @@ class Fanout:
 
 def executor_for(job: Job, remote: Remote, store: Store | None, ui: UI,
                  remotes: dict[str, Remote] | None = None) -> Executor:
-    handlers: dict[str, Any] = {"checks": Checks(ui, job.host, job.recipe), "fanout": Fanout()}
+    handlers: dict[str, Any] = {"checks": StepOutputs(ui, job.host, job.recipe), "fanout": GroupCopyKey()}
     if store is not None:
         handlers.update(store.handlers())
     return Executor(ui, job.host, remote, handlers, remotes)

@@ -219,16 +219,16 @@ class Store(ABC):
         path = folder / (hashlib.sha256(self.label.encode()).hexdigest()[:16] + ".lock")
         with open(path, "a+") as handle:
             end = time.monotonic() + wait
-            told = False
+            said_waiting = False
             while True:
                 try:
                     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
                     holder = _holder(path)
-                    if not told:
+                    if not said_waiting:
                         ui.say(f"waiting up to {wait:g}s for {holder} writing to {self.label}")
-                        told = True
+                        said_waiting = True
                     if time.monotonic() > end:
                         raise EvacuationError(
                             f"{self.label}: another relaunch still writes to this store after {wait:g}s: {holder}",

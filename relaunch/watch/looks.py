@@ -48,11 +48,11 @@ class View:
     def host(self) -> str:
         return str(self.spec)
 
-    def silent_for(self, now: float, late: float) -> float:
+    def silent_for(self, now: float, hang_after: float) -> float:
         """Seconds since its last answer, once it is silent: a look failed, or the one under way is
-        more than `late` seconds past the last answer (a connection that hangs)."""
+        more than `hang_after` seconds past the last answer (a connection that hangs)."""
         quiet = now - self.answered_at
-        return quiet if self.silent_since is not None or quiet > late else 0.0
+        return quiet if self.silent_since is not None or quiet > hang_after else 0.0
 
 
 class Looker:
@@ -92,9 +92,9 @@ class Looker:
                 return
             # a look that failed after `at` (looked_at is the failed attempt) keeps the node silent,
             # since `at`: the last time anything heard from it
-            still = v.silent_since is not None and v.looked_at > at
+            still_silent = v.silent_since is not None and v.looked_at > at
             self._view = replace(v, answered_at=at, answered_epoch=time.time() - (time.monotonic() - at),
-                                 silent_since=at if still else None)
+                                 silent_since=at if still_silent else None)
 
     def _run(self) -> None:
         while not self._stop.is_set() and not processes.CANCEL.is_set():

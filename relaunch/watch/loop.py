@@ -18,7 +18,7 @@ copy-off rounds (rounds.py), and decides, from what the nodes show now:
   and the user is told it still bills;
 - training ended by itself: a last round, then exit 0 (finished) or 4 (it failed).
 
-All output comes from this thread; the lookers, the rounds and the chores (renting, renewing the
+All output comes from this thread; the lookers, the rounds and the background tasks (renting, renewing the
 lease, ending a replaced instance's training) only post what they found. Ctrl-C ends the watch
 and what it runs; it never signals the training.
 """
@@ -51,7 +51,7 @@ from .rounds import LAST_ROUND_TRIES, Rounds, child_argv, clock
 
 SAVE_SLACK = 10.0          # seconds beyond run.stop.timeout to wait for the guard's save
 WRITE_BACK_DEADLINE = 15.0
-GHOST_LOOKS = 5            # a replaced instance is looked at every GHOST_LOOKS x guard.every seconds
+REPLACED_LOOKS = 5            # a replaced instance is looked at every REPLACED_LOOKS x guard.every seconds
 ALIVE_AGAIN = 30.0         # seconds before recover.alive is asked again about the same host
 
 
@@ -86,15 +86,15 @@ class Watch:
         # one line per step: the building blocks' own messages only with -v
         self.inner = UI(verbose=ui.verbose, quiet=not ui.verbose)
         self.every = recipe.guard.every
-        self.late = max(3 * self.every, 5.0)     # a look this much past the last answer: silent
+        self.hang_after = max(3 * self.every, 5.0)     # a look this much past the last answer: silent
         self.wake = threading.Event()
         self.messages: queue.Queue[tuple[str, str]] = queue.Queue()
         self.rounds = Rounds(self._round_argv, lambda kind, text: self._post(kind, text))
-        self.chores = ThreadPoolExecutor(max_workers=3, thread_name_prefix="chore")
+        self.background = ThreadPoolExecutor(max_workers=3, thread_name_prefix="background")
         self.store = open_store(recipe)
         self.holder = Holder(recipe.name, self.store, [str(s) for s in self.specs])
         self.lookers: dict[str, Looker] = {}
-        self.ghosts: dict[str, Looker] = {}        # replaced instances, looked at now and then
+        self.replaced: dict[str, Looker] = {}        # replaced instances, looked at now and then
         self.ending: Future[Any] | None = None     # a replaced instance's training being ended
         self.size = len(self.specs)                              # the group's size, to grow back to
         self.renting: list[Future[None]] = []                    # shrink: replacements being rented (and made)
@@ -209,9 +209,9 @@ class Watch:
         finally:
             self.rounds.abort()
             self.say_unused()
-            for looker in [*self.lookers.values(), *self.ghosts.values()]:
+            for looker in [*self.lookers.values(), *self.replaced.values()]:
                 looker.stop()
-            self.chores.shutdown(wait=False, cancel_futures=True)
+            self.background.shutdown(wait=False, cancel_futures=True)
             self.holder.release(self.inner)
 
     def _loop(self) -> WatchEnd:
@@ -233,7 +233,7 @@ class Watch:
                 return outcome
 
     def drain(self) -> None:
-        """What the threads posted: messages, a finished round, finished chores."""
+        """What the threads posted: messages, a finished round, finished background tasks."""
         self.drain_messages()
         outcome = self.rounds.take()
         if outcome is not None:
@@ -278,7 +278,7 @@ class Watch:
             if all(v.silent_since is None and v.looks > self.waiting_looks.get(v.host, 0) for v in views):
                 self.came_back(views)
             return None
-        silent = [v for v in views if v.silent_for(now, self.late) >= self.recipe.recover.lost_after]
+        silent = [v for v in views if v.silent_for(now, self.hang_after) >= self.recipe.recover.lost_after]
         if silent:
             lost = self.confirm_lost(silent)
             if lost:
@@ -287,7 +287,7 @@ class Watch:
         outcome = self.maybe_ended(views)
         if outcome is not None or self.ending_seen is not None:     # ended, or a last look pending
             return outcome
-        self.look_at_ghosts()
+        self.look_at_replaced()
         self.grow_back()
         if now >= self.next_round and not self.rounds.busy:
             self.rounds.start()
@@ -295,7 +295,7 @@ class Watch:
 
     def say_silences(self, views: list[View], now: float) -> None:
         for view in views:
-            quiet = view.silent_for(now, self.late)
+            quiet = view.silent_for(now, self.hang_after)
             if quiet and view.host not in self.said_silent:
                 self.said_silent.add(view.host)
                 why = view.why or f"the look under way has had no answer for {quiet:.0f}s"
@@ -364,11 +364,11 @@ class Watch:
             newest_mtime=report.newest_mtime if report else None,
             verified_now=tuple(report.verified_now) if report else (), seen_step=shown))
         made = verified and verdict.ok
-        late = finished > deadline
+        after_deadline = finished > deadline
         if report is not None and verified:
             newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint"
             timing = (f"{deadline - finished:.0f}s before the deadline" if made
-                      else f"NOT before the deadline ({finished - deadline:.0f}s late)" if late
+                      else f"NOT before the deadline ({finished - deadline:.0f}s late)" if after_deadline
                       else f"but NOT the save after the notice before the deadline: {verdict.why}")
             (self.ok if made else self.warn)(f"{where}evacuated after the notice: {newest} verified in "
                                              f"{report.store}, {timing}")
@@ -379,7 +379,7 @@ class Watch:
         notice["copy"] = copy
         notice["verdict"] = (f"{notice.get('verdict') or ''}; the copy: "
                              + (f"{copy['checkpoint']} verified in the store "
-                                + ("before the deadline" if made else "AFTER the deadline" if late
+                                + ("before the deadline" if made else "AFTER the deadline" if after_deadline
                                    else f"before the deadline, but it is not the save after the notice: {verdict.why}")
                                 if verified else "NOT verified")).lstrip("; ")
         self.write_back(view, notice)
@@ -417,7 +417,7 @@ class Watch:
             processes.sleep(0.5)
             now = looker.view()
             if now.look is None or now.silent_since is not None:
-                if now.silent_for(time.monotonic(), self.late) > 2 * self.every + 5:
+                if now.silent_for(time.monotonic(), self.hang_after) > 2 * self.every + 5:
                     break
                 continue
             look = now.look
@@ -494,7 +494,7 @@ class Watch:
             asking = self.asking.get(view.host)
             if asking is None:
                 if time.monotonic() >= self.alive_after.get(view.host, 0.0):
-                    self.asking[view.host] = self.chores.submit(rent.ask_alive, self.recipe, view.host)
+                    self.asking[view.host] = self.background.submit(rent.ask_alive, self.recipe, view.host)
                 continue
             if not asking.done():
                 continue
@@ -647,7 +647,7 @@ class Watch:
                 # one rented is used when the group grows back (or named when the watch ends)
                 with self.spare_lock:
                     group = [*self.specs, *(r.spec for r in self.spares)]
-                self.renting.append(self.chores.submit(self.rent_and_prepare, entry, len(gone), group))
+                self.renting.append(self.background.submit(self.rent_and_prepare, entry, len(gone), group))
         else:
             # what earlier shrinks rented counts towards the replacements (the last nodes of a shrunk
             # group lost too): rented once, never forgotten
@@ -684,7 +684,7 @@ class Watch:
         return rented
 
     def rent_and_prepare(self, entry: history.Interruption, count: int, group: list[HostSpec]) -> None:
-        """recover.shrink, in a chore thread: the replacements are rented while the shrunk group
+        """recover.shrink, in a background thread: the replacements are rented while the shrunk group
         trains, each added to `spares` as soon as recover.command gave it, and their env is made then
         too, so that growing back installs nothing while training is stopped. `group`: the nodes as
         they were when this renting began (the loop's specs may change meanwhile); the env is made
@@ -892,26 +892,26 @@ class Watch:
         for spec in specs:
             if self._taken(spec):
                 continue
-            looker = Looker(self.current(5), spec, max(GHOST_LOOKS * self.every, 10.0), self.wake,
+            looker = Looker(self.current(5), spec, max(REPLACED_LOOKS * self.every, 10.0), self.wake,
                             listing_every=0).start()
-            self.ghosts[str(spec)] = looker
+            self.replaced[str(spec)] = looker
 
     def _taken(self, spec: HostSpec) -> bool:
         mine = cycle.make_target(self.recipe, spec)
         return any((t.address, t.port) == (mine.address, mine.port)
                    for t in (cycle.make_target(self.recipe, s) for s in self.specs))
 
-    def look_at_ghosts(self) -> None:
-        for name, looker in list(self.ghosts.items()):
+    def look_at_replaced(self) -> None:
+        for name, looker in list(self.replaced.items()):
             view = looker.view()
             if view.fatal is not None or self._taken(view.spec):   # another machine there now: it is gone
                 looker.stop()
-                del self.ghosts[name]
+                del self.replaced[name]
                 continue
             if view.look is None or view.silent_since is not None or self.ending is not None:
                 continue
             looker.stop()
-            del self.ghosts[name]
+            del self.replaced[name]
             stored = self.store_newest()
             if not view.look.training:
                 self.warn(f"{name} (replaced) answers again; its training is not running. It is still billing "
@@ -926,7 +926,7 @@ class Watch:
             self.warn(f"{name} (replaced) answers again and was still training; it holds nothing newer than the "
                       "store: ending its training now. It is still billing until you destroy it")
             self.emit("replaced-back", node=name)
-            self.ending = self.chores.submit(cycle.stop_training, self.current(10), [view.spec], self.inner)
+            self.ending = self.background.submit(cycle.stop_training, self.current(10), [view.spec], self.inner)
 
 
 def _save_words(save: dict[str, Any]) -> str:
