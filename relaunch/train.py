@@ -128,6 +128,7 @@ class StopRequest:
         for number in self.signals:
             current = signal.getsignal(number)
             if getattr(current, "__self__", None) is self:
+                self._chained[number] = chain      # already on top: only whether to chain changes
                 continue
             self._previous[number] = current
             self._chained[number] = chain
@@ -915,6 +916,16 @@ def _agree(flag: bool, device: Any = None) -> bool:
     return bool(value.item())
 
 
+def _world_size(args: Any = None) -> int:
+    """The number of processes training together: the Trainer's, or torch.distributed's."""
+    import torch.distributed as dist
+
+    size = int(getattr(args, "world_size", 1) or 1)
+    if dist.is_available() and dist.is_initialized():
+        size = max(size, dist.get_world_size())
+    return size
+
+
 def trainer_callback() -> type:
     """The class of `TrainerCallback`, made on first use (imports transformers)."""
     if "trainer" in _CLASSES:
@@ -925,11 +936,15 @@ def trainer_callback() -> type:
         """transformers' Trainer: on a notice, save a `checkpoint-N` at the end of the step, then stop.
 
         Add it to `Trainer(callbacks=[...])`. It installs relaunch's handler when training begins
-        (chained to transformers' own). With `enable_jit_checkpoint=True` and the stop signal
-        TERM, transformers saves on SIGTERM by itself (its JIT checkpoint, after a 3 s wait) and
-        the callback leaves the save to it; it still acts on the guard's notice record and on
-        another run.stop.signal. `stop.requested()` tells the script afterwards that training
-        stopped on a notice rather than finished.
+        (chained to transformers' own). With `enable_jit_checkpoint=True`, the stop signal TERM
+        and a single process, transformers saves on SIGTERM by itself (its JIT checkpoint, after
+        a 3 s wait) and the callback leaves the save to it; it still acts on the guard's notice
+        record and on another run.stop.signal. With more than one process the JIT checkpoint
+        would be decided on each rank alone (a rank the signal missed keeps training while the
+        others save, a collective): there relaunch's handler does not pass SIGTERM on to
+        transformers', and every rank saves and stops at the step they agree on.
+        `stop.requested()` tells the script afterwards that training stopped on a notice rather
+        than finished (on the ranks the signal reached; `stopping` on every rank).
         """
 
         def __init__(self, stop: StopRequest | None = None) -> None:
@@ -938,8 +953,10 @@ def trainer_callback() -> type:
             self.stopping = False
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.stop = (self.stop or install()).install()   # on top of the JIT handler, chained to it
-            self.jit = bool(getattr(args, "enable_jit_checkpoint", False))
+            jit = bool(getattr(args, "enable_jit_checkpoint", False))
+            self.jit = jit and _world_size(args) < 2
+            # on top of the JIT handler: chained to it with one process, never with several
+            self.stop = (self.stop or install()).install(chain=self.jit or not jit)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             stop = self.stop or install()

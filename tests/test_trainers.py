@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -386,6 +387,76 @@ def test_relaunch_trainer_callback_saves_at_the_step_without_the_jit_checkpoint(
     resumed = metrics(again.stdout)
     assert min(resumed) == stopped + 1
     assert_matches(resumed, metrics(baselines.log("hf-trainer")), range(stopped + 1, STEPS + 1))
+
+
+def worker_pids(launcher: int) -> dict[int, int]:
+    """torchrun's worker processes by their RANK, read from their environment."""
+    found = {}
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [v for v in environ if v.startswith(b"RANK=")]
+        if ranks:
+            found[int(ranks[0][5:])] = int(child)
+    return found
+
+
+def test_hf_trainer_under_torchrun_with_one_rank_signalled_saves_on_every_rank_at_one_step(tmp_path):
+    """The JIT checkpoint is decided per process: when SIGTERM reaches one rank only (the guard or a
+    user signalling one process, torchrun passing it on late), that rank must not leave the save to
+    it while the others save. Every rank saves checkpoint-N at the step they agree on, and stops."""
+    # ACCELERATE_USE_CPU: the Trainer wraps the model in DDP over gloo (a real two-process run)
+    env = {**os.environ, "PYTHONPATH": str(train_module_dir(tmp_path)), "OMP_NUM_THREADS": "1",
+           "ACCELERATE_USE_CPU": "true"}
+    for key in ("RELAUNCH_NOTICE", "RELAUNCH_STOP_SIGNAL", "RELAUNCH_STARTED"):
+        env.pop(key, None)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(EXAMPLES / "hf-trainer" / "train.py"), "--output_dir", str(out), "--max_steps", str(STEPS),
+         "--save_steps", str(SAVE_EVERY), "--sleep", str(SLEEP)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+    reader.start()
+    workers: dict[int, int] = {}
+    try:
+        wait_for(f"step {NOTICE_AFTER} under torchrun", lambda: any(
+            line.startswith(f"step {NOTICE_AFTER} ") for line in list(lines)) or proc.poll() is not None)
+        assert proc.poll() is None, "".join(lines[-40:])
+        workers = worker_pids(proc.pid)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the run hangs after SIGTERM reached rank 1 only:\n" + "".join(lines[-40:])) from None
+    finally:
+        for pid in [*workers.values(), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        reader.join(timeout=30)
+    log = "".join(lines)
+    assert rc == 0, log[-3000:]
+    assert log.count("relaunch.train: got SIGTERM") == 1, log[-3000:]      # rank 1's alone
+    assert "JIT checkpoint after" not in log, log[-3000:]                 # transformers' handler not called
+    saving = re.findall(r"^relaunch\.train: (.+): saving checkpoint-(\d+), then stopping$", log, re.M)
+    assert sorted(reason for reason, _ in saving) == ["signal SIGTERM", "stop requested"], log[-3000:]
+    step = int(saving[0][1])
+    assert {int(n) for _, n in saving} == {step} and step >= NOTICE_AFTER
+    assert re.findall(r"^stopped at step (\d+)$", log, re.M) == [str(step)] * 2, log[-3000:]
+    assert max(metrics(log)) == step                                        # nothing trained after it
+    # one checkpoint at that step, written by both ranks (each saves its own RNG state)
+    assert max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == step
+    saved = out / f"checkpoint-{step}"
+    files = {p.name for p in saved.iterdir()}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt"} <= files, files
+    assert json.loads((saved / "trainer_state.json").read_text())["global_step"] == step
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
