@@ -1005,7 +1005,8 @@ def lightning_callback(package: Any = None) -> type:
         over from Lightning, and at the end of the step (the last micro-batch) the signal or the
         guard's record came in, it saves, at the point of the loop where ModelCheckpoint saves
         its own step checkpoints, under the name and in the folder of the trainer's
-        ModelCheckpoint (unless that one saves this very step anyway), and sets
+        ModelCheckpoint (unless that one saves this very step anyway: with a `monitor`, only when
+        the step enters its top k), and sets
         `trainer.should_stop`. Every process decides together (one reduce per step).
         """
 
@@ -1026,10 +1027,25 @@ def lightning_callback(package: Any = None) -> type:
             for cb in trainer.checkpoint_callbacks:
                 if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.dirpath:
                     every = getattr(cb, "_every_n_train_steps", 0) or 0
-                    itself = bool(every) and trainer.global_step % every == 0 and cb.save_top_k != 0
+                    itself = bool(every) and trainer.global_step % every == 0 and cb.save_top_k != 0 and \
+                        self._saves_anyway(cb, trainer, metrics)
+                    # a key of the name missing from the metrics formats as 0 (Lightning's rule)
                     return cb.format_checkpoint_name(metrics), itself
             name = f"epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt"
             return os.path.join(trainer.default_root_dir, name), False
+
+        @staticmethod
+        def _saves_anyway(cb: Any, trainer: Any, metrics: dict[str, Any]) -> bool:
+            """Whether `cb`, due to save at this step, keeps it whatever the metric: with a
+            `monitor` it saves only a step in its top k, and waits for validation when the key is
+            missing or the epoch's last batch ends (validation may not run once training stops)."""
+            if cb.monitor is None:
+                return True
+            last = getattr(trainer.fit_loop.epoch_loop.batch_progress, "is_last_batch", False)
+            if cb.monitor not in metrics or last:
+                return False
+            # every rank asks (the same inputs everywhere): with k models kept it is a reduce
+            return cb.save_top_k == -1 or bool(cb.check_monitor_top_k(trainer, metrics[cb.monitor]))
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:

@@ -459,6 +459,70 @@ def test_hf_trainer_under_torchrun_with_one_rank_signalled_saves_on_every_rank_a
     assert json.loads((saved / "trainer_state.json").read_text())["global_step"] == step
 
 
+MONITORED_RUN = """
+import os, signal, sys
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from relaunch import train as relaunch_train
+
+ckpt_dir, signal_at, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("worse", float(self.global_step + 1))      # mode min: never improves; max: always
+        if self.global_step + 1 == signal_at:                 # the step under way ends at signal_at
+            os.kill(os.getpid(), signal.SIGTERM)
+        return ((self.net(x) - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+torch.manual_seed(0)
+checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}-{worse:.0f}", monitor="worse", mode=mode,
+                              save_top_k=1, every_n_train_steps=5)
+trainer = pl.Trainer(max_steps=40, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, callbacks=[checkpoints, relaunch_train.LightningCallback()])
+stop = relaunch_train.install()
+trainer.fit(Tiny())
+print(f"stopped at step {trainer.global_step}" if stop.requested() else f"done step {trainer.global_step}")
+"""
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_lightning_callback_saves_the_step_a_monitored_model_checkpoint_skips(tmp_path, mode):
+    """ModelCheckpoint with a `monitor` saves a step only when its metric enters the top k: at a
+    step on its every_n_train_steps whose metric got worse (mode min) it saves nothing, so the
+    stop's save is the callback's own, under the name ModelCheckpoint gives (its metric in it).
+    When the metric improved (mode max) ModelCheckpoint's save is the stop's: one file, no `-v1`."""
+    script, ckpt = tmp_path / "monitored.py", tmp_path / "ckpt"
+    script.write_text(MONITORED_RUN)
+    env = {**os.environ, "PYTHONPATH": str(train_module_dir(tmp_path)), "OMP_NUM_THREADS": "1"}
+    for key in ("RELAUNCH_NOTICE", "RELAUNCH_STOP_SIGNAL", "RELAUNCH_STARTED"):
+        env.pop(key, None)
+    run = subprocess.run([sys.executable, str(script), str(ckpt), "10", mode], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "stopped at step 10" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "relaunch.train: got SIGTERM" in run.stderr
+    saved = ckpt / "epoch=0-step=10-worse=10.ckpt"
+    # save_top_k=1: min keeps step 5's (ModelCheckpoint's best) beside the stop's; max replaced it
+    kept = ["epoch=0-step=10-worse=10.ckpt"] + (["epoch=0-step=5-worse=5.ckpt"] if mode == "min" else [])
+    assert sorted(p.name for p in ckpt.iterdir()) == kept
+    assert f"saved {saved} at step 10; stopping" in run.stderr
+    import torch
+    assert torch.load(saved, map_location="cpu", weights_only=False)["global_step"] == 10
+
+
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_example_recipe_runs_its_train_py_where_its_layout_looks(trainer: str, tmp_path: Path) -> None:
     """Each example recipe loads and renders; its command, as the instance's shell splits it on a
