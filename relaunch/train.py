@@ -1036,15 +1036,15 @@ def lightning_callback(package: Any = None) -> type:
 
         @staticmethod
         def _saves_anyway(cb: Any, trainer: Any, metrics: dict[str, Any]) -> bool:
-            """Whether `cb`, due to save at this step, keeps it whatever the metric: with a
-            `monitor` it saves only a step in its top k, and waits for validation when the key is
-            missing or the epoch's last batch ends (validation may not run once training stops)."""
+            """Whether `cb`, due at this step, saves it itself. With a `monitor` it keeps only a
+            step in its top k, and it waits for validation when the key is missing or on an
+            epoch's last batch (validation may not run once training stops)."""
             if cb.monitor is None:
                 return True
             last = getattr(trainer.fit_loop.epoch_loop.batch_progress, "is_last_batch", False)
             if cb.monitor not in metrics or last:
                 return False
-            # every rank asks (the same inputs everywhere): with k models kept it is a reduce
+            # a reduce once k models are kept: every rank gets here at the same step
             return cb.save_top_k == -1 or bool(cb.check_monitor_top_k(trainer, metrics[cb.monitor]))
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
