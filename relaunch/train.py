@@ -128,6 +128,7 @@ class StopRequest:
         for number in self.signals:
             current = signal.getsignal(number)
             if getattr(current, "__self__", None) is self:
+                self._chained[number] = chain      # already on top: only whether to chain changes
                 continue
             self._previous[number] = current
             self._chained[number] = chain
@@ -915,6 +916,16 @@ def _agree(flag: bool, device: Any = None) -> bool:
     return bool(value.item())
 
 
+def _world_size(args: Any = None) -> int:
+    """The number of processes training together: the Trainer's, or torch.distributed's."""
+    import torch.distributed as dist
+
+    size = int(getattr(args, "world_size", 1) or 1)
+    if dist.is_available() and dist.is_initialized():
+        size = max(size, dist.get_world_size())
+    return size
+
+
 def trainer_callback() -> type:
     """The class of `TrainerCallback`, made on first use (imports transformers)."""
     if "trainer" in _CLASSES:
@@ -925,11 +936,15 @@ def trainer_callback() -> type:
         """transformers' Trainer: on a notice, save a `checkpoint-N` at the end of the step, then stop.
 
         Add it to `Trainer(callbacks=[...])`. It installs relaunch's handler when training begins
-        (chained to transformers' own). With `enable_jit_checkpoint=True` and the stop signal
-        TERM, transformers saves on SIGTERM by itself (its JIT checkpoint, after a 3 s wait) and
-        the callback leaves the save to it; it still acts on the guard's notice record and on
-        another run.stop.signal. `stop.requested()` tells the script afterwards that training
-        stopped on a notice rather than finished.
+        (chained to transformers' own). With `enable_jit_checkpoint=True`, the stop signal TERM
+        and a single process, transformers saves on SIGTERM by itself (its JIT checkpoint, after
+        a 3 s wait) and the callback leaves the save to it; it still acts on the guard's notice
+        record and on another run.stop.signal. With more than one process the JIT checkpoint
+        would be decided on each rank alone (a rank the signal missed keeps training while the
+        others save, a collective): there relaunch's handler does not pass SIGTERM on to
+        transformers', and every rank saves and stops at the step they agree on.
+        `stop.requested()` tells the script afterwards that training stopped on a notice rather
+        than finished (on the ranks the signal reached; `stopping` on every rank).
         """
 
         def __init__(self, stop: StopRequest | None = None) -> None:
@@ -938,8 +953,10 @@ def trainer_callback() -> type:
             self.stopping = False
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.stop = (self.stop or install()).install()   # on top of the JIT handler, chained to it
-            self.jit = bool(getattr(args, "enable_jit_checkpoint", False))
+            jit = bool(getattr(args, "enable_jit_checkpoint", False))
+            self.jit = jit and _world_size(args) < 2
+            # on top of the JIT handler: chained to it with one process, never with several
+            self.stop = (self.stop or install()).install(chain=self.jit or not jit)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             stop = self.stop or install()
@@ -988,7 +1005,8 @@ def lightning_callback(package: Any = None) -> type:
         over from Lightning, and at the end of the step (the last micro-batch) the signal or the
         guard's record came in, it saves, at the point of the loop where ModelCheckpoint saves
         its own step checkpoints, under the name and in the folder of the trainer's
-        ModelCheckpoint (unless that one saves this very step anyway), and sets
+        ModelCheckpoint (unless that one saves this very step anyway: with a `monitor`, only when
+        the step enters its top k), and sets
         `trainer.should_stop`. Every process decides together (one reduce per step).
         """
 
@@ -1009,10 +1027,25 @@ def lightning_callback(package: Any = None) -> type:
             for cb in trainer.checkpoint_callbacks:
                 if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.dirpath:
                     every = getattr(cb, "_every_n_train_steps", 0) or 0
-                    itself = bool(every) and trainer.global_step % every == 0 and cb.save_top_k != 0
+                    itself = bool(every) and trainer.global_step % every == 0 and cb.save_top_k != 0 and \
+                        self._saves_anyway(cb, trainer, metrics)
+                    # a key of the name missing from the metrics formats as 0 (Lightning's rule)
                     return cb.format_checkpoint_name(metrics), itself
             name = f"epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt"
             return os.path.join(trainer.default_root_dir, name), False
+
+        @staticmethod
+        def _saves_anyway(cb: Any, trainer: Any, metrics: dict[str, Any]) -> bool:
+            """Whether `cb`, due at this step, saves it itself. With a `monitor` it keeps only a
+            step in its top k, and it waits for validation when the key is missing or on an
+            epoch's last batch (validation may not run once training stops)."""
+            if cb.monitor is None:
+                return True
+            last = getattr(trainer.fit_loop.epoch_loop.batch_progress, "is_last_batch", False)
+            if cb.monitor not in metrics or last:
+                return False
+            # a reduce once k models are kept: every rank gets here at the same step
+            return cb.save_top_k == -1 or bool(cb.check_monitor_top_k(trainer, metrics[cb.monitor]))
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:

@@ -154,6 +154,27 @@ def test_the_stop_signal_is_seen_and_the_handler_before_it_still_runs(monkeypatc
         signal.signal(signal.SIGUSR1, before)
 
 
+def test_installing_again_with_chain_false_stops_passing_the_signal_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Lightning callback installs chained in setup() and unchained in on_train_start(), the HF
+    one unchained under torchrun over a handler a script already installed: the second call counts."""
+    calls = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: calls.append(signum))
+    monkeypatch.setenv(train.STOP_SIGNAL_ENV, "USR1")
+    monkeypatch.delenv(train.NOTICE_ENV, raising=False)
+    stop = StopRequest()
+    try:
+        stop.install()
+        stop.install(chain=False)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested() and calls == []
+        stop.install(chain=True)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert calls == [signal.SIGUSR1]
+    finally:
+        stop.uninstall()
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_the_guards_notice_record_counts_only_for_this_run(tmp_path: Path) -> None:
     record = tmp_path / "notice.json"
     stop = StopRequest(signals=["USR2"], notice_file=str(record), started=1000.0)

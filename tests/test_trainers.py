@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -386,6 +387,140 @@ def test_relaunch_trainer_callback_saves_at_the_step_without_the_jit_checkpoint(
     resumed = metrics(again.stdout)
     assert min(resumed) == stopped + 1
     assert_matches(resumed, metrics(baselines.log("hf-trainer")), range(stopped + 1, STEPS + 1))
+
+
+def worker_pids(launcher: int) -> dict[int, int]:
+    """torchrun's worker processes by their RANK, read from their environment."""
+    found = {}
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [v for v in environ if v.startswith(b"RANK=")]
+        if ranks:
+            found[int(ranks[0][5:])] = int(child)
+    return found
+
+
+def test_hf_trainer_under_torchrun_with_one_rank_signalled_saves_on_every_rank_at_one_step(tmp_path):
+    """The JIT checkpoint is decided per process: when SIGTERM reaches one rank only (the guard or a
+    user signalling one process, torchrun passing it on late), that rank must not leave the save to
+    it while the others save. Every rank saves checkpoint-N at the step they agree on, and stops."""
+    # ACCELERATE_USE_CPU: the Trainer wraps the model in DDP over gloo (a real two-process run)
+    env = {**os.environ, "PYTHONPATH": str(train_module_dir(tmp_path)), "OMP_NUM_THREADS": "1",
+           "ACCELERATE_USE_CPU": "true"}
+    for key in ("RELAUNCH_NOTICE", "RELAUNCH_STOP_SIGNAL", "RELAUNCH_STARTED"):
+        env.pop(key, None)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(EXAMPLES / "hf-trainer" / "train.py"), "--output_dir", str(out), "--max_steps", str(STEPS),
+         "--save_steps", str(SAVE_EVERY), "--sleep", str(SLEEP)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+    reader.start()
+    workers: dict[int, int] = {}
+    try:
+        wait_for(f"step {NOTICE_AFTER} under torchrun", lambda: any(
+            line.startswith(f"step {NOTICE_AFTER} ") for line in list(lines)) or proc.poll() is not None)
+        assert proc.poll() is None, "".join(lines[-40:])
+        workers = worker_pids(proc.pid)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the run hangs after SIGTERM reached rank 1 only:\n" + "".join(lines[-40:])) from None
+    finally:
+        for pid in [*workers.values(), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        reader.join(timeout=30)
+    log = "".join(lines)
+    assert rc == 0, log[-3000:]
+    assert log.count("relaunch.train: got SIGTERM") == 1, log[-3000:]      # rank 1's alone
+    assert "JIT checkpoint after" not in log, log[-3000:]                 # transformers' handler not called
+    saving = re.findall(r"^relaunch\.train: (.+): saving checkpoint-(\d+), then stopping$", log, re.M)
+    assert sorted(reason for reason, _ in saving) == ["signal SIGTERM", "stop requested"], log[-3000:]
+    step = int(saving[0][1])
+    assert {int(n) for _, n in saving} == {step} and step >= NOTICE_AFTER
+    assert re.findall(r"^stopped at step (\d+)$", log, re.M) == [str(step)] * 2, log[-3000:]
+    assert max(metrics(log)) == step                                        # nothing trained after it
+    # one checkpoint at that step, written by both ranks (each saves its own RNG state)
+    assert max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == step
+    saved = out / f"checkpoint-{step}"
+    files = {p.name for p in saved.iterdir()}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt"} <= files, files
+    assert json.loads((saved / "trainer_state.json").read_text())["global_step"] == step
+
+
+MONITORED_RUN = """
+import os, signal, sys
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from relaunch import train as relaunch_train
+
+ckpt_dir, signal_at, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("worse", float(self.global_step + 1))      # mode min: never improves; max: always
+        if self.global_step + 1 == signal_at:                 # the step under way ends at signal_at
+            os.kill(os.getpid(), signal.SIGTERM)
+        return ((self.net(x) - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+torch.manual_seed(0)
+checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}-{step}-{worse:.0f}", monitor="worse", mode=mode,
+                              save_top_k=1, every_n_train_steps=5)
+trainer = pl.Trainer(max_steps=40, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, callbacks=[checkpoints, relaunch_train.LightningCallback()])
+stop = relaunch_train.install()
+trainer.fit(Tiny())
+print(f"stopped at step {trainer.global_step}" if stop.requested() else f"done step {trainer.global_step}")
+"""
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_lightning_callback_saves_the_step_a_monitored_model_checkpoint_skips(tmp_path, mode):
+    """ModelCheckpoint with a `monitor` saves a step only when its metric enters the top k: at a
+    step on its every_n_train_steps whose metric got worse (mode min) it saves nothing, so the
+    stop's save is the callback's own, under the name ModelCheckpoint gives (its metric in it).
+    When the metric improved (mode max) ModelCheckpoint's save is the stop's: one file, no `-v1`."""
+    script, ckpt = tmp_path / "monitored.py", tmp_path / "ckpt"
+    script.write_text(MONITORED_RUN)
+    env = {**os.environ, "PYTHONPATH": str(train_module_dir(tmp_path)), "OMP_NUM_THREADS": "1"}
+    for key in ("RELAUNCH_NOTICE", "RELAUNCH_STOP_SIGNAL", "RELAUNCH_STARTED"):
+        env.pop(key, None)
+    run = subprocess.run([sys.executable, str(script), str(ckpt), "10", mode], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "stopped at step 10" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "relaunch.train: got SIGTERM" in run.stderr
+    saved = ckpt / "epoch=0-step=10-worse=10.ckpt"
+    # save_top_k=1: min keeps step 5's (ModelCheckpoint's best) beside the stop's; max replaced it
+    kept = ["epoch=0-step=10-worse=10.ckpt"] + (["epoch=0-step=5-worse=5.ckpt"] if mode == "min" else [])
+    assert sorted(p.name for p in ckpt.iterdir()) == kept
+    assert f"saved {saved} at step 10; stopping" in run.stderr
+    import torch
+    assert torch.load(saved, map_location="cpu", weights_only=False)["global_step"] == 10
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)

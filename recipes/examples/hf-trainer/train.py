@@ -10,7 +10,9 @@ a notice:
 - `relaunch.train.TrainerCallback()`: leaves that SIGTERM to transformers when the JIT
   checkpoint is on; otherwise (`--no-jit`, an older transformers, another run.stop.signal, or
   only the guard's notice record) it saves `checkpoint-N` at the end of the step and stops.
-  Either way `stop.requested()` tells this script that training stopped on a notice.
+  Either way `stop.requested()` tells this script that training stopped on a notice (and the
+  callback's `stopping`, on a rank the signal did not reach). Under torchrun every rank saves and
+  stops at the step they agree on (the callback's save: the JIT checkpoint is per process).
 
 `--resume_from_checkpoint "{{ checkpoint }}"` is `trainer.train(resume_from_checkpoint=...)`; an empty value is
 a fresh start. Every logged step prints `step N loss X grad_norm Y` (relaunch drill reads it
@@ -91,13 +93,14 @@ def main() -> int:
         save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, logging_steps=1,
         enable_jit_checkpoint=not args.no_jit, report_to="none", disable_tqdm=True, seed=args.seed,
         dataloader_num_workers=0, dataloader_pin_memory=False)
+    relaunch_callback = relaunch_train.TrainerCallback()
     trainer = Trainer(model=model, args=training, train_dataset=Sequences(),
-                      callbacks=[Report(), relaunch_train.TrainerCallback()])
+                      callbacks=[Report(), relaunch_callback])
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)   # Report prints the steps
     print(f"resumed from {resume}" if resume else "fresh start", flush=True)
     stop = relaunch_train.install()
     trainer.train(resume_from_checkpoint=resume or None)
-    if stop.requested():
+    if stop.requested() or relaunch_callback.stopping:   # the signal here, or on another rank
         print(f"stopped at step {trainer.state.global_step}", flush=True)
         return 0
     if args.final:
