@@ -382,7 +382,7 @@ _PROGRESS_LINE = re.compile(rb"^relaunch-(?:read|setup-line) \d+\n?", re.M)
 
 def _quiet(data: bytes) -> bytes:
     """Output without the hasher's progress lines (they feed a bar, not a message) and env.setup's
-    line announcements (they name a failing line, see Checks.setup_failure)."""
+    line announcements (they name a failing line, see cycle.handlers.StepOutputs.setup_failure)."""
     return _PROGRESS_LINE.sub(b"", data)
 
 

@@ -20,7 +20,7 @@ from .host.connection import expand_home
 from .host.facts import HostFacts
 from .host.spec import Target
 from .layouts import Entry
-from .recipe import Recipe, render_context
+from .recipe import Recipe, render_at, render_context
 from .store import StoreManifest
 
 
@@ -211,7 +211,7 @@ class Job:
         context = self.context()
 
         def path(key: str) -> str:
-            return expand_home(recipe.render(key, context), home).rstrip("/") or "/"
+            return expand_home(render_at(recipe, key, context), home).rstrip("/") or "/"
 
         return InstancePaths(home=home, venv=path("env.venv"), ckpt_dir=path("checkpoint.dir"),
                              workdir=path("run.workdir"), log=path("run.log"),

@@ -5,15 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from platformdirs.unix import Unix
+
 
 def state_dir() -> Path:
-    """$RELAUNCH_HOME, else $XDG_STATE_HOME/relaunch, else ~/.local/state/relaunch (0700)."""
+    """$RELAUNCH_HOME, else $XDG_STATE_HOME/relaunch, else ~/.local/state/relaunch (0700): the XDG
+    layout on every system, macOS included, as relaunch has always kept it."""
     env = os.environ.get("RELAUNCH_HOME")
-    if env:
-        path = Path(env).expanduser()
-    else:
-        base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-        path = Path(base) / "relaunch"
+    path = Path(env).expanduser() if env else Path(Unix("relaunch").user_state_dir)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
 

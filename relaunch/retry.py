@@ -15,6 +15,8 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 
 from . import processes
 
+# seconds one reconnection may take once a loop (sync, watch) runs: an outage is not a boot
+RECONNECT_WAIT = 20.0
 T = TypeVar("T")
 
 

@@ -20,9 +20,9 @@ import statistics
 from dataclasses import dataclass
 from itertools import pairwise
 
+from .scripts import START_MARK
 from .train import CHECKPOINT_METRIC
 
-START = "=== relaunch: start "          # run.sh's line at each start (templates/run.sh.j2)
 READ_LINES = 4000                       # the newest lines of those read; a run saves once per line
 _FIELD = re.compile(r"(\w+)=(\S+)")
 
@@ -45,7 +45,7 @@ class Save:
 
 def read_command(log: str) -> str:
     """What `status` and `interval` run on the instance: the log's start lines and metric lines."""
-    pattern = f"^{START}|{CHECKPOINT_METRIC}".replace(".", r"\.")
+    pattern = f"^{START_MARK}|{CHECKPOINT_METRIC}".replace(".", r"\.")
     return f"grep -a -E -e {shlex.quote(pattern)} -- {shlex.quote(log)} 2>/dev/null | tail -n {READ_LINES}"
 
 
@@ -67,7 +67,7 @@ def saves_of(log: str) -> list[Save]:
     """The saves of the newest run (after the last start line) that logged any, in log order."""
     runs: list[list[Save]] = [[]]
     for line in log.splitlines():
-        if line.startswith(START):
+        if line.startswith(START_MARK):
             runs.append([])
             continue
         save = parse_line(line)

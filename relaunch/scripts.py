@@ -2,7 +2,7 @@
 
 Every value that reaches a shell goes through the `q` filter (shlex.quote); the only
 unquoted text is the user's own `run.command` and `env.setup` lines, whose template
-variables arrive as environment variables (see Recipe.render_shell).
+variables arrive as environment variables (see recipe.render.render_shell).
 
 A recipe's `templates:` folder replaces shipped scripts by file name: it is searched first,
 also by `{% include %}`. Its templates can reach the shipped version of any script as
@@ -23,6 +23,14 @@ from .resources import templates_dir
 
 
 SHIPPED = "shipped"  # the prefix under which an override reaches the shipped scripts
+START_MARK = "=== relaunch: start "     # the line run.sh writes into the log at each start
+
+
+def this_run(lines: list[str]) -> list[str]:
+    """The log's lines since the last start (a run resumed elsewhere, or before a shrink, printed
+    steps of its own that this one may never reach)."""
+    starts = [n for n, line in enumerate(lines) if line.startswith(START_MARK)]
+    return lines[starts[-1] + 1:] if starts else lines
 
 
 @lru_cache(maxsize=8)

@@ -16,12 +16,11 @@ from .errors import ConnectError, EvacuationError, Interrupted, RelaunchError, U
 from .gather import gather_group
 from .host.spec import HostSpec
 from .recipe import Recipe
-from .retry import retrying
+from .retry import RECONNECT_WAIT, retrying
 from .steps.evacuate import Report, round_line
 from .transports import open_store
 from .ui import UI
 
-RETRY_WAIT = 20          # seconds each reconnect may take once the loop runs
 MAX_BACKOFF = 300
 
 
@@ -59,12 +58,12 @@ def sync(recipe: Recipe, spec: HostSpec | list[HostSpec], ui: UI, every: float, 
                                   "rerun, or `relaunch evacuate` (it insists on the newest checkpoint)")
         return
     # after the first attempt, do not sit through all of ssh.wait on every outage
-    brief = recipe.model_copy(update={"ssh": recipe.ssh.model_copy(update={"wait": min(recipe.ssh.wait, RETRY_WAIT)})})
+    reconnecting = recipe.ssh_wait_at_most(RECONNECT_WAIT)
     current = [recipe]
 
     def one_round() -> Report:
         this = current[-1]
-        current[:] = [brief]
+        current[:] = [reconnecting]
         return sync_round(this, spec, inner)
 
     def on_retry(exc: BaseException, seconds: float) -> None:

@@ -21,8 +21,11 @@ import yaml
 from relaunch.adopt.candidates import candidates, on_gpus
 from relaunch.adopt.commandline import invocation
 from relaunch.adopt.facts import Detail, Scan
-from relaunch.adopt.reading import Context, lock_lines, plan_places, read, scanned_places, shell_word
+from relaunch.adopt.environment import lock_lines
+from relaunch.adopt.places import plan_places, scanned_places
+from relaunch.adopt.reading import Context, read
 from relaunch.adopt.recipe_text import recipe_text
+from relaunch.adopt.words import shell_word
 from relaunch.layouts import Entry
 from relaunch.recipe import check_recipe, load_recipe
 from relaunch.resources import templates_dir

@@ -308,10 +308,10 @@ def test_a_trainer_run_started_by_hand_is_adopted_evacuated_and_resumed_elsewher
 
 def rendered_words(recipe_path: Path, world: int) -> list[str]:
     """run.command as the instance's shell splits it on a fresh start with `world` processes."""
-    from relaunch.recipe import load_recipe, render_context
+    from relaunch.recipe import load_recipe, render_context, render_shell_at
 
     recipe = load_recipe(recipe_path)
-    text, env = recipe.render_shell("run.command", render_context(recipe, checkpoint="", nproc_per_node=world))
+    text, env = render_shell_at(recipe, "run.command", render_context(recipe, checkpoint="", nproc_per_node=world))
     argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + text], capture_output=True, check=True,
                           env={"PATH": "/usr/bin:/bin", "HOME": "/home/u", **env}).stdout
     return argv.decode().split("\0")[:-1]

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import pytest
 
-from relaunch.recipe import check_recipe, load_recipe, render_context
+from relaunch.recipe import check_recipe, load_recipe, render_context, render_shell_at
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pytorch"
 TRAIN = EXAMPLE / "train.py"
@@ -271,7 +271,7 @@ def test_example_recipe_matches_train_py(recipe_file: str, tmp_path: Path) -> No
     # The command as the instance's shell would split it on a fresh start (empty checkpoint),
     # parsed by train.py's own parser: it writes where relaunch looks, in the layout it expects,
     # and the empty checkpoint arrives as an empty --resume (a fresh start), not a missing one.
-    text, env = recipe.render_shell("run.command", render_context(recipe, checkpoint=""))
+    text, env = render_shell_at(recipe, "run.command", render_context(recipe, checkpoint=""))
     argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + text], capture_output=True, check=True,
                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env}).stdout
     words = argv.decode().split("\0")[:-1]

@@ -92,7 +92,7 @@ def planned(case: dict[str, Any], state: Path) -> list[Action]:
     if what == "copy":
         checkpoints = {c.name: c for c in _instance_checkpoints(job)}
         unpinned = frozenset([job.host] if case.get("unpinned") else [])
-        return plan_copy(job, store, checkpoints[case["checkpoint"]], again=case.get("again", False),
+        return plan_copy(job, store, checkpoints[case["checkpoint"]], every_byte=case.get("every_byte", False),
                          unpinned=unpinned)
     raise AssertionError(f"unknown plan {what}")
 
@@ -304,13 +304,13 @@ def test_a_venv_is_reused_only_while_its_python_runs_and_is_env_python(state: Pa
 
 
 def test_an_install_failure_names_the_indexes_searched_and_a_python_uv_could_not_get(state: Path) -> None:
-    from relaunch.cycle import Checks
+    from relaunch.cycle import StepOutputs
     from relaunch.ui import UI
 
     extra = "http://127.0.0.1:8766/simple/"
     job, _ = job_for({"facts": "facts-root.json", "store": "local", "set": [f"env.extra_index_urls=[{extra}]"]},
                      state)
-    checks = Checks(UI(quiet=True), job.host, job.recipe)
+    checks = StepOutputs(UI(quiet=True), job.host, job.recipe)
     uv_said = ("relaunch-env-phase lock\n  x No solution found when resolving dependencies:\n  Because there is no "
                "version of rlcufake==1.0+cu999 and you require rlcufake==1.0+cu999, we can conclude that ...\n")
     error = checks.install_failure(1, uv_said)

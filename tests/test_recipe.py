@@ -19,9 +19,12 @@ from relaunch.recipe import (
     check_recipe,
     load_providers,
     load_recipe,
+    render_at,
     render_context,
+    render_shell_at,
     starter_recipe,
 )
+from relaunch.recipe.render import render_text
 from relaunch.resources import recipes_dir
 
 FIX = Path(__file__).parent / "fixtures" / "recipes"
@@ -387,15 +390,15 @@ def test_render_context_and_render() -> None:
     assert ctx["world_size"] == 8 and ctx["user"] == "ubuntu" and ctx["SEED"] == "42"
     assert ctx["OUT"] == "~/out/child-5"  # vars are rendered with the built-in variables
     assert render_context(r, gpus=0)["world_size"] == 1
-    assert r.render("run.command", ctx) == 'python train.py --resume "~/ckpt/ckpt-5.pt"'
-    assert r.render_text("{{ name }}@{{ host }}", ctx, key="run.log") == "child@10.0.0.2"
+    assert render_at(r, "run.command", ctx) == 'python train.py --resume "~/ckpt/ckpt-5.pt"'
+    assert render_text(r, "{{ name }}@{{ host }}", ctx, key="run.log") == "child@10.0.0.2"
 
 
 def test_undefined_variable_is_located() -> None:
     r = load_recipe(FIX / "undefined_var.yaml")  # loading does not render
     ctx = render_context(r, checkpoint="x")
     with pytest.raises(RecipeError) as info:
-        r.render("run.command", ctx)
+        render_at(r, "run.command", ctx)
     assert str(info.value) == (f"{FIX}/undefined_var.yaml:10: run.command: "
                                "undefined variable 'chekpoint' (did you mean checkpoint?)")
     with pytest.raises(RecipeError) as info:
@@ -440,7 +443,7 @@ def test_render_shell_keeps_values_as_data(tmp_path: Path, command: str) -> None
     value = BAD.format(marker=marker)
     r = load_recipe(write(tmp_path, "r.yaml", yaml.safe_dump({
         "name": "r", "env": {"python": "3.11"}, "checkpoint": {"remote": "s"}, "run": {"command": command}})))
-    text, env = r.render_shell("run.command", render_context(r, checkpoint=value))
+    text, env = render_shell_at(r, "run.command", render_context(r, checkpoint=value))
     assert env == {"RELAUNCH_checkpoint": value}
     assert "touch" not in text
     script = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) + text + "\n"
@@ -455,7 +458,7 @@ def test_render_shell_names_and_expressions(tmp_path: Path) -> None:
     r = load_recipe(write(tmp_path, "r.yaml", yaml.safe_dump({
         "name": "r", "env": {"python": "3.11", "setup": [setup]},
         "checkpoint": {"remote": "s"}, "run": {"command": "x"}})))
-    text, env = r.render_shell("env.setup.0", render_context(r, step=4))
+    text, env = render_shell_at(r, "env.setup.0", render_context(r, step=4))
     assert text == 'echo "${RELAUNCH_expr}" "${RELAUNCH_name}" "${RELAUNCH_g}""${RELAUNCH_g_2}"'
     assert env == {"RELAUNCH_expr": "5", "RELAUNCH_name": "r", "RELAUNCH_g": "1", "RELAUNCH_g_2": "2"}
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
@@ -466,7 +469,7 @@ def test_render_shell_names_and_expressions(tmp_path: Path) -> None:
 def test_render_shell_undefined_is_located(tmp_path: Path) -> None:
     r = load_recipe(FIX / "undefined_var.yaml")
     with pytest.raises(RecipeError, match=r"undefined_var.yaml:10: run.command: undefined variable 'chek"):
-        r.render_shell("run.command", render_context(r))
+        render_shell_at(r, "run.command", render_context(r))
 
 
 # --- shipped recipes ----------------------------------------------------------------------------
@@ -494,7 +497,7 @@ def test_checkpoint_dir_is_a_template_variable(tmp_path: Path) -> None:
     r = load_recipe(write(tmp_path, "r.yaml", "name: run1\nenv: {python: '3.11'}\n"
                                              "checkpoint: {remote: s, dir: '/workspace/ckpt/{{ name }}'}\n"
                                              "run: {command: 'python t.py --out \"{{ checkpoint_dir }}\"'}\n"))
-    assert r.render("run.command", render_context(r, home="/root")) == 'python t.py --out "/workspace/ckpt/run1"'
+    assert render_at(r, "run.command", render_context(r, home="/root")) == 'python t.py --out "/workspace/ckpt/run1"'
     home = load_recipe(write(tmp_path, "h.yaml", "name: h\nenv: {python: '3.11'}\ncheckpoint: {remote: s}\n"
                                                  "run: {command: 'x {{ checkpoint_dir }}'}\n"))
     assert render_context(home, home="/home/ubuntu")["checkpoint_dir"] == "/home/ubuntu/ckpt"

@@ -393,7 +393,7 @@ def test_example_recipe_runs_its_train_py_where_its_layout_looks(trainer: str, t
     """Each example recipe loads and renders; its command, as the instance's shell splits it on a
     fresh start, runs its own train.py with its checkpoint folder argument at checkpoint.dir and
     an empty resume argument; the Accelerate one passes --multi_gpu only for more than one process."""
-    from relaunch.recipe import check_recipe, load_recipe, render_context
+    from relaunch.recipe import check_recipe, load_recipe, render_context, render_shell_at
 
     recipe = load_recipe(EXAMPLES / trainer / "recipe.yaml")
     check_recipe(recipe)
@@ -401,7 +401,7 @@ def test_example_recipe_runs_its_train_py_where_its_layout_looks(trainer: str, t
     assert recipe.env.lock == EXAMPLES / trainer / "requirements.lock"
     assert recipe.env.files == {EXAMPLES / trainer / "train.py": f"{recipe.run.workdir}/train.py"}
     for world in (1, 2):
-        text, env = recipe.render_shell("run.command", render_context(recipe, checkpoint="", nproc_per_node=world,
+        text, env = render_shell_at(recipe, "run.command", render_context(recipe, checkpoint="", nproc_per_node=world,
                                                                       grad_accum=16 // (4 * world)))
         argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + text], capture_output=True, check=True,
                               env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env}).stdout

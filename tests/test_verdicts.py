@@ -67,3 +67,9 @@ def test_notice_saved(doc: dict[str, Any], case: dict[str, Any]) -> None:
     seen["verified_now"] = tuple(seen["verified_now"])
     verdict = verdicts.notice_saved(verdicts.NoticeCopy(**seen))
     assert (verdict.ok, verdict.why) == (case["ok"], case["why"])
+
+
+@pytest.mark.parametrize("doc,case", cases("launched.json"))
+def test_launched(doc: dict[str, Any], case: dict[str, Any]) -> None:
+    verdict = verdicts.launched(case["state"])
+    assert (verdict.ok, verdict.why) == (case["ok"], case["why"])

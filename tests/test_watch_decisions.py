@@ -54,7 +54,7 @@ def test_the_newest_step_seen_counts_the_lines_of_this_run_only() -> None:
 def test_a_node_is_silent_once_a_look_failed_or_one_under_way_is_late() -> None:
     spec = HostSpec.parse("root@203.0.113.7")
     answered = View(spec, answered_at=100.0)
-    assert answered.silent_for(104.0, late=5.0) == 0.0          # a look under way, not late yet
-    assert answered.silent_for(106.0, late=5.0) == 6.0          # the look under way is late: silent since 100
+    assert answered.silent_for(104.0, hang_after=5.0) == 0.0          # a look under way, not late yet
+    assert answered.silent_for(106.0, hang_after=5.0) == 6.0          # the look under way is late: silent since 100
     failed = View(spec, answered_at=100.0, silent_since=100.0)
-    assert failed.silent_for(101.0, late=5.0) == 1.0
+    assert failed.silent_for(101.0, hang_after=5.0) == 1.0

@@ -78,7 +78,7 @@ def test_a_node_that_went_silent_while_a_round_ran_stays_silent_when_the_round_e
     view = looker.view()
     assert view.silent_since is not None
     assert view.answered_at == view.silent_since < failed       # heard from when the round began, not when it ended
-    assert view.silent_for(ended, late=5.0) > ended - failed
+    assert view.silent_for(ended, hang_after=5.0) > ended - failed
 
 
 def test_a_round_that_began_after_a_failed_look_clears_the_silence(tmp_path, monkeypatch) -> None:

@@ -30,10 +30,13 @@ from ..recipe.model import NAME_RE
 from ..ui import UI
 from .candidates import Candidate, candidates, matching, nothing_found, on_gpus
 from .commandline import invocation
+from .environment import env_root, system_sites
 from .facts import DETAIL_DEADLINE, SCAN_DEADLINE, Detail, Scan, run_script, script_command
-from .reading import (Adoption, Context, Place, absolute, accelerate_default_config, env_root, import_roots,
-                      plan_places, program_files, read, scanned_places, shown, system_sites)
+from .places import Place, plan_places, scanned_places
+from .program import accelerate_default_config, import_roots, program_files
+from .reading import Adoption, Context, read
 from .recipe_text import dotted_keys, merge, recipe_text
+from .words import absolute, shown
 
 __all__ = ["Result", "adopt", "render"]
 

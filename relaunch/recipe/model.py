@@ -18,7 +18,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic.config import JsonDict
 
-from relaunch.recipe import render as _render
 from relaunch.recipe.providers import did_you_mean, load_providers
 
 # tmux expands `#(...)` in session names and the store uses the name as a folder: keep it plain.
@@ -456,6 +455,11 @@ class Recipe(_Section):
                 pass
         return self._origins.get(best, top)
 
+    def ssh_wait_at_most(self, seconds: float) -> Recipe:
+        """This recipe with ssh.wait cut to `seconds`: a loop that reconnects (sync, watch) does not
+        sit through a whole boot wait on every outage."""
+        return self.model_copy(update={"ssh": self.ssh.model_copy(update={"wait": min(self.ssh.wait, seconds)})})
+
     def wrote(self, key: str) -> bool:
         """Whether a recipe file (or `--set`) wrote dotted `key` itself, rather than a default or
         the provider preset filling it in."""
@@ -520,17 +524,3 @@ class Recipe(_Section):
             else:
                 raise KeyError(key)
         return node
-
-    # --- rendering (see render.py) ------------------------------------------------------------
-
-    def render(self, key: str, context: dict[str, Any]) -> str:
-        """The string at dotted `key`, rendered with Jinja2 (undefined variables are errors)."""
-        return _render.render_text(self, self.value(key), context, key)
-
-    def render_text(self, text: str, context: dict[str, Any], key: str) -> str:
-        """Render `text`; errors are located at `key`."""
-        return _render.render_text(self, text, context, key)
-
-    def render_shell(self, key: str, context: dict[str, Any]) -> tuple[str, dict[str, str]]:
-        """The string at `key` for a shell, variables as `${RELAUNCH_<NAME>}`: see render.render_shell."""
-        return _render.render_shell(self, self.value(key), context, key)

@@ -11,17 +11,15 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jinja2
 from jinja2 import nodes
 from pydantic import BaseModel
 
 from relaunch.errors import RecipeError
+from relaunch.recipe.model import Recipe
 from relaunch.recipe.providers import did_you_mean
-
-if TYPE_CHECKING:
-    from relaunch.recipe.model import Recipe
 
 # keep_trailing_newline: a block scalar's last newline is part of a setup script.
 _ENV = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
@@ -107,6 +105,16 @@ def render_text(recipe: Recipe, text: str, context: dict[str, Any], key: str) ->
         return _ENV.from_string(text).render(context)
     except Exception as exc:  # any failure inside a user's template is the recipe's problem
         raise _translate(recipe, key, context, exc) from exc
+
+
+def render_at(recipe: Recipe, key: str, context: dict[str, Any]) -> str:
+    """The string at dotted `key`, rendered with Jinja2 (undefined variables are errors)."""
+    return render_text(recipe, recipe.value(key), context, key)
+
+
+def render_shell_at(recipe: Recipe, key: str, context: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """The string at `key` for a shell, variables as `${RELAUNCH_<NAME>}`: see render_shell."""
+    return render_shell(recipe, recipe.value(key), context, key)
 
 
 def render_shell(recipe: Recipe, text: str, context: dict[str, Any], key: str) -> tuple[str, dict[str, str]]:

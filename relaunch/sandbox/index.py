@@ -6,7 +6,6 @@ pages; `sandbox.create(index_dir=...)` serves the folder inside the instance.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import html
 import json
@@ -16,6 +15,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from filelock import FileLock
 
 from relaunch.errors import RelaunchError, UsageError
 
@@ -117,9 +118,8 @@ def build_index(
     marker = dest / ".built" / key.hexdigest()
 
     dest.mkdir(parents=True, exist_ok=True)
-    # two test sessions building at once must not interleave; closing the file unlocks it
-    with open(dest / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    # two test sessions building at once must not interleave
+    with FileLock(dest / ".lock"):
         if marker.exists() and (dest / "simple" / "index.html").exists():
             return dest
         (dest / "files").mkdir(exist_ok=True)

@@ -17,7 +17,6 @@ slots are unique on the machine: namespaces and links are).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import re
 import shlex
@@ -26,6 +25,8 @@ import subprocess
 from collections.abc import Iterable, Iterator, Mapping
 from ipaddress import IPv4Network, ip_network
 from pathlib import Path
+
+from filelock import FileLock
 
 from relaunch.errors import RelaunchError, UsageError
 
@@ -72,14 +73,10 @@ def require_tools(tools: list[str]) -> None:
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """An exclusive flock, held until the block ends."""
+    """An exclusive lock for every process of this machine, held until the block ends."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with FileLock(path):
+        yield
 
 
 def netns(name: str) -> str:

@@ -19,7 +19,6 @@ variant, under a lock.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import hashlib
 import json
@@ -33,6 +32,8 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock
 
 from relaunch.errors import RelaunchError, UsageError
 
@@ -177,8 +178,7 @@ def _make_variant(root: Path, minor: str, variant: str) -> None:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with FileLock(path):
         yield
 
 

@@ -11,6 +11,7 @@ from ..host.connection import upload_command
 from ..host.facts import FREEZE_PY
 from ..job import Job, drift
 from ..plan import LOCAL, Action, Ref
+from ..recipe import render_shell_at
 from ..transports import rsync
 from ..scripts import export_lines
 from ..transports.tools import index_exports, indexes_searched, tool_action
@@ -38,7 +39,7 @@ def render_setup(job: Job) -> tuple[list[str], dict[str, str]]:
     lines: list[str] = []
     env: dict[str, str] = {}
     for i in range(len(job.recipe.env.setup)):
-        text, values = job.recipe.render_shell(f"env.setup.{i}", job.context())
+        text, values = render_shell_at(job.recipe, f"env.setup.{i}", job.context())
         lines.append(text)
         env.update(values)
     return lines, env

@@ -94,7 +94,7 @@ def unpin_action(job: Job, title: str = "") -> Action:
                           f"rm -rf -- {beside}; fi", always=True, fails_as="evacuate")
 
 
-def plan_copy(job: Job, store: Store, cp: Checkpoint, again: bool = False,
+def plan_copy(job: Job, store: Store, cp: Checkpoint, every_byte: bool = False,
               parts: list[tuple[Job, Checkpoint]] | None = None, about: dict[str, Any] | None = None,
               unpinned: frozenset[str] = frozenset()) -> list[Action]:
     """Pin cp on the instance (each node its own part), then receive it and, at the same time,
@@ -107,13 +107,13 @@ def plan_copy(job: Job, store: Store, cp: Checkpoint, again: bool = False,
     job = dataclasses.replace(job, pinned=job.host not in unpinned)
     parts = [(dataclasses.replace(j, pinned=j.host not in unpinned), part) for j, part in (parts or [(job, cp)])]
     if not group:
-        receive = store.plan_receive(job, cp, again)
+        receive = store.plan_receive(job, cp, every_byte)
         hashing = [dataclasses.replace(hash_action(job, store, cp, beside=True), lane=HASH_LANE)]
         refs: Ref | list[Ref] = Ref(hash_ref_names(cp, [job.host])[0])
         pins = [pin_action(job, cp)] if job.pinned else []
         unpins = [unpin_action(job)] if job.pinned else []
     else:
-        receive = store.plan_receive_parts(parts, cp, again)
+        receive = store.plan_receive_parts(parts, cp, every_byte)
         refs = [Ref(name) for name in hash_ref_names(cp, [part_job.host for part_job, _ in parts])]
         hashing = [dataclasses.replace(hash_action(part_job, store, part, beside=True), host=part_job.host,
                                        produces=ref.name,

@@ -34,7 +34,7 @@ from ..host.connection import upload_command
 from ..job import Job
 from ..layouts import LISTING_COMMAND, Entry, parse_listing
 from ..plan import Action
-from ..recipe import Recipe, load_providers
+from ..recipe import Recipe, load_providers, render_at
 from ..resources import templates_dir
 
 SCRIPT = "guard.py"
@@ -90,7 +90,7 @@ def sources(job: Job) -> list[str]:
     context = job.context()
     out = []
     for n, _ in enumerate(job.recipe.guard.sources):
-        source = job.recipe.render(f"guard.sources.{n}", context)
+        source = render_at(job.recipe, f"guard.sources.{n}", context)
         if source.startswith("file:"):
             source = "file:" + job.expand(source[len("file:"):])
         out.append(source)

@@ -11,11 +11,11 @@ from .. import scripts, train
 from ..host.connection import upload_command
 from ..job import Job
 from ..plan import Action
+from ..recipe import render_shell_at
 from .env import exports
 from .guard import guard_paths, plan_guard
 
 WATCH_SLACK = 30.0       # seconds beyond the grace for the watch itself (python start, a slow box)
-START_MARK = "=== relaunch: start "     # the line run.sh writes into the log at each start
 SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 
@@ -34,7 +34,7 @@ def launcher_env(job: Job) -> dict[str, str]:
 
 
 def render_run_script(job: Job) -> str:
-    command, values = job.recipe.render_shell("run.command", job.context())
+    command, values = render_shell_at(job.recipe, "run.command", job.context())
     paths = job.paths
     return scripts.render("run.sh.j2", name=job.recipe.name, session=job.recipe.run.session, command=command,
                           workdir=paths.workdir, venv=paths.venv, secrets_file=paths.secrets_file,
@@ -42,7 +42,7 @@ def render_run_script(job: Job) -> str:
                           status_file=paths.status_file,
                           pgid_file=paths.pgid_file, python_path=paths.python_path,
                           stop_signal=job.recipe.run.stop.signal, notice_file=guard_paths(job).notice,
-                          start_mark=START_MARK,
+                          start_mark=scripts.START_MARK,
                           templates=job.recipe.templates)
 
 

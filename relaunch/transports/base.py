@@ -169,16 +169,16 @@ class Store(ABC):
         """Actions that put the record's files at `incoming/<path>` on the instance (the caller verifies)."""
 
     @abstractmethod
-    def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
+    def plan_receive(self, job: Job, cp: Checkpoint, every_byte: bool = False) -> list[Action]:
         """Actions that copy cp's files off the instance towards the store (not trusted yet);
-        `again`: compare every byte instead of trusting size and time."""
+        `every_byte`: compare every byte instead of trusting size and time."""
 
     def plan_receive_parts(self, parts: list[tuple[Job, Checkpoint]], cp: Checkpoint,
-                           again: bool = False) -> list[Action]:
+                           every_byte: bool = False) -> list[Action]:
         """A node group's checkpoint: each part from the node that holds it (by default each node
         sends its part on its own)."""
         return [dataclasses.replace(a, host=job.host) if a.where != LOCAL else a
-                for job, part in parts for a in self.plan_receive(job, part, again)]
+                for job, part in parts for a in self.plan_receive(job, part, every_byte)]
 
     def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref | list[Ref],
                     about: dict[str, Any] | None = None) -> list[Action]:
@@ -219,16 +219,16 @@ class Store(ABC):
         path = folder / (hashlib.sha256(self.label.encode()).hexdigest()[:16] + ".lock")
         with open(path, "a+") as handle:
             end = time.monotonic() + wait
-            told = False
+            said_waiting = False
             while True:
                 try:
                     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
                     holder = _holder(path)
-                    if not told:
+                    if not said_waiting:
                         ui.say(f"waiting up to {wait:g}s for {holder} writing to {self.label}")
-                        told = True
+                        said_waiting = True
                     if time.monotonic() > end:
                         raise EvacuationError(
                             f"{self.label}: another relaunch still writes to this store after {wait:g}s: {holder}",

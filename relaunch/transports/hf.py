@@ -43,6 +43,9 @@ nothing is ever recorded; verified there, it is moved into place by one commit f
 machine against the head (LFS files copied by reference, small regular ones sent again), refused
 when that head records the name with other files. So no writer's upload ever replaces the bytes
 of a checkpoint another one recorded, however late it lands.
+
+One job that needs its length: HfStore, the store's every operation against one revision. The Hub
+client it calls (bounded calls, snapshots, ids) is hf_client.py; the writers' merge, hf_merge.py.
 """
 
 from __future__ import annotations
@@ -55,15 +58,13 @@ import os
 import re
 import shlex
 import tempfile
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import processes
-from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError, shorten
+from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError
 from ..host.hashing import FileHash
 from ..job import Job, StoreState
 from ..layouts.base import last_int
@@ -71,11 +72,13 @@ from ..layouts import Checkpoint
 from ..plan import LOCAL, Action, Ref
 from ..recipe import Recipe
 from ..retry import retrying
-from ..store import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest, check_relpath, \
+from ..store import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, StoreManifest, check_relpath, \
     utc_now
 from ..ui import UI, human, redact
 from . import rsync
-from .base import Hashes, Store, cp_bytes, expected_record, merged, store_deadline, store_wait
+from .base import Hashes, Store, cp_bytes, expected_record, merged, store_deadline
+from .hf_client import ANSI, Bounded, RemoteFile, Snapshot, git_blob_id, hub_token, last_line, sha256_of
+from .hf_merge import HeadMoved, conflict_error, merge_manifests
 from .tools import credentials_stdin, tool_action, tool_path
 
 # Not secret: handed to the instance's `hf` on its command line when set on this machine.
@@ -87,7 +90,6 @@ TRAINER_LAST = "last-checkpoint"           # the folder Trainer(push_to_hub, hub
 # files a repo may hold without being a store (the Hub's first commit, a model card)
 REPO_FILES = {".gitattributes", "README.md"}
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _COMMIT = re.compile(r"/commit/([0-9a-f]{40})")
 _AUTH = re.compile(r"\b401 Unauthorized\b|\b403 Forbidden\b|Invalid credentials")
 _NOT_FOUND = re.compile(r"not found|RepositoryNotFound|does not exist", re.I)
@@ -96,118 +98,6 @@ COMMIT_TRIES = 8
 INCOMING = f"{META_DIR}/incoming"          # where the instance's `hf upload` puts a checkpoint
 
 log = logging.getLogger("relaunch.hf")
-
-
-class HeadMoved(Exception):
-    """Another writer committed after the head a commit was computed from (the Hub answered 412)."""
-
-
-def merge_manifests(base: StoreManifest, ours: StoreManifest, theirs: StoreManifest, label: str) -> StoreManifest:
-    """This writer's changes since `base` (what it read), as `ours` holds them, applied to `theirs`
-    (the manifest at the head now). Records are keyed by checkpoint name: a record we added is
-    added, or kept as theirs when they recorded the same files; a name they recorded with other
-    files is an EvacuationError, never overwritten. A record we dropped is dropped only while
-    theirs still holds it as we knew it. What we did not change is theirs to keep or drop.
-    """
-    merged = StoreManifest(recipe=theirs.recipe, checkpoints=dict(theirs.checkpoints))
-    for name in sorted(set(base.checkpoints) | set(ours.checkpoints)):
-        was, mine, now = base.checkpoints.get(name), ours.checkpoints.get(name), theirs.checkpoints.get(name)
-        if mine == was:
-            continue
-        if mine is None:
-            if was is not None and now is not None and now.files == was.files:
-                del merged.checkpoints[name]
-        elif now is None:
-            merged.checkpoints[name] = mine
-        elif now.files != mine.files:
-            raise conflict_error(label, now)
-    return merged
-
-
-def conflict_error(label: str, theirs: CheckpointRecord) -> EvacuationError:
-    return EvacuationError(
-        f"{label}: {theirs.name} is already recorded in the store with different files (by another writer: "
-        f"{theirs.host}, verified {theirs.verified_at}); refusing to overwrite that record",
-        "the store never overwrites a checkpoint: are two runs writing the same checkpoint names to one store? "
-        "give each its own checkpoint.remote (or SUBFOLDER), or move one copy aside after checking which is right",
-        refused=True)
-
-
-def _token() -> str | None:
-    """This machine's Hub token: HF_TOKEN, else the one `hf auth login` stored (as the `hf` CLI does)."""
-    if os.environ.get("HF_TOKEN"):
-        return os.environ["HF_TOKEN"]
-    try:
-        from huggingface_hub import get_token
-    except ImportError:
-        return None
-    return get_token() or None
-
-
-def git_blob_id(path: Path) -> str:
-    """The id git (and the Hub, for a regular file) gives a file's content."""
-    digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    return LocalStore.hash_file(path)
-
-
-def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in _ANSI.sub("", redact(text)).splitlines() if ln.strip()]
-    lines = [ln for ln in lines if not ln.startswith("Hint: set HF_DEBUG")]
-    return shorten(lines[-1]) if lines else "no output"
-
-
-@dataclass
-class RemoteFile:
-    size: int
-    blob_id: str
-    sha256: str | None          # LFS files only
-
-
-# huggingface_hub's client waits forever by default (timeout=None): a request that gets no byte
-# for this long fails, so that a call relaunch stopped waiting for (_Bounded) ends too
-STALL_SECONDS = 300.0
-
-
-class _Bounded:
-    """HfApi whose every call ends at the running action's deadline (else store_wait()) and
-    with its lane, with a TimeoutError naming the endpoint: a Hub that accepted the connection
-    and never answers must not hang relaunch. A listing comes back whole (the paging happens
-    within the deadline)."""
-
-    def __init__(self, api: Any, endpoint: str) -> None:
-        self._api, self._endpoint = api, endpoint
-        from huggingface_hub import get_session
-
-        session = get_session()
-        if session.timeout.read is None:
-            session.timeout = type(session.timeout)(STALL_SECONDS)
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._api, name)
-        if not callable(method):
-            return method
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            def whole() -> Any:
-                result = method(*args, **kwargs)
-                return list(result) if isinstance(result, types.GeneratorType) else result
-            return processes.bounded(whole, store_wait(), f"the Hub at {self._endpoint} ({name})")
-        return call
-
-
-@dataclass
-class Snapshot:
-    """The store's files at one commit, paths relative to the store (the subfolder)."""
-
-    sha: str
-    files: dict[str, RemoteFile]
 
 
 class HfStore(Store):
@@ -241,7 +131,7 @@ class HfStore(Store):
                 check_relpath(subfolder, "subfolder")
             except ValueError as exc:
                 raise UsageError(f"{where}: checkpoint.remote: {exc}") from None
-        token = _token()
+        token = hub_token()
         if token:
             redact.add([token])
         return cls(f"{owner}/{name}", subfolder, recipe.name, token, os.environ.get("HF_ENDPOINT") or None)
@@ -255,7 +145,7 @@ class HfStore(Store):
                              "pip install 'relaunch[hf]'") from None
 
         # token=False when there is none: never anonymous by accident of some other default
-        return _Bounded(HfApi(endpoint=self.endpoint, token=self.token or False, library_name="relaunch"),
+        return Bounded(HfApi(endpoint=self.endpoint, token=self.token or False, library_name="relaunch"),
                         self.endpoint or "https://huggingface.co")
 
     def _rp(self, rel: str) -> str:
@@ -287,9 +177,9 @@ class HfStore(Store):
             return self._auth_error()
         if isinstance(exc, HfHubHTTPError):
             # its text is several lines (url, docs link); the server's own words say it best
-            detail = f"HTTP {status}: {_last_line(exc.server_message or str(exc).split(chr(10))[0])}"
+            detail = f"HTTP {status}: {last_line(exc.server_message or str(exc).split(chr(10))[0])}"
         else:
-            detail = _last_line(str(exc)) if str(exc) else type(exc).__name__
+            detail = last_line(str(exc)) if str(exc) else type(exc).__name__
         return error(f"{self.label}: {what} failed: {detail}")
 
     @contextmanager
@@ -389,7 +279,7 @@ class HfStore(Store):
             for path, remote in sorted(snap.files.items()):
                 if not path.startswith(TRAINER_LAST + "/"):
                     continue
-                sha256 = remote.sha256 or _sha256(self._download(path, snap.sha, Path(tmp)))
+                sha256 = remote.sha256 or sha256_of(self._download(path, snap.sha, Path(tmp)))
                 files[path] = FileRecord(size=remote.size, sha256=sha256)
         record = CheckpointRecord(name=TRAINER_LAST, step=step, files=files, verified_at=utc_now(),
                                   host=f"{self.label} ({TRAINER_LAST}/ at {snap.sha[:12]})")
@@ -681,8 +571,8 @@ class HfStore(Store):
 
     def explain(self, status: int | None, output: str) -> RelaunchError | None:
         """The `hf` CLI's failure as one line of ours: an auth refusal is exit 3, a missing repo 5."""
-        text = _last_line(output)
-        if _AUTH.search(_ANSI.sub("", output)) and "No such file" not in text:
+        text = last_line(output)
+        if _AUTH.search(ANSI.sub("", output)) and "No such file" not in text:
             return self._auth_error()
         if _NOT_FOUND.search(text) and "No such file" not in text:
             return CheckpointError(f"{self.label}: {text}", "check checkpoint.remote; nothing was put in place")
@@ -698,11 +588,11 @@ class HfStore(Store):
         return f"{INCOMING}/{tag.hexdigest()[:16]}"
 
     def plan_receive_parts(self, parts: list[tuple[Job, Checkpoint]], cp: Checkpoint,
-                           again: bool = False) -> list[Action]:
+                           every_byte: bool = False) -> list[Action]:
         return [dataclasses.replace(a, host=job.host) if a.where != LOCAL else a
                 for job, part in parts for a in self._receive(job, part, self.incoming(cp))]
 
-    def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
+    def plan_receive(self, job: Job, cp: Checkpoint, every_byte: bool = False) -> list[Action]:
         return self._receive(job, cp, self.incoming(cp))
 
     def _receive(self, job: Job, cp: Checkpoint, incoming: str) -> list[Action]:
@@ -854,7 +744,7 @@ class HfStore(Store):
                     return False
             except FileNotFoundError:
                 return False
-        return all(_sha256(staged / path) == want.sha256 for path, want in record.files.items())
+        return all(sha256_of(staged / path) == want.sha256 for path, want in record.files.items())
 
     def check_uploaded(self, record: CheckpointRecord, staged: Path,
                        landed: dict[str, FileHash] | None = None) -> str:

@@ -30,7 +30,7 @@ from .base import Hashes, Mismatch, Store, expected_record, incoming_ready
 COPY_LANE, FOLLOW_LANE = "copy", "hash-here"
 
 
-def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkpoint, again: bool,
+def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkpoint, every_byte: bool,
                  room: str, follow: bool = True, streams: int | None = None) -> list[Action]:
     """rsync exactly cp's listed files into the staging folder of `fs` (never trusted there),
     each part from the node that holds it, a checkpoint of several large files in up to
@@ -46,7 +46,7 @@ def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkp
     for job, part in parts:
         source = "the instance" if len(parts) == 1 else job.host
         argv = rsync.pull_argv(job.target, known_hosts_file(), job.copy_from, staging,
-                               ("--checksum",) if again else ())
+                               ("--checksum",) if every_byte else ())
         sizes = {e.path: e.size for e in part.files}
         wanted = streams or job.recipe.checkpoint.streams
         groups = rsync.split(list(sizes.items()), wanted if len(parts) == 1 else 1)
@@ -55,7 +55,7 @@ def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkp
             said = (f"copying {cp.name} (step {cp.step}, {len(sizes)} file(s), {human(sum(sizes.values()))}) to "
                     f"{room}" + (f" from {job.host}" if len(parts) > 1 else "")
                     + (f" in {len(groups)} streams" if len(groups) > 1 else "")
-                    + (", comparing every byte" if again else ""))
+                    + (", comparing every byte" if every_byte else ""))
             stream = f" (stream {i + 1} of {len(groups)})" if len(groups) > 1 else ""
             action = Action(
                 "evacuate", f"{cp.name} (step {cp.step}, {len(names)} file(s), {human(size)}) from {source}{stream}",
@@ -239,12 +239,12 @@ class LocalPathStore(Store):
         return push_actions(job, source, record.name, incoming, {p: f.size for p, f in record.files.items()},
                             is_dir=record.is_dir)
 
-    def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
-        return pull_actions([(job, cp)], self.fs, cp, again, f"the store {self.label}")
+    def plan_receive(self, job: Job, cp: Checkpoint, every_byte: bool = False) -> list[Action]:
+        return pull_actions([(job, cp)], self.fs, cp, every_byte, f"the store {self.label}")
 
     def plan_receive_parts(self, parts: list[tuple[Job, Checkpoint]], cp: Checkpoint,
-                           again: bool = False) -> list[Action]:
-        return pull_actions(parts, self.fs, cp, again, f"the store {self.label}")
+                           every_byte: bool = False) -> list[Action]:
+        return pull_actions(parts, self.fs, cp, every_byte, f"the store {self.label}")
 
     def plan_accept(self, job: Job, cp: Checkpoint, hashes: Ref | list[Ref],
                     about: dict[str, Any] | None = None) -> list[Action]:

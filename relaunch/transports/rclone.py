@@ -314,7 +314,7 @@ class RcloneStore(Store):
         return compared
 
     # -- via instance: the instance runs rclone ------------------------------------------------
-    def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
+    def plan_receive(self, job: Job, cp: Checkpoint, every_byte: bool = False) -> list[Action]:
         files = [e.path for e in cp.files]
         total = sum(e.size for e in cp.files)
         load, head, secret = credentials_stdin(self.credentials)

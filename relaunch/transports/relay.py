@@ -82,15 +82,15 @@ class Relay(Store):
         return self.remote.set_aside(record, paths)
 
     # -- evacuation ---------------------------------------------------------------------------
-    def plan_receive(self, job: Job, cp: Checkpoint, again: bool = False) -> list[Action]:
-        return self.plan_receive_parts([(job, cp)], cp, again)
+    def plan_receive(self, job: Job, cp: Checkpoint, every_byte: bool = False) -> list[Action]:
+        return self.plan_receive_parts([(job, cp)], cp, every_byte)
 
     def plan_receive_parts(self, parts: list[tuple[Job, Checkpoint]], cp: Checkpoint,
-                           again: bool = False) -> list[Action]:
+                           every_byte: bool = False) -> list[Action]:
         # one stream unless the recipe asks for more: files then land one after the other and
         # each goes up while the next arrives (streams land theirs together, at the end)
         asked = "streams" in parts[0][0].recipe.checkpoint.model_fields_set
-        pull = pull_actions(parts, self.cache, cp, again, f"the cache {self.cache.root} on this machine",
+        pull = pull_actions(parts, self.cache, cp, every_byte, f"the cache {self.cache.root} on this machine",
                             follow=False, streams=None if asked else 1)
         hosts = [job.host for job, _ in parts]
         names = hash_ref_names(cp, hosts)

@@ -8,6 +8,6 @@ seconds, and recovery when an instance is reclaimed or lost; for one instance or
 - loop.py    the decisions: notice, rebalance, lost, back, ended; recovery, shrink and grow back
 """
 
-from .loop import Outcome, Watch, watch
+from .loop import Watch, WatchEnd, watch
 
-__all__ = ["Outcome", "Watch", "watch"]
+__all__ = ["Watch", "WatchEnd", "watch"]

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, replace
 
 from .. import processes
+from ..scripts import this_run
 from ..cycle import make_target
 from ..errors import ConnectError, HostKeyError, RelaunchError
 from ..host.connection import Remote, connect
@@ -25,21 +26,6 @@ from ..ui import redact
 
 CONNECT_WAIT = 10.0        # seconds one reconnection for a look may take
 LISTING_EVERY = 10.0       # seconds between looks that also list checkpoint.dir (newest step seen)
-
-
-START_MARK = "=== relaunch: start "      # the line run.sh writes into the log at each start
-
-
-def this_run(lines: list[str]) -> list[str]:
-    """The log's lines since the last start (a run resumed elsewhere, or before a shrink, printed
-    steps of its own that this one may never reach)."""
-    starts = [n for n, line in enumerate(lines) if line.startswith(START_MARK)]
-    return lines[starts[-1] + 1:] if starts else lines
-
-
-def brief(recipe: Recipe, wait: float) -> Recipe:
-    """The recipe with ssh.wait cut to `wait`: a watch does not sit through a whole boot wait."""
-    return recipe.model_copy(update={"ssh": recipe.ssh.model_copy(update={"wait": min(recipe.ssh.wait, wait)})})
 
 
 @dataclass(frozen=True)
@@ -62,11 +48,11 @@ class View:
     def host(self) -> str:
         return str(self.spec)
 
-    def silent_for(self, now: float, late: float) -> float:
+    def silent_for(self, now: float, hang_after: float) -> float:
         """Seconds since its last answer, once it is silent: a look failed, or the one under way is
-        more than `late` seconds past the last answer (a connection that hangs)."""
+        more than `hang_after` seconds past the last answer (a connection that hangs)."""
         quiet = now - self.answered_at
-        return quiet if self.silent_since is not None or quiet > late else 0.0
+        return quiet if self.silent_since is not None or quiet > hang_after else 0.0
 
 
 class Looker:
@@ -106,15 +92,9 @@ class Looker:
                 return
             # a look that failed after `at` (looked_at is the failed attempt) keeps the node silent,
             # since `at`: the last time anything heard from it
-            still = v.silent_since is not None and v.looked_at > at
+            still_silent = v.silent_since is not None and v.looked_at > at
             self._view = replace(v, answered_at=at, answered_epoch=time.time() - (time.monotonic() - at),
-                                 silent_since=at if still else None)
-
-    def forget_silence(self, seconds: float) -> None:
-        """This machine could not look for `seconds` (it was asleep): not the node's silence."""
-        with self._lock:
-            if self._view.silent_since is not None:
-                self._view = replace(self._view, silent_since=self._view.silent_since + seconds)
+                                 silent_since=at if still_silent else None)
 
     def _run(self) -> None:
         while not self._stop.is_set() and not processes.CANCEL.is_set():
@@ -142,7 +122,7 @@ class Looker:
     def _once(self) -> None:
         if self._remote is None or not self._remote.alive:
             self._close()
-            target = make_target(brief(self.recipe, CONNECT_WAIT), self.spec)
+            target = make_target(self.recipe.ssh_wait_at_most(CONNECT_WAIT), self.spec)
             try:
                 remote = connect(target)
             except HostKeyError as exc:

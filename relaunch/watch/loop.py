@@ -18,7 +18,7 @@ copy-off rounds (rounds.py), and decides, from what the nodes show now:
   and the user is told it still bills;
 - training ended by itself: a last round, then exit 0 (finished) or 4 (it failed).
 
-All output comes from this thread; the lookers, the rounds and the chores (renting, renewing the
+All output comes from this thread; the lookers, the rounds and the background tasks (renting, renewing the
 lease, ending a replaced instance's training) only post what they found. Ctrl-C ends the watch
 and what it runs; it never signals the training.
 """
@@ -39,25 +39,24 @@ from ..errors import ConnectError, EnvError, EvacuationError, HostKeyError, Inte
 from ..host.connection import connect
 from ..host.spec import HostSpec
 from ..recipe import Recipe
-from ..retry import retrying
+from ..retry import RECONNECT_WAIT, retrying
 from ..steps.evacuate import Report, round_line
 from ..steps.guard import record_command
 from ..transports import open_store
 from ..ui import UI, redact
 from . import recover as rent
 from .holder import Holder
-from .looks import Looker, View, brief
+from .looks import Looker, View
 from .rounds import LAST_ROUND_TRIES, Rounds, child_argv, clock
 
-RETRY_WAIT = 20.0          # ssh.wait for the watch's own connections once it runs
 SAVE_SLACK = 10.0          # seconds beyond run.stop.timeout to wait for the guard's save
 WRITE_BACK_DEADLINE = 15.0
-GHOST_LOOKS = 5            # a replaced instance is looked at every GHOST_LOOKS x guard.every seconds
+REPLACED_LOOKS = 5            # a replaced instance is looked at every REPLACED_LOOKS x guard.every seconds
 ALIVE_AGAIN = 30.0         # seconds before recover.alive is asked again about the same host
 
 
 @dataclass
-class Outcome:
+class WatchEnd:
     """How the watch ended (when it did not run until Ctrl-C)."""
 
     reason: str              # "finished" | "notice handled"
@@ -87,15 +86,15 @@ class Watch:
         # one line per step: the building blocks' own messages only with -v
         self.inner = UI(verbose=ui.verbose, quiet=not ui.verbose)
         self.every = recipe.guard.every
-        self.late = max(3 * self.every, 5.0)     # a look this much past the last answer: silent
+        self.hang_after = max(3 * self.every, 5.0)     # a look this much past the last answer: silent
         self.wake = threading.Event()
         self.messages: queue.Queue[tuple[str, str]] = queue.Queue()
         self.rounds = Rounds(self._round_argv, lambda kind, text: self._post(kind, text))
-        self.chores = ThreadPoolExecutor(max_workers=3, thread_name_prefix="chore")
+        self.background = ThreadPoolExecutor(max_workers=3, thread_name_prefix="background")
         self.store = open_store(recipe)
         self.holder = Holder(recipe.name, self.store, [str(s) for s in self.specs])
         self.lookers: dict[str, Looker] = {}
-        self.ghosts: dict[str, Looker] = {}        # replaced instances, looked at now and then
+        self.replaced: dict[str, Looker] = {}        # replaced instances, looked at now and then
         self.ending: Future[Any] | None = None     # a replaced instance's training being ended
         self.size = len(self.specs)                              # the group's size, to grow back to
         self.renting: list[Future[None]] = []                    # shrink: replacements being rented (and made)
@@ -158,8 +157,8 @@ class Watch:
         return len(self.specs) > 1
 
     # -- the recipe as the watch uses it -----------------------------------------------------
-    def current(self, wait: float = RETRY_WAIT) -> Recipe:
-        recipe = brief(self.recipe, wait)
+    def current(self, wait: float = RECONNECT_WAIT) -> Recipe:
+        recipe = self.recipe.ssh_wait_at_most(wait)
         if self.unpinned:
             recipe = recipe.model_copy(update={"ssh": recipe.ssh.model_copy(update={"host_key": None})})
         return recipe
@@ -174,7 +173,7 @@ class Watch:
                              "the watch that holds the store carries on (`relaunch status` on its machine shows it)")
 
     def _round_argv(self) -> list[str]:
-        sets = [*self.overrides, f"ssh.wait={min(self.recipe.ssh.wait, RETRY_WAIT):g}"]
+        sets = [*self.overrides, f"ssh.wait={min(self.recipe.ssh.wait, RECONNECT_WAIT):g}"]
         if self.unpinned:
             sets.append("ssh.host_key=null")
         return child_argv(str(self.recipe.source), [str(s) for s in self.specs], sets)
@@ -201,7 +200,7 @@ class Watch:
         return max(seen) if seen else None
 
     # -- the loop ------------------------------------------------------------------------------
-    def run(self) -> Outcome:
+    def run(self) -> WatchEnd:
         self.holder.take(self.inner, self.take_over)
         try:
             self.holder.start_renewing(self.inner, self._post)
@@ -210,12 +209,12 @@ class Watch:
         finally:
             self.rounds.abort()
             self.say_unused()
-            for looker in [*self.lookers.values(), *self.ghosts.values()]:
+            for looker in [*self.lookers.values(), *self.replaced.values()]:
                 looker.stop()
-            self.chores.shutdown(wait=False, cancel_futures=True)
+            self.background.shutdown(wait=False, cancel_futures=True)
             self.holder.release(self.inner)
 
-    def _loop(self) -> Outcome:
+    def _loop(self) -> WatchEnd:
         recover = self.recipe.recover
         self.say(f"watching {self.host}: a look every {self.every:g}s, a sync round every "
                  f"{self.recipe.checkpoint.every:g}s, lost after {recover.lost_after:g}s without an answer"
@@ -234,7 +233,7 @@ class Watch:
                 return outcome
 
     def drain(self) -> None:
-        """What the threads posted: messages, a finished round, finished chores."""
+        """What the threads posted: messages, a finished round, finished background tasks."""
         self.drain_messages()
         outcome = self.rounds.take()
         if outcome is not None:
@@ -260,7 +259,7 @@ class Watch:
         self.emit("round", **report.as_dict())
         self.holder.note(last_round={"at": history.iso(time.time()), "line": round_line(report)})
 
-    def tick(self) -> Outcome | None:
+    def tick(self) -> WatchEnd | None:
         if self.holder.taken is not None:            # seen by the lease's renewal: stop acting at once
             self.still_holding()
         now = time.monotonic()
@@ -279,7 +278,7 @@ class Watch:
             if all(v.silent_since is None and v.looks > self.waiting_looks.get(v.host, 0) for v in views):
                 self.came_back(views)
             return None
-        silent = [v for v in views if v.silent_for(now, self.late) >= self.recipe.recover.lost_after]
+        silent = [v for v in views if v.silent_for(now, self.hang_after) >= self.recipe.recover.lost_after]
         if silent:
             lost = self.confirm_lost(silent)
             if lost:
@@ -288,7 +287,7 @@ class Watch:
         outcome = self.maybe_ended(views)
         if outcome is not None or self.ending_seen is not None:     # ended, or a last look pending
             return outcome
-        self.look_at_ghosts()
+        self.look_at_replaced()
         self.grow_back()
         if now >= self.next_round and not self.rounds.busy:
             self.rounds.start()
@@ -296,7 +295,7 @@ class Watch:
 
     def say_silences(self, views: list[View], now: float) -> None:
         for view in views:
-            quiet = view.silent_for(now, self.late)
+            quiet = view.silent_for(now, self.hang_after)
             if quiet and view.host not in self.said_silent:
                 self.said_silent.add(view.host)
                 why = view.why or f"the look under way has had no answer for {quiet:.0f}s"
@@ -308,7 +307,7 @@ class Watch:
                 self.say(f"{view.host}: answers again")
 
     # -- a reclaim notice ----------------------------------------------------------------------
-    def on_notice(self, view: View) -> Outcome | None:
+    def on_notice(self, view: View) -> WatchEnd | None:
         assert view.look is not None and view.look.notice is not None
         notice = dict(view.look.notice)
         self.handled.add(notice.get("seen_at"))
@@ -365,11 +364,11 @@ class Watch:
             newest_mtime=report.newest_mtime if report else None,
             verified_now=tuple(report.verified_now) if report else (), seen_step=shown))
         made = verified and verdict.ok
-        late = finished > deadline
+        after_deadline = finished > deadline
         if report is not None and verified:
             newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint"
             timing = (f"{deadline - finished:.0f}s before the deadline" if made
-                      else f"NOT before the deadline ({finished - deadline:.0f}s late)" if late
+                      else f"NOT before the deadline ({finished - deadline:.0f}s late)" if after_deadline
                       else f"but NOT the save after the notice before the deadline: {verdict.why}")
             (self.ok if made else self.warn)(f"{where}evacuated after the notice: {newest} verified in "
                                              f"{report.store}, {timing}")
@@ -380,7 +379,7 @@ class Watch:
         notice["copy"] = copy
         notice["verdict"] = (f"{notice.get('verdict') or ''}; the copy: "
                              + (f"{copy['checkpoint']} verified in the store "
-                                + ("before the deadline" if made else "AFTER the deadline" if late
+                                + ("before the deadline" if made else "AFTER the deadline" if after_deadline
                                    else f"before the deadline, but it is not the save after the notice: {verdict.why}")
                                 if verified else "NOT verified")).lstrip("; ")
         self.write_back(view, notice)
@@ -399,7 +398,7 @@ class Watch:
                                       "verified in the store", "rerun `relaunch evacuate` while the instance exists")
             self.say(f"{view.host}: no recover.command: training is stopped and its newest checkpoint is in the store; "
                      "bring it up on a new instance with `relaunch up RECIPE HOST`")
-            return Outcome("notice handled", self.host)
+            return WatchEnd("notice handled", self.host)
         self.recover(entry, [view.spec])
         return None
 
@@ -418,7 +417,7 @@ class Watch:
             processes.sleep(0.5)
             now = looker.view()
             if now.look is None or now.silent_since is not None:
-                if now.silent_for(time.monotonic(), self.late) > 2 * self.every + 5:
+                if now.silent_for(time.monotonic(), self.hang_after) > 2 * self.every + 5:
                     break
                 continue
             look = now.look
@@ -431,7 +430,7 @@ class Watch:
     def write_back(self, view: View, notice: dict[str, Any]) -> None:
         """Add the copy and the verdict to the notice record on the instance (when it still answers)."""
         try:
-            node, remote = cycle.open_host(brief(self.current(), 5), view.spec, self.inner)
+            node, remote = cycle.open_host(self.current(5), view.spec, self.inner)
         except RelaunchError:
             return
         with remote:
@@ -495,7 +494,7 @@ class Watch:
             asking = self.asking.get(view.host)
             if asking is None:
                 if time.monotonic() >= self.alive_after.get(view.host, 0.0):
-                    self.asking[view.host] = self.chores.submit(rent.ask_alive, self.recipe, view.host)
+                    self.asking[view.host] = self.background.submit(rent.ask_alive, self.recipe, view.host)
                 continue
             if not asking.done():
                 continue
@@ -552,7 +551,7 @@ class Watch:
             self.up_here(entry)
         self.record(entry)
 
-    def maybe_ended(self, views: list[View]) -> Outcome | None:
+    def maybe_ended(self, views: list[View]) -> WatchEnd | None:
         """Training gone on node 0: decided once every node was looked at again after it was first
         seen gone (in a group, a notice on another node may be why: that look shows it);
         meanwhile `ending_seen` holds the looks of that first sight."""
@@ -586,7 +585,7 @@ class Watch:
                                       "it and the store answer; do not destroy it before")
             self.ok(f"{first.host}: training finished (exit 0); nothing more to watch")
             self.emit("finished")
-            return Outcome("finished", self.host)
+            return WatchEnd("finished", self.host)
         raise EnvError(f"{first.host}: training exited with status {look.exit}: it failed by itself, the instance was "
                        "not taken away" + (f"; and {problem}" if problem else ""),
                        "see `relaunch status` for its last lines; `relaunch up` starts it again")
@@ -648,7 +647,7 @@ class Watch:
                 # one rented is used when the group grows back (or named when the watch ends)
                 with self.spare_lock:
                     group = [*self.specs, *(r.spec for r in self.spares)]
-                self.renting.append(self.chores.submit(self.rent_and_prepare, entry, len(gone), group))
+                self.renting.append(self.background.submit(self.rent_and_prepare, entry, len(gone), group))
         else:
             # what earlier shrinks rented counts towards the replacements (the last nodes of a shrunk
             # group lost too): rented once, never forgotten
@@ -685,7 +684,7 @@ class Watch:
         return rented
 
     def rent_and_prepare(self, entry: history.Interruption, count: int, group: list[HostSpec]) -> None:
-        """recover.shrink, in a chore thread: the replacements are rented while the shrunk group
+        """recover.shrink, in a background thread: the replacements are rented while the shrunk group
         trains, each added to `spares` as soon as recover.command gave it, and their env is made then
         too, so that growing back installs nothing while training is stopped. `group`: the nodes as
         they were when this renting began (the loop's specs may change meanwhile); the env is made
@@ -893,26 +892,26 @@ class Watch:
         for spec in specs:
             if self._taken(spec):
                 continue
-            looker = Looker(self.current(5), spec, max(GHOST_LOOKS * self.every, 10.0), self.wake,
+            looker = Looker(self.current(5), spec, max(REPLACED_LOOKS * self.every, 10.0), self.wake,
                             listing_every=0).start()
-            self.ghosts[str(spec)] = looker
+            self.replaced[str(spec)] = looker
 
     def _taken(self, spec: HostSpec) -> bool:
         mine = cycle.make_target(self.recipe, spec)
         return any((t.address, t.port) == (mine.address, mine.port)
                    for t in (cycle.make_target(self.recipe, s) for s in self.specs))
 
-    def look_at_ghosts(self) -> None:
-        for name, looker in list(self.ghosts.items()):
+    def look_at_replaced(self) -> None:
+        for name, looker in list(self.replaced.items()):
             view = looker.view()
             if view.fatal is not None or self._taken(view.spec):   # another machine there now: it is gone
                 looker.stop()
-                del self.ghosts[name]
+                del self.replaced[name]
                 continue
             if view.look is None or view.silent_since is not None or self.ending is not None:
                 continue
             looker.stop()
-            del self.ghosts[name]
+            del self.replaced[name]
             stored = self.store_newest()
             if not view.look.training:
                 self.warn(f"{name} (replaced) answers again; its training is not running. It is still billing "
@@ -927,7 +926,7 @@ class Watch:
             self.warn(f"{name} (replaced) answers again and was still training; it holds nothing newer than the "
                       "store: ending its training now. It is still billing until you destroy it")
             self.emit("replaced-back", node=name)
-            self.ending = self.chores.submit(cycle.stop_training, self.current(10), [view.spec], self.inner)
+            self.ending = self.background.submit(cycle.stop_training, self.current(10), [view.spec], self.inner)
 
 
 def _save_words(save: dict[str, Any]) -> str:
@@ -942,5 +941,5 @@ def _save_words(save: dict[str, Any]) -> str:
 
 
 def watch(recipe: Recipe, specs: list[HostSpec], ui: UI, emit: Callable[[str], None] | None = None,
-          overrides: list[str] | None = None, take_over: bool = False) -> Outcome:
+          overrides: list[str] | None = None, take_over: bool = False) -> WatchEnd:
     return Watch(recipe, specs, ui, emit, overrides, take_over).run()

@@ -28,7 +28,7 @@ from .. import processes
 from ..errors import ConnectError, RelaunchError
 from ..host.spec import HostSpec
 from ..host.sshconfig import SSHConfigFile, config_path
-from ..recipe import Recipe, render_context
+from ..recipe import Recipe, render_context, render_shell_at
 from ..recipe.model import SSH
 from ..ui import UI, redact
 
@@ -102,7 +102,7 @@ def rent(recipe: Recipe, ui: UI, attempt: int, lost_host: str, cause: str) -> Re
     """Run recover.command once: the replacement it rented, or RentedNothing / RecoverStopped."""
     recover = recipe.recover
     assert recover.command is not None
-    text, values = recipe.render_shell("recover.command", render_context(recipe, host=lost_host))
+    text, values = render_shell_at(recipe, "recover.command", render_context(recipe, host=lost_host))
     env = _environment(recipe, values, lost_host=lost_host, cause=cause, attempt=str(attempt))
     done = processes.run(["bash", "-c", text], deadline=recover.timeout, env=env, cwd=recipe.source.parent,
                          on_stderr=lambda data: ui.detail(data.decode(errors="replace").rstrip()))
@@ -141,7 +141,7 @@ class Alive:
 def ask_alive(recipe: Recipe, host: str) -> Alive:
     alive = recipe.recover.alive
     assert alive is not None
-    text, values = recipe.render_shell("recover.alive", render_context(recipe, host=host))
+    text, values = render_shell_at(recipe, "recover.alive", render_context(recipe, host=host))
     try:
         done = processes.run(["bash", "-c", text], deadline=ALIVE_DEADLINE, env=_environment(recipe, values, host=host),
                              cwd=recipe.source.parent)

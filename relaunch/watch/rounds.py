@@ -41,14 +41,13 @@ LAST_ROUND_TRIES = 3            # the round after training ended: then the watch
 
 
 @dataclass
-class Outcome:
+class RoundOutcome:
     """One round's end, as the watch's loop sees it."""
 
     report: Report | None = None      # the round's report (also one that did not verify the newest)
     error: RelaunchError | None = None   # a refusal or an internal error: the watch ends with it
     failed: RelaunchError | None = None  # gave up after its tries (not a refusal): the next round tries again
     aborted: bool = False             # ended on purpose (a notice, a lost instance, Ctrl-C)
-    retries: int = 0                  # failures before it worked
     started: float = 0.0              # monotonic time the child that reported began (it heard from every node)
 
 
@@ -119,7 +118,7 @@ class Rounds:
         self._say = say                      # (kind, text) to the loop's queue: "warn" | "say"
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
-        self._outcome: Outcome | None = None
+        self._outcome: RoundOutcome | None = None
         self._lock = threading.Lock()
         self.failures = 0                    # failed tries in a row, across rounds (said once)
 
@@ -137,7 +136,7 @@ class Rounds:
         self._thread.start()
         return True
 
-    def take(self) -> Outcome | None:
+    def take(self) -> RoundOutcome | None:
         """The last round's outcome, once (None while it runs or when none ended since)."""
         with self._lock:
             outcome, self._outcome = self._outcome, None
@@ -178,11 +177,11 @@ class Rounds:
         def transient(exc: BaseException) -> bool:
             return isinstance(exc, _Failed) and not exc.error.refused and not isinstance(exc.error, InternalError)
 
-        outcome = Outcome()
+        outcome = RoundOutcome()
         try:
             outcome.report = retrying(once, transient=transient, attempts=tries, first=5.0, most=MAX_BACKOFF,
                                       on_retry=lambda exc, seconds: failed(exc), cancel=self._abort)
-            outcome.retries, outcome.started = self.failures, began[0]
+            outcome.started = began[0]
             if self.failures:
                 self._say("say", f"sync rounds work again after {self.failures} failed tries")
             self.failures = 0
