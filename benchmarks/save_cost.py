@@ -5,7 +5,7 @@ of saving the same FSDP2 state, side by side in one run, on 1, 2 and 4 ranks (gl
   stager) and written by a background thread (DCP async_save, cached plan), committed by rename.
   The training waits for the copy only; the write's own time is measured too (`its write`).
 - `dcp.save`: a blocking torch.distributed.checkpoint.save of the same state dict, each rank its
-  own shards (what recipes/example/train_dist.py did before).
+  own shards (what examples/pytorch/train_dist.py did before).
 - `torch.save rank 0`: the full state gathered to rank 0 (each sharded tensor's full_tensor(),
   one at a time) and written there with torch.save, the others waiting at a barrier: the
   "single-rank aggregated saving" many scripts start with.

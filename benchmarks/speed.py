@@ -68,7 +68,7 @@ from delay import Delay  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the fake Hub
 
-LOCK = REPO / "recipes" / "example" / "requirements.lock"
+LOCK = REPO / "examples" / "pytorch" / "requirements.lock"
 RESULTS = Path(__file__).resolve().with_name("speed.json")
 PLOT = RESULTS.with_suffix(".png")
 VERBOSE = False

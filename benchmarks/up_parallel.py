@@ -37,7 +37,7 @@ import yaml
 from relaunch import sandbox as sb
 
 REPO = Path(__file__).resolve().parents[1]
-LOCK = REPO / "recipes" / "example" / "requirements.lock"
+LOCK = REPO / "examples" / "pytorch" / "requirements.lock"
 NAMES = {"plant": "bup-plant", "a": "bup-a", "c": "bup-c"}
 VERBOSE = False  # -v: each command's output, every line stamped with the seconds since it started
 

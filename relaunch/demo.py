@@ -34,10 +34,11 @@ from .errors import (
     RelaunchError,
     UsageError,
 )
-from .resources import recipes_dir
+from .resources import examples_dir
 
 FIRST, SECOND = "demo-a", "demo-b"
 MARKER = ".relaunch-demo"  # written into the workdir: a folder holding it may be cleared by a later demo
+EXAMPLE = "pytorch"  # the folder under examples/ the demo runs
 EXAMPLE_FILES = ("recipe.yaml", "train.py", "requirements.lock")
 STORE = Path("store") / "example"  # the example recipe's checkpoint.remote, relative to the recipe
 EVACUATE_AT_STEP = 20  # evacuate once A has a checkpoint at least this far
@@ -113,7 +114,7 @@ def prepare_workdir(workdir: Path) -> Path:
         else:
             child.unlink()
     (workdir / MARKER).write_text("made by `relaunch demo`; a later demo clears this folder\n")
-    example = recipes_dir() / "example"
+    example = examples_dir() / EXAMPLE
     for name in EXAMPLE_FILES:
         shutil.copy(example / name, workdir / name)
     return workdir / "recipe.yaml"
@@ -238,7 +239,7 @@ def _one_demo_at_a_time() -> Iterator[None]:
 def _run(workdir: Path, keep: bool, say: Say, started: float) -> DemoResult:
 
     say("# 1. a local package index for the example's lock (torch CPU), served inside each instance")
-    index = sb.build_index([recipes_dir() / "example" / "requirements.lock"])
+    index = sb.build_index([examples_dir() / EXAMPLE / "requirements.lock"])
     say(f"package index: {index}")
 
     recipe = prepare_workdir(workdir)

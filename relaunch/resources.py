@@ -1,4 +1,4 @@
-"""Files shipped with relaunch: provider presets, example recipes, instance-side templates."""
+"""Files shipped with relaunch: provider presets, the examples, instance-side templates."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ def _root(package: str) -> Path:
 
 def recipes_dir() -> Path:
     return _root("relaunch.recipes")
+
+
+def examples_dir() -> Path:
+    return _root("relaunch.examples")
 
 
 def templates_dir() -> Path:

@@ -19,7 +19,7 @@ from relaunch import sandbox as sandbox_mod
 from relaunch.sandbox import Instance
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE_LOCK = REPO / "recipes" / "example" / "requirements.lock"
+EXAMPLE_LOCK = REPO / "examples" / "pytorch" / "requirements.lock"
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "recipes" / "example"
+EXAMPLE = REPO / "examples" / "pytorch"
 
 
 def run_cli(*args: str, home: Path, timeout: float = 900, env: dict[str, str] | None = None,

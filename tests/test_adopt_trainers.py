@@ -1,4 +1,4 @@
-"""`relaunch adopt` on the three real trainers (recipes/examples/hf-trainer, lightning, accelerate),
+"""`relaunch adopt` on the three real trainers (examples/hf-trainer, lightning, accelerate),
 each run started by hand as docs/trainers.md tells a user to run it without relaunch.
 
 On a first sandbox instance, over ssh, as a user would: a venv made with uv, the example's lock
@@ -129,7 +129,7 @@ def boxes(ssh_key: Path, ssh: SSH, tmp_path_factory: pytest.TempPathFactory) -> 
     src, wheels = tmp_path_factory.mktemp("relaunch-src"), tmp_path_factory.mktemp("wheel")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for name in ("relaunch", "recipes", "templates"):
+    for name in ("relaunch", "recipes", "examples", "templates"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "store"))
     # built while the instances boot and the user's uv is installed
     build = subprocess.Popen([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",

@@ -1,4 +1,4 @@
-"""relaunch.train.Checkpointer end to end: the example job (recipes/example/train_dist.py, FSDP2 under
+"""relaunch.train.Checkpointer end to end: the example job (examples/pytorch/train_dist.py, FSDP2 under
 torchrun, gloo) on sandbox instances, driven by the real `relaunch up`, `evacuate --stop`, `watch`,
 `interval` and `status`.
 
@@ -35,7 +35,7 @@ from test_guard import guard_file, watching
 from relaunch.layouts import LISTING_COMMAND, complete_checkpoints, parse_listing
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "recipes" / "example"
+EXAMPLE = REPO / "examples" / "pytorch"
 NAME = "example-dist"
 TOLERANCE = 1e-4
 METRIC = re.compile(r"^relaunch\.checkpoint: step=(\d+) \S+ blocking_s=([\d.]+) write_s=([\d.]+) step_s=(\S+)", re.M)
@@ -43,7 +43,7 @@ METRIC = re.compile(r"^relaunch\.checkpoint: step=(\d+) \S+ blocking_s=([\d.]+) 
 
 def recipe_for(folder: Path, key: Path, index_url: str, *, slow: float = 0.0, steps: int = 400, sleep: float = 0.2,
                save_every: int = 10, nproc: int = 2, guard_every: float | None = None) -> Path:
-    """recipes/example/recipe-dist.yaml on one node, each write held `slow` seconds, a store under `folder`."""
+    """examples/pytorch/recipe-dist.yaml on one node, each write held `slow` seconds, a store under `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     for source in (EXAMPLE / "train_dist.py", EXAMPLE / "requirements.lock", Path(__file__).with_name("slow_write.py")):
         shutil.copy(source, folder / source.name)

@@ -1,6 +1,6 @@
 """`relaunch drill --watch`: the real `relaunch watch` left alone beside training while the drill
 raises a reclaim notice (the guard's file: source) and then silences the instance it moved to;
-recover.command (recipes/example/rent-sandbox.sh) rents sandbox instances. The report's numbers
+recover.command (examples/pytorch/rent-sandbox.sh) rents sandbox instances. The report's numbers
 are checked against the world: the store's history (what the watch recorded), the training logs
 on every instance (read here over SSH or inside the instance), and tests/spot_trainer.py's loss
 formula. No timing is asserted, only how the times add up.

@@ -1,4 +1,4 @@
-"""The example training job (recipes/example/train.py), run for real as a subprocess.
+"""The example training job (examples/pytorch/train.py), run for real as a subprocess.
 
 What relaunch promises rests on these: resuming from any checkpoint the job wrote gives
 bit-identical final weights, every checkpoint it reports is complete by its layout's marker,
@@ -27,7 +27,7 @@ import pytest
 
 from relaunch.recipe import check_recipe, load_recipe, render_context, render_shell_at
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "recipes" / "example"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pytorch"
 TRAIN = EXAMPLE / "train.py"
 LAYOUTS = ("files", "hf-trainer", "dcp")
 RECIPES = {"recipe.yaml": "files", "recipe-hf-trainer.yaml": "hf-trainer", "recipe-dcp.yaml": "dcp"}

@@ -21,20 +21,20 @@ from e2e import run_cli, wait_for
 
 from relaunch import sandbox as sb
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "recipes" / "example"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pytorch"
 TOLERANCE = 1e-4
 
 
 def dist_recipe(folder: Path, key: Path, index_url: str, steps: int = 400, sleep: float = 0.3) -> Path:
-    """recipes/example/recipe-dist.yaml with its files, the store under `folder`, a tiny run."""
+    """examples/pytorch/recipe-dist.yaml with its files, the store under `folder`, a tiny run."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("train_dist.py", "requirements.lock"):
         shutil.copy(EXAMPLE / name, folder / name)
     text = (EXAMPLE / "recipe-dist.yaml").read_text()
     text = text.replace("--steps 60", f"--steps {steps}").replace("--sleep 0.3", f"--sleep {sleep}")
     text = text.replace("--save-every 10", "--save-every 10 --keep 4")     # a step the test looks at stays a while
-    text = text.replace("index_url: http://127.0.0.1:8765/simple/", f"index_url: {index_url}")
-    text = text.replace("provider: sandbox", f"provider: sandbox\nssh: {{key: {key}, wait: 30}}")
+    text += f"ssh: {{key: {key}, wait: 30}}\n"
+    text = text.replace("  lock: requirements.lock", f"  index_url: {index_url}\n  lock: requirements.lock")
     path = folder / "recipe.yaml"
     path.write_text(text)
     return path

@@ -1,6 +1,7 @@
 """The README's install: `pipx install` and `uv tool install` of relaunch built as a wheel, each in a
 fresh environment of its own (not this test run's), offline from a folder of wheels; the installed
-command works and finds what the wheel must carry (the provider base recipes, the instance scripts).
+command works and finds what the wheel must carry (the provider base recipes, the demo's example,
+the instance scripts).
 """
 
 from __future__ import annotations
@@ -55,6 +56,20 @@ def installed_works(bin_dir: Path, tmp: Path) -> None:
     plan = subprocess.run([str(relaunch), "plan", str(recipe), "203.0.113.9", "--set", "ssh.wait=0"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert plan.returncode == 3 and "Traceback" not in plan.stderr    # nothing answers there: a clean exit 3
+    # `relaunch demo` (needs root and sandboxes) starts by copying its example out of the package
+    # and loading it: that part, with the installed package's own Python
+    python = Path(os.path.realpath(relaunch)).parent / "python"
+    demo = tmp / "demo"
+    copied = subprocess.run([str(python), "-c", "import sys; from pathlib import Path; from relaunch.demo import "
+                             "prepare_workdir; print(prepare_workdir(Path(sys.argv[1])))", str(demo)],
+                            capture_output=True, text=True, env=env, timeout=120, cwd=tmp)  # not this checkout's
+    assert copied.returncode == 0, copied.stderr
+    assert sorted(p.name for p in demo.iterdir()) == [".relaunch-demo", "recipe.yaml", "requirements.lock", "train.py"]
+    checked = subprocess.run([str(relaunch), "check", copied.stdout.strip(), "--explain", "--json"],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert checked.returncode == 0, checked.stderr
+    files = json.loads(checked.stdout)["files"]
+    assert any(f.endswith("relaunch/recipes/providers/sandbox.yaml") and "site-packages" in f for f in files), files
 
 
 def test_uv_tool_install_of_the_wheel(wheelhouse: tuple[Path, Path], tmp_path: Path) -> None:

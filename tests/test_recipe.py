@@ -28,7 +28,7 @@ from relaunch.recipe.render import render_text
 from relaunch.resources import recipes_dir
 
 FIX = Path(__file__).parent / "fixtures" / "recipes"
-REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def error_of(path: Path | str, overrides: tuple[str, ...] = ()) -> RecipeError:
@@ -479,9 +479,10 @@ def test_providers_yaml_is_shipped_with_the_package() -> None:
 
 
 def test_shipped_recipes_load_and_render() -> None:
-    """Every recipe under recipes/ (globbed: new ones count too); a base without a name (a team's
-    base.yaml) is checked through the recipes that extend it (tests/test_reference.py)."""
-    shipped = sorted(p for p in REPO_RECIPES.rglob("*.yaml") if p.name != "providers.yaml")
+    """Every recipe under recipes/ and examples/ (globbed: new ones count too); a base without a name
+    (a team's base.yaml) is checked through the recipes that extend it (tests/test_reference.py)."""
+    shipped = sorted(p for folder in ("recipes", "examples") for p in (REPO / folder).rglob("*.yaml")
+                     if p.name != "providers.yaml")
     for path in shipped:
         if "name" not in (yaml.safe_load(path.read_text()) or {}):
             continue

@@ -31,12 +31,13 @@ def test_the_committed_reference_is_what_the_model_generates() -> None:
         assert f"| `{key}` |" in committed
 
 
-def test_every_recipe_under_recipes_passes_check(tmp_path: Path) -> None:
+def test_every_recipe_under_recipes_and_examples_passes_check(tmp_path: Path) -> None:
     """A file with a name is a recipe and must pass `relaunch check`; one without (a team base) must
     be merged into one that does, so that it is checked too."""
-    shipped = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.name != "providers.yaml")
+    shipped = sorted(p for folder in ("recipes", "examples") for p in (REPO / folder).rglob("*.yaml")
+                     if p.name != "providers.yaml")
     recipes = [p for p in shipped if "name" in (yaml.safe_load(p.read_text()) or {})]
-    assert len(recipes) >= 5  # recipes/example (3) and the team's two projects
+    assert len(recipes) >= 9  # examples/pytorch (4), the three trainers and the team's two projects
     merged: set[Path] = set()
     for path in recipes:
         out = run_cli("check", str(path), home=tmp_path)

@@ -174,7 +174,7 @@ def test_store_without_a_verified_checkpoint_is_exit_5(tmp_path, sandbox, ssh_ke
 def test_plan_shows_exact_commands_and_changes_nothing(tmp_path, sandbox, ssh, ssh_key):
     inst = sandbox()
     recipe = plain_recipe(tmp_path, name="planned", key=ssh_key, env={"lock": str(Path(__file__).parents[1] /
-                                                                                   "recipes/example/requirements.lock"),
+                                                                                   "examples/pytorch/requirements.lock"),
                                                                       "index_url": "http://127.0.0.1:8765/simple/"})
     result = run_cli("plan", str(recipe), inst.host, home=tmp_path / "state")
     assert result.returncode == 0, result.stderr

@@ -2,7 +2,7 @@
 `init`, the provider catalogue, and the CLI conventions (--json errors, --version, completion).
 
 Pure tests use the real CLI in a subprocess where a user would; the last test runs the shipped
-team example (recipes/examples/team) on a sandbox instance.
+team example (examples/team) on a sandbox instance.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from relaunch.recipe.providers import LAYOUTS, RECLAIM_NOTICES
 from relaunch.resources import recipes_dir
 from e2e import REPO, run_cli, wait_for
 
-TEAM = REPO / "recipes" / "examples" / "team"
+TEAM = REPO / "examples" / "team"
 PROJECT = "name: p\nrun: {command: x}\ncheckpoint: {remote: s}\n"
 
 
@@ -46,22 +46,22 @@ def error_of(path: Path) -> str:
 def test_names_are_found_in_the_folder_tree_then_relaunch_recipes_then_shipped(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lib = tmp_path / "lib"
-    write(lib / "base" / "pytorch.yaml", "env: {python: '3.12', installer: uv}\n")
+    write(lib / "base" / "pytorch.yaml", "env: {python: '3.12', installer: pip}\n")
     write(lib / "shared.yaml", "env: {vars: {FROM: library}}\n")
     write(tmp_path / "team" / "shared.yaml", "env: {vars: {FROM: tree}}\n")  # nearer: wins
     top = write(tmp_path / "team" / "proj" / "recipe.yaml",
-                PROJECT + "extends: [base/pytorch, shared, examples/team/base]\n")
+                PROJECT + "extends: [base/pytorch, shared, providers/sandbox]\n")
     monkeypatch.setenv("RELAUNCH_RECIPES", f"{tmp_path / 'nowhere'}{os.pathsep}{lib}")
     r = load_recipe(top)
-    assert r.env.installer == "uv"                        # base/pytorch from $RELAUNCH_RECIPES
+    assert r.env.python == "3.12"                         # base/pytorch from $RELAUNCH_RECIPES
     assert r.env.vars["FROM"] == "tree"                   # shared.yaml one folder up, not the library's
-    assert r.provider == "sandbox" and r.env.vars["TEAM"] == "ml-research"  # the shipped team base
-    assert r.env.python == "3.11"                         # later extends win over earlier ones
-    shipped = recipes_dir() / "examples" / "team" / "base.yaml"
+    assert r.provider == "sandbox"                        # the shipped provider base
+    assert r.env.installer == "uv"                        # later extends win over earlier ones
+    shipped = recipes_dir() / "providers" / "sandbox.yaml"
     assert r.files == [str(lib / "base" / "pytorch.yaml"), str(tmp_path / "team" / "shared.yaml"),
                        str(shipped), str(top)]
-    assert r.where("env.installer") == f"{lib}/base/pytorch.yaml:1"
-    assert r.where("provider").startswith(f"{shipped}:")
+    assert r.where("env.python") == f"{lib}/base/pytorch.yaml:1"
+    assert r.where("env.installer").startswith(f"{shipped}:")
 
 
 def test_merge_semantics_mappings_merge_lists_replace_this_file_last(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Real trainers end to end on sandbox instances: Hugging Face Trainer, PyTorch Lightning, Accelerate.
 
-For each example in recipes/examples/ (hf-trainer, lightning, accelerate), exactly as a user runs
+For each example in examples/ (hf-trainer, lightning, accelerate), exactly as a user runs
 it: `relaunch up` on a first instance, a reclaim notice mid-run through the guard's `file:` source
 (a file that appears on the instance), the guard's run.stop.signal to the training, the trainer's
 save at the step it was at, `relaunch evacuate`, then `relaunch up` on a second instance, which
@@ -41,10 +41,10 @@ from e2e import run_cli, wait_for
 from relaunch import sandbox as sb
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "recipes" / "examples"
+EXAMPLES = REPO / "examples"
 TRAINERS = ("hf-trainer", "lightning", "accelerate")
 LOCKS = [EXAMPLES / name / "requirements.lock" for name in TRAINERS]
-EXAMPLE_LOCK = REPO / "recipes" / "example" / "requirements.lock"
+EXAMPLE_LOCK = REPO / "examples" / "pytorch" / "requirements.lock"
 TOLERANCE = 1e-4
 STEPS, SAVE_EVERY, SLEEP = 40, 10, 0.25
 NOTICE_AFTER = 12          # the notice comes once the log shows this step (after the save at 10)
@@ -157,7 +157,7 @@ def assert_matches(run: dict[int, tuple[float, float]], reference: dict[int, tup
 
 
 def example_recipe(trainer: str, folder: Path, key: Path, index_url: str) -> Path:
-    """recipes/examples/TRAINER with its files, copied as a user would; shorter, with a file notice source."""
+    """examples/TRAINER with its files, copied as a user would; shorter, with a file notice source."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("recipe.yaml", "train.py", "requirements.lock"):
         shutil.copy(EXAMPLES / trainer / name, folder / name)

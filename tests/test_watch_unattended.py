@@ -79,7 +79,7 @@ def steps_on(ssh, inst: sb.Instance, name: str) -> int:
 
 
 def sandbox_env(key: Path, index: Path | None = None) -> dict[str, str]:
-    """What recipes/example/rent-sandbox.sh needs to rent a sandbox instance, as a user has it."""
+    """What examples/pytorch/rent-sandbox.sh needs to rent a sandbox instance, as a user has it."""
     env = {"RELAUNCH_SANDBOX_KEY": f"{key}.pub", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     if index is not None:
         env["RELAUNCH_INDEX"] = str(index)

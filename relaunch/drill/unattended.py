@@ -218,7 +218,7 @@ class WatchedDrill:
         if not recipe.recover.command:
             raise UsageError("drill --watch needs recover.command: after each interruption the watch rents a "
                              "replacement with it and brings training up there",
-                             "e.g. --set recover.command=./rent-sandbox.sh (recipes/example/rent-sandbox.sh rents "
+                             "e.g. --set recover.command=./rent-sandbox.sh (examples/pytorch/rent-sandbox.sh rents "
                              "a local sandbox instance); see docs/spot.md")
         if "lost" in self.kinds:
             strangers = [str(s) for s in self.specs if sandbox_of(recipe, s) is None]
@@ -390,7 +390,7 @@ class WatchedDrill:
             raise UsageError(f"the silent loss drops every packet of a sandbox instance's link; {victim} (rented by "
                              "recover.command) is not a sandbox instance",
                              "rehearse the notice alone with --watch=notice, or rent sandbox instances "
-                             "(recipes/example/rent-sandbox.sh)")
+                             "(examples/pytorch/rent-sandbox.sh)")
         from .. import sandbox as sb
 
         sb.set_silent(inst.name, True)
