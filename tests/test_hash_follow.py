@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -35,6 +36,28 @@ class Follower:
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
+    def holds(self, temp_prefix: str, folder: Path) -> bool:
+        """The follower has a temp file named `temp_prefix*` in `folder` open (it is following it)."""
+        for fd in Path(f"/proc/{self.proc.pid}/fd").iterdir():
+            try:
+                target = Path(os.readlink(fd))
+            except OSError:
+                continue
+            if target.parent == folder and target.name.startswith(temp_prefix):
+                return True
+        return False
+
+    def wait_holding(self, temp_prefix: str, folder: Path) -> None:
+        """Until the follower has the temp open. The temp is kept fresh meanwhile, as a copy writing
+        it keeps it: the follower leaves alone a temp older than itself (one a killed copy left)."""
+        deadline = time.monotonic() + 60
+        while not self.holds(temp_prefix, folder):
+            for temp in folder.glob(f"{temp_prefix}*"):
+                os.utime(temp)
+            assert self.proc.poll() is None, f"the follower ended: {self.proc.stderr and self.proc.stderr.read()!r}"
+            assert time.monotonic() < deadline, f"the follower never opened {folder / temp_prefix}*"
+            time.sleep(0.02)
+
     def _read(self) -> None:
         assert self.proc.stdout
         for line in self.proc.stdout:
@@ -59,10 +82,36 @@ def test_each_file_is_hashed_as_it_lands_and_reported_before_the_copy_ends(tmp_p
         (src / name).write_bytes(os.urandom(3_000_000))
     marker = tmp_path / "copied"
     follower = Follower(dest, marker, names)
-    # a head start, and ~1.5 s a file: a follower that starts late on a loaded machine (CI) finds a
-    # file already in place and reads it again, which is right but not what this test is about
-    time.sleep(0.5)
-    rsync(src, dest, "--bwlimit=2000")
+    # Each file is held back until the follower follows it: rsync (its whole process group) is
+    # stopped as soon as a file's temp appears and continued once the follower has that temp open.
+    # A follower that starts late on a loaded machine would otherwise find a file already in place
+    # and read it again, which is right but not what this test is about.
+    copy = subprocess.Popen(["rsync", "-a", "--partial-dir=.rsync-partial", "--bwlimit=1000", f"{src}/", f"{dest}/"],
+                            start_new_session=True)
+    followed: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while copy.poll() is None and len(followed) < len(names):
+            assert time.monotonic() < deadline, f"rsync did not write {set(names) - set(followed)} in 120 s"
+            for name in names:
+                folder, base = (dest / name).parent, (dest / name).name
+                temps = [p for p in folder.glob(f".{base}.*")] if folder.exists() else []
+                if name in followed or not temps:
+                    continue
+                os.killpg(copy.pid, signal.SIGSTOP)
+                try:
+                    assert not (dest / name).exists(), f"{name} landed before rsync could be held"
+                    follower.wait_holding(f".{base}.", folder)
+                finally:
+                    os.killpg(copy.pid, signal.SIGCONT)
+                followed.append(name)
+            time.sleep(0.01)
+        assert copy.wait(timeout=120) == 0
+    finally:
+        if copy.poll() is None:
+            os.killpg(copy.pid, signal.SIGKILL)
+            copy.wait()
+    assert sorted(followed) == sorted(names), f"rsync ended before the test saw the temps of {names}"
     copy_ended = time.monotonic()
     marker.touch()
     got = follower.result()
@@ -102,7 +151,7 @@ def test_a_copy_started_again_or_a_file_replaced_is_read_again(tmp_path):
     follower = Follower(dest, marker, ["w.pt"])
     first = dest / ".w.pt.Zz9Yy8"
     first.write_bytes(b"A" * 500_000)             # followed: it looks like rsync's temp
-    time.sleep(0.6)
+    follower.wait_holding(first.name, dest)
     final = os.urandom(700_000)
     second = dest / ".w.pt.Qq1Ww2"
     second.write_bytes(final)
