@@ -14,7 +14,10 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from relaunch.host.hashing import local_hash_argv, parse_hashes, paths_stdin
 
@@ -23,12 +26,26 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.fixture(autouse=True)
+def no_follower_left() -> Iterator[None]:
+    """A test that fails before its marker exists leaves its follower waiting for it: end it."""
+    yield
+    while Follower.running:
+        proc = Follower.running.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 class Follower:
     """hashes.py --follow on `dest`, its output lines with the time each arrived."""
+
+    running: list[subprocess.Popen[bytes]] = []
 
     def __init__(self, dest: Path, marker: Path, files: list[str]) -> None:
         self.proc = subprocess.Popen(local_hash_argv(dest, ("sha256",), follow=marker), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        Follower.running.append(self.proc)
         assert self.proc.stdin and self.proc.stdout
         self.proc.stdin.write(paths_stdin(files))
         self.proc.stdin.close()
@@ -73,6 +90,23 @@ def rsync(src: Path, dest: Path, *extra: str) -> None:
     subprocess.run(["rsync", "-a", "--partial-dir=.rsync-partial", *extra, f"{src}/", f"{dest}/"], check=True)
 
 
+def hold_until_followed(copy: subprocess.Popen[bytes], follower: Follower, dest: Path, name: str) -> None:
+    """Once rsync's temp of `name` appears, rsync (its process group) is stopped until the follower
+    has that temp open: a follower slow to start on a loaded machine still follows it."""
+    folder, base = (dest / name).parent, (dest / name).name
+    deadline = time.monotonic() + 120
+    while not (folder.exists() and list(folder.glob(f".{base}.*"))):
+        assert copy.poll() is None, f"rsync ended before the test saw its temp of {name}"
+        assert time.monotonic() < deadline, f"rsync never wrote a temp of {name}"
+        time.sleep(0.01)
+    os.killpg(copy.pid, signal.SIGSTOP)
+    try:
+        assert not (dest / name).exists(), f"{name} landed before rsync could be held"
+        follower.wait_holding(f".{base}.", folder)
+    finally:
+        os.killpg(copy.pid, signal.SIGCONT)
+
+
 def test_each_file_is_hashed_as_it_lands_and_reported_before_the_copy_ends(tmp_path):
     src, dest = tmp_path / "src", tmp_path / "dest"
     (src / "sub").mkdir(parents=True)
@@ -88,30 +122,14 @@ def test_each_file_is_hashed_as_it_lands_and_reported_before_the_copy_ends(tmp_p
     # and read it again, which is right but not what this test is about.
     copy = subprocess.Popen(["rsync", "-a", "--partial-dir=.rsync-partial", "--bwlimit=1000", f"{src}/", f"{dest}/"],
                             start_new_session=True)
-    followed: list[str] = []
     try:
-        deadline = time.monotonic() + 120
-        while copy.poll() is None and len(followed) < len(names):
-            assert time.monotonic() < deadline, f"rsync did not write {set(names) - set(followed)} in 120 s"
-            for name in names:
-                folder, base = (dest / name).parent, (dest / name).name
-                temps = [p for p in folder.glob(f".{base}.*")] if folder.exists() else []
-                if name in followed or not temps:
-                    continue
-                os.killpg(copy.pid, signal.SIGSTOP)
-                try:
-                    assert not (dest / name).exists(), f"{name} landed before rsync could be held"
-                    follower.wait_holding(f".{base}.", folder)
-                finally:
-                    os.killpg(copy.pid, signal.SIGCONT)
-                followed.append(name)
-            time.sleep(0.01)
+        for name in names:              # rsync sends them in this order
+            hold_until_followed(copy, follower, dest, name)
         assert copy.wait(timeout=120) == 0
     finally:
         if copy.poll() is None:
             os.killpg(copy.pid, signal.SIGKILL)
             copy.wait()
-    assert sorted(followed) == sorted(names), f"rsync ended before the test saw the temps of {names}"
     copy_ended = time.monotonic()
     marker.touch()
     got = follower.result()
@@ -190,25 +208,11 @@ def test_a_checkpoint_re_saved_at_the_same_size_during_the_copy_is_read_again(tm
     (src / "w.pt").write_bytes(os.urandom(size))
     marker = tmp_path / "copied"
     follower = Follower(dest, marker, ["w.pt"])
-    copy = subprocess.Popen(["rsync", "-a", "--partial-dir=.rsync-partial", "--bwlimit=1000", f"{src}/", f"{dest}/"])
-
-    def following() -> bool:
-        """The follower holds rsync's temp (`.w.pt.XXXXXX`) open."""
-        for fd in Path(f"/proc/{follower.proc.pid}/fd").iterdir():
-            try:
-                target = Path(os.readlink(fd))
-            except OSError:
-                continue
-            if target.parent == dest and target.name.startswith(".w.pt."):
-                return True
-        return False
-
+    copy = subprocess.Popen(["rsync", "-a", "--partial-dir=.rsync-partial", "--bwlimit=1000", f"{src}/", f"{dest}/"],
+                            start_new_session=True)
     held = False
     try:
-        deadline = time.monotonic() + 60
-        while not following():
-            assert copy.poll() is None and time.monotonic() < deadline, "the follower never opened rsync's temp"
-            time.sleep(0.02)
+        hold_until_followed(copy, follower, dest, "w.pt")
         # held while rsync ends (its temp renamed to w.pt) and the checkpoint is saved again: the
         # follower's next look finds the size it read under the final name, and another inode
         follower.proc.send_signal(signal.SIGSTOP)
