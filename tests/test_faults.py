@@ -435,6 +435,7 @@ def test_a_relaunch_killed_as_the_copy_starts_leaves_no_credentials_on_the_insta
 
 
 # -- 13. messages ------------------------------------------------------------------------------------
+@pytest.mark.sandbox  # root: a blackhole route
 def test_an_unreachable_address_is_said_so_in_one_line(tmp_path, ssh_key):
     address = "192.0.2.77"                              # TEST-NET-1: never a real host
     subprocess.run(["ip", "route", "add", "blackhole", f"{address}/32"], check=True)
