@@ -19,6 +19,9 @@ from relaunch import sandbox as sandbox_mod
 from relaunch.sandbox import Instance
 
 REPO = Path(__file__).resolve().parents[1]
+
+# the two layers (sandbox marker, quick-layer checks): tests/layers.py
+pytest_plugins = ["layers"]
 EXAMPLE_LOCK = REPO / "examples" / "pytorch" / "requirements.lock"
 
 

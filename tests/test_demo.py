@@ -5,9 +5,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from e2e import run_cli
 
 from relaunch import sandbox as sb
+
+pytestmark = pytest.mark.sandbox  # the demo makes sandbox instances
 
 
 def test_demo_evacuates_destroys_and_resumes_on_a_new_instance(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ from html import unescape
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from e2e import REPO
 
 DOCS = REPO / "docs"
@@ -49,6 +51,7 @@ def build(root: Path, site: Path) -> dict[str, str]:
     return {p.relative_to(site).as_posix(): unescape(p.read_text()) for p in site.rglob("*.html")}
 
 
+@pytest.mark.sandbox  # unshare: the build runs without a network
 def test_the_site_builds_with_strict_offline(tmp_path: Path) -> None:
     site = tmp_path / "site"
     html = build(REPO, site)

@@ -12,6 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from e2e import EXAMPLE, run_cli
 from spot_trainer import loss
 from test_guard import HISTORY, guard_file
@@ -176,6 +178,7 @@ def test_notice_only_evacuates_and_destroys_the_sandbox_it_had_rented(tmp_path, 
         destroy_rented(work)
 
 
+@pytest.mark.sandbox  # half a minute of CLI runs
 def test_refused_before_anything_is_contacted(tmp_path, ssh_key):
     """Nothing answers at 192.0.2.1 (TEST-NET-1): each of these is said before a connection is tried."""
     home, work = tmp_path / "state", tmp_path / "work"

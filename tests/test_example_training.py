@@ -27,6 +27,8 @@ import pytest
 
 from relaunch.recipe import check_recipe, load_recipe, render_context, render_shell_at
 
+pytestmark = pytest.mark.sandbox  # trains with torch
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pytorch"
 TRAIN = EXAMPLE / "train.py"
 LAYOUTS = ("files", "hf-trainer", "dcp")

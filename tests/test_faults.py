@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 import zipfile
 from io import BytesIO
 from pathlib import Path
@@ -63,6 +62,18 @@ def in_instance(inst, pattern: str) -> list[str]:
         if pattern in cmd:
             found.append(cmd)
     return found
+
+
+def instance_pids(inst) -> list[str]:
+    """Every process inside the instance (its network namespace), each as `PID START-TIME`."""
+    pids = subprocess.run(["ip", "netns", "pids", f"rl-{inst.name}"], capture_output=True, text=True).stdout.split()
+    alive = []
+    for pid in pids:
+        try:
+            alive.append(f"{pid} {Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]}")
+        except (OSError, IndexError):
+            continue
+    return alive
 
 
 def local_processes(pattern: str) -> list[str]:
@@ -401,6 +412,7 @@ def test_a_relaunch_killed_as_the_copy_starts_leaves_no_credentials_on_the_insta
     recipe = plain_recipe(tmp_path, name="killedcreds", key=ssh_key, env={"index_url": inst.index_url},
                           checkpoint={"remote": f"rclone:{s3.name}:{s3.bucket}/k", "via": "instance"})
     plant(ssh, inst, 5)
+    before = set(instance_pids(inst))
     proc = start_cli("evacuate", str(recipe), inst.host, home=tmp_path / "state", env=s3.env, err=tmp_path / "err")
     try:
         # the first command that hands the credentials over (a file of them, or the copy itself)
@@ -410,7 +422,9 @@ def test_a_relaunch_killed_as_the_copy_starts_leaves_no_credentials_on_the_insta
     finally:
         proc.kill()
         proc.wait()
-    time.sleep(3)                              # whatever was on its way lands
+    # whatever was on its way lands: every process the killed relaunch had started there has ended
+    wait_for("the killed relaunch's commands on the instance to end",
+             lambda: not set(instance_pids(inst)) - before, timeout=120, every=0.1)
     # nothing of it on a command line there (checked before the grep below, which names it)
     assert not [c[:300] for c in sb.commands(inst.name) if secret in c]
     on_disk = ssh(inst, f"grep -rl -- {secret} ~ /tmp 2>/dev/null; true").stdout.strip()
@@ -421,6 +435,7 @@ def test_a_relaunch_killed_as_the_copy_starts_leaves_no_credentials_on_the_insta
 
 
 # -- 13. messages ------------------------------------------------------------------------------------
+@pytest.mark.sandbox  # root: a blackhole route
 def test_an_unreachable_address_is_said_so_in_one_line(tmp_path, ssh_key):
     address = "192.0.2.77"                              # TEST-NET-1: never a real host
     subprocess.run(["ip", "route", "add", "blackhole", f"{address}/32"], check=True)

@@ -70,6 +70,7 @@ def test_every_instance_script_is_python_3_8() -> None:
         ast.parse(script.read_text(), str(script), feature_version=(3, 8))
 
 
+@pytest.mark.sandbox  # a Python 3.8 fetched by uv
 def test_the_reader_runs_on_python_3_8(tmp_path: Path) -> None:
     """templates/indexes.py runs on the instance with the venv's Python, which may be 3.8."""
     pythons = sorted(Path("/root/.pyenv/versions").glob("3.8.*/bin/python3.8"))

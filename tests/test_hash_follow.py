@@ -10,10 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from relaunch.host.hashing import local_hash_argv, parse_hashes, paths_stdin
 
@@ -22,18 +26,54 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.fixture(autouse=True)
+def no_follower_left() -> Iterator[None]:
+    """A test that fails before its marker exists leaves its follower waiting for it: end it."""
+    yield
+    while Follower.running:
+        proc = Follower.running.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 class Follower:
     """hashes.py --follow on `dest`, its output lines with the time each arrived."""
+
+    running: list[subprocess.Popen[bytes]] = []
 
     def __init__(self, dest: Path, marker: Path, files: list[str]) -> None:
         self.proc = subprocess.Popen(local_hash_argv(dest, ("sha256",), follow=marker), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        Follower.running.append(self.proc)
         assert self.proc.stdin and self.proc.stdout
         self.proc.stdin.write(paths_stdin(files))
         self.proc.stdin.close()
         self.lines: list[tuple[float, dict]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+
+    def holds(self, temp_prefix: str, folder: Path) -> bool:
+        """The follower has a temp file named `temp_prefix*` in `folder` open (it is following it)."""
+        for fd in Path(f"/proc/{self.proc.pid}/fd").iterdir():
+            try:
+                target = Path(os.readlink(fd))
+            except OSError:
+                continue
+            if target.parent == folder and target.name.startswith(temp_prefix):
+                return True
+        return False
+
+    def wait_holding(self, temp_prefix: str, folder: Path) -> None:
+        """Until the follower has the temp open. The temp is kept fresh meanwhile, as a copy writing
+        it keeps it: the follower leaves alone a temp older than itself (one a killed copy left)."""
+        deadline = time.monotonic() + 60
+        while not self.holds(temp_prefix, folder):
+            for temp in folder.glob(f"{temp_prefix}*"):
+                os.utime(temp)
+            assert self.proc.poll() is None, f"the follower ended: {self.proc.stderr and self.proc.stderr.read()!r}"
+            assert time.monotonic() < deadline, f"the follower never opened {folder / temp_prefix}*"
+            time.sleep(0.02)
 
     def _read(self) -> None:
         assert self.proc.stdout
@@ -50,6 +90,23 @@ def rsync(src: Path, dest: Path, *extra: str) -> None:
     subprocess.run(["rsync", "-a", "--partial-dir=.rsync-partial", *extra, f"{src}/", f"{dest}/"], check=True)
 
 
+def hold_until_followed(copy: subprocess.Popen[bytes], follower: Follower, dest: Path, name: str) -> None:
+    """Once rsync's temp of `name` appears, rsync (its process group) is stopped until the follower
+    has that temp open: a follower slow to start on a loaded machine still follows it."""
+    folder, base = (dest / name).parent, (dest / name).name
+    deadline = time.monotonic() + 120
+    while not (folder.exists() and list(folder.glob(f".{base}.*"))):
+        assert copy.poll() is None, f"rsync ended before the test saw its temp of {name}"
+        assert time.monotonic() < deadline, f"rsync never wrote a temp of {name}"
+        time.sleep(0.01)
+    os.killpg(copy.pid, signal.SIGSTOP)
+    try:
+        assert not (dest / name).exists(), f"{name} landed before rsync could be held"
+        follower.wait_holding(f".{base}.", folder)
+    finally:
+        os.killpg(copy.pid, signal.SIGCONT)
+
+
 def test_each_file_is_hashed_as_it_lands_and_reported_before_the_copy_ends(tmp_path):
     src, dest = tmp_path / "src", tmp_path / "dest"
     (src / "sub").mkdir(parents=True)
@@ -59,10 +116,20 @@ def test_each_file_is_hashed_as_it_lands_and_reported_before_the_copy_ends(tmp_p
         (src / name).write_bytes(os.urandom(3_000_000))
     marker = tmp_path / "copied"
     follower = Follower(dest, marker, names)
-    # a head start, and ~1.5 s a file: a follower that starts late on a loaded machine (CI) finds a
-    # file already in place and reads it again, which is right but not what this test is about
-    time.sleep(0.5)
-    rsync(src, dest, "--bwlimit=2000")
+    # Each file is held back until the follower follows it: rsync (its whole process group) is
+    # stopped as soon as a file's temp appears and continued once the follower has that temp open.
+    # A follower that starts late on a loaded machine would otherwise find a file already in place
+    # and read it again, which is right but not what this test is about.
+    copy = subprocess.Popen(["rsync", "-a", "--partial-dir=.rsync-partial", "--bwlimit=1000", f"{src}/", f"{dest}/"],
+                            start_new_session=True)
+    try:
+        for name in names:              # rsync sends them in this order
+            hold_until_followed(copy, follower, dest, name)
+        assert copy.wait(timeout=120) == 0
+    finally:
+        if copy.poll() is None:
+            os.killpg(copy.pid, signal.SIGKILL)
+            copy.wait()
     copy_ended = time.monotonic()
     marker.touch()
     got = follower.result()
@@ -102,7 +169,7 @@ def test_a_copy_started_again_or_a_file_replaced_is_read_again(tmp_path):
     follower = Follower(dest, marker, ["w.pt"])
     first = dest / ".w.pt.Zz9Yy8"
     first.write_bytes(b"A" * 500_000)             # followed: it looks like rsync's temp
-    time.sleep(0.6)
+    follower.wait_holding(first.name, dest)
     final = os.urandom(700_000)
     second = dest / ".w.pt.Qq1Ww2"
     second.write_bytes(final)
@@ -141,25 +208,11 @@ def test_a_checkpoint_re_saved_at_the_same_size_during_the_copy_is_read_again(tm
     (src / "w.pt").write_bytes(os.urandom(size))
     marker = tmp_path / "copied"
     follower = Follower(dest, marker, ["w.pt"])
-    copy = subprocess.Popen(["rsync", "-a", "--partial-dir=.rsync-partial", "--bwlimit=1000", f"{src}/", f"{dest}/"])
-
-    def following() -> bool:
-        """The follower holds rsync's temp (`.w.pt.XXXXXX`) open."""
-        for fd in Path(f"/proc/{follower.proc.pid}/fd").iterdir():
-            try:
-                target = Path(os.readlink(fd))
-            except OSError:
-                continue
-            if target.parent == dest and target.name.startswith(".w.pt."):
-                return True
-        return False
-
+    copy = subprocess.Popen(["rsync", "-a", "--partial-dir=.rsync-partial", "--bwlimit=1000", f"{src}/", f"{dest}/"],
+                            start_new_session=True)
     held = False
     try:
-        deadline = time.monotonic() + 60
-        while not following():
-            assert copy.poll() is None and time.monotonic() < deadline, "the follower never opened rsync's temp"
-            time.sleep(0.02)
+        hold_until_followed(copy, follower, dest, "w.pt")
         # held while rsync ends (its temp renamed to w.pt) and the checkpoint is saved again: the
         # follower's next look finds the size it read under the final name, and another inode
         follower.proc.send_signal(signal.SIGSTOP)

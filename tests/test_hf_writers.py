@@ -170,6 +170,7 @@ def _race(url: str, token: str, folder: str, who: str, via: str, steps: list[int
         w.store.flush()
 
 
+@pytest.mark.sandbox  # half a minute of racing writers
 def test_two_writer_processes_racing_keep_every_record_and_file(hub, tmp_path):
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(2)

@@ -50,6 +50,7 @@ def write_history(recipe: Path, env: dict[str, str]) -> list[dict]:
     return json.loads(out.stdout)
 
 
+@pytest.mark.sandbox  # minutes: a training run per store
 @pytest.mark.parametrize("kind", ["local", "rclone", "hf"])
 def test_history_in_the_store_gives_interval_its_mtbi(kind, tmp_path, ssh_key, s3_remote, hf_hub):
     home = tmp_path / "state"

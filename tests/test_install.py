@@ -17,6 +17,8 @@ import pytest
 
 from e2e import REPO
 
+pytestmark = pytest.mark.sandbox  # builds and installs the wheel: minutes
+
 
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:

@@ -7,8 +7,11 @@ uses (command, argv, call, stdin, deadline, retry, lane, skip; and, where set, t
 fails with), in order. Paths that depend on
 where the tests run are written `<repo>` and `<state>`.
 
-To rewrite the expectations after an intended change: RELAUNCH_REGEN_PLANS=1 pytest
-tests/test_plans.py, then read the diff of the fixtures before committing it.
+What each plan must do is written by hand below (plan_invariants, PROMISES): order, needs,
+deadlines, quoting, what runs where. The `expect` snapshot only shows a reviewer what changed: on
+a mismatch the test prints the diff; to accept it, RELAUNCH_REGEN_PLANS=1 pytest
+tests/test_plans.py, then read the diff of the fixtures before committing it. Regenerating never
+makes a broken promise pass.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -109,14 +113,355 @@ def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+# -- what each plan must do, written by hand -----------------------------------------------------------
+# The snapshot in each case file (its "expect") is regenerated from the code's own output, so it can
+# only show what changed. What a plan must do is said here: the rules every plan keeps
+# (plan_invariants) and each case's own promise (PROMISES). Regenerating never touches these.
+def titles(got: list[dict[str, Any]]) -> list[str]:
+    return [a["title"] for a in got]
+
+
+def one(got: list[dict[str, Any]], start: str) -> dict[str, Any]:
+    found = [a for a in got if a["title"].startswith(start)]
+    assert len(found) == 1, f"expected one action titled {start!r}, got {titles(got)}"
+    return found[0]
+
+
+def at(got: list[dict[str, Any]], start: str) -> int:
+    return got.index(one(got, start))
+
+
+def ran(got: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [a for a in got if not a["skip"]]
+
+
+def plan_invariants(case: dict[str, Any], got: list[dict[str, Any]]) -> None:
+    produced = {a["produces"] for a in got if a.get("produces")}
+    for a in got:
+        for need in a.get("needs") or ():
+            assert need in produced, f"{a['title']!r} needs {need!r}, which nothing in the plan produces"
+        if a["skip"]:
+            assert not (a["command"] or a["argv"] or a["call"]), f"a skipped action does something: {a['title']!r}"
+            continue
+        if a["command"] or a["argv"]:
+            assert a["deadline"] and a["deadline"] > 0, f"{a['title']!r} runs without a deadline"
+        if a["argv"]:
+            assert a["where"] == "local", f"{a['title']!r}: an argv runs here"
+        if a["command"]:
+            assert a["where"] == "instance", f"{a['title']!r}: a shell command runs on the instance"
+            shlex.split(a["command"])  # every quote closed
+    secrets = ["not-a-real-secret-0123", "hf_notarealtoken0123", *(case.get("patch", {}).get("secrets") or {}).values()]
+    text = json.dumps(got)
+    assert not [s for s in secrets if s in text], "a secret is shown in the plan"
+    if case["plan"] == "up" and len(got) > 1:
+        order = ["preflight", "env", "checkpoint", "launch"]
+        assert [a["step"] for a in got] == sorted((a["step"] for a in got), key=order.index), "steps out of order"
+        assert got[-1]["title"] == "watch the command start" and got[-1]["produces"] == "launch"
+        start = at(got, "start tmux session")
+        assert all(i < start for i, a in enumerate(got) if a["step"] != "launch"), "training starts before its env"
+        assert one(got, "upload run.sh")["deadline"] and at(got, "upload run.sh") < start
+    if case["plan"] == "copy":
+        name = case["checkpoint"]
+        verify = at(got, f"verify {name}")
+        assert at(got, f"hash {name} on the instance") < verify       # the instance's hashes before the verdict
+        assert got[verify]["produces"] == f"verified:{name}" and got[verify]["where"] == "local"
+        if not case.get("unpinned"):
+            assert got[0]["title"].startswith(f"pin {name}") and got[0]["produces"] == f"pin:{name}"
+            assert got[-1]["title"].startswith("unpin") and got[-1]["always"]    # also after a failure
+            assert all(a["where"] != "instance" or a["title"].startswith(("pin", "unpin")) or a["command"] is None
+                       or "/.relaunch/planned/pinned" in a["command"] or a["title"].startswith(("rclone", "hf"))
+                       for a in got), "a copy reads the checkpoint elsewhere than its pins"
+
+
+def _up_restores(got: list[dict[str, Any]], name: str, how: str) -> None:
+    """A restore lands in the hidden folder, is verified there against the manifest, then moved into place."""
+    ready = at(got, "/root/ckpt/.relaunch-incoming ready for the copy")
+    copy = at(got, how)
+    over = at(got, f"the copy of {name} is over")
+    verify = at(got, f"verify {name} on the instance against the store manifest")
+    move = at(got, f"move {name} into place at /root/ckpt/")
+    assert ready < copy < over < verify < move < at(got, "start tmux session")
+    assert got[ready]["produces"] == f"incoming:{name}" and got[verify]["needs"] == [f"incoming:{name}"]
+    assert got[move]["needs"] == [f"verified:{name}"] and got[verify]["lane"] == "checkpoint-verify"
+    assert got[verify]["command"].startswith("cd /root/ckpt/.relaunch-incoming && ")
+    assert "mv -T -- " in got[move]["command"] and "set-aside" in got[move]["command"]   # never overwritten
+
+
+def _fresh_env(got: list[dict[str, Any]]) -> None:
+    """The env is built from the uploaded lock in the env lane, its freeze compared with the lock."""
+    lock = at(got, "upload <repo>/tests/fixtures/plans/plan.lock")
+    build = at(got, "create /root/venvs/planned and install 2 pinned packages")
+    freeze = at(got, "pip freeze of the venv")
+    assert lock < build < freeze < at(got, "compare pip freeze with the lock")
+    assert got[build]["command"] == "bash -s" and got[build]["fails_as"] == "env"   # the script on stdin
+    assert got[build]["deadline"] >= 600 and got[freeze]["produces"] == "freeze"
+    assert {a["lane"] for a in got if a["step"] == "env"} == {"env"}
+
+
+def _nothing_restored(got: list[dict[str, Any]], why: str) -> None:
+    assert [a["skip"] for a in got if a["step"] == "checkpoint"] == [why]
+
+
+PROMISES: dict[str, Any] = {}
+
+
+def promise(name: str) -> Any:
+    def register(check: Any) -> Any:
+        PROMISES[name] = check
+        return check
+    return register
+
+
+@promise("case-up-fresh-start")
+def _(got: list[dict[str, Any]]) -> None:
+    assert got[0]["skip"] == "tmux, rsync and env.apt already installed"
+    _fresh_env(got)
+    _nothing_restored(got, "the store <repo>/tests/fixtures/plans/store/planned is empty: fresh start")
+    guard = at(got, "start the guard in tmux session planned-guard")
+    assert at(got, "start tmux session planned") < guard < len(got) - 1
+    assert one(got, "upload the guard's config")["command"].startswith("umask 077 && ")
+
+
+@promise("case-up-already-running")
+def _(got: list[dict[str, Any]]) -> None:
+    assert len(got) == 1 and got[0]["step"] == "launch" and "already running" in got[0]["skip"]
+
+
+@promise("case-up-apt-with-sudo")
+def _(got: list[dict[str, Any]]) -> None:
+    apt = got[0]
+    assert apt["step"] == "preflight" and apt["command"].count("sudo -n ") == 2
+    assert apt["command"].endswith("apt-get install -y -qq tmux libaio1") and apt["deadline"] >= 600
+    assert all(a["command"] is None or "/root" not in a["command"] for a in got)     # the user's home, not root's
+    assert one(got, "create /home/ubuntu/venvs/planned")
+
+
+@promise("case-up-guard-off")
+def _(got: list[dict[str, Any]]) -> None:
+    assert one(got, "start the guard")["skip"] and not [t for t in titles(got) if t.startswith("upload guard")]
+
+
+@promise("case-up-guard-sources")
+def _(got: list[dict[str, Any]]) -> None:
+    config = json.loads(one(got, "upload the guard's config")["stdin"])
+    assert config["every"] == 2.0 and "file:/root/RECLAIM" in config["sources"] and "aws" in config["sources"]
+    assert at(got, "upload the guard's config") < at(got, "start the guard in tmux session planned-guard")
+
+
+@promise("case-up-hf-instance")
+def _(got: list[dict[str, Any]]) -> None:
+    _up_restores(got, "checkpoint-20", "the instance downloads checkpoint-20")
+    download = one(got, "the instance downloads checkpoint-20")
+    assert "--revision 0123456789abcdef0123456789abcdef01234567" in download["command"]   # the manifest's commit
+    assert download["stdin"] == "<secret>" and "read -r -d ''" in download["command"]    # the token on stdin
+    assert at(got, "hf in relaunch's tools folder") < at(got, "the instance downloads")
+    assert one(got, "remove /root/ckpt/.relaunch-hf-download")["always"]
+
+
+@promise("case-up-newer-on-instance")
+def _(got: list[dict[str, Any]]) -> None:
+    _nothing_restored(got, "the instance already has ckpt-00000030.pt (step 30), newer than the store's")
+    assert not [a for a in got if a["argv"] or "ckpt-00000040" in json.dumps(a)]            # the .tmp never counts
+
+
+@promise("case-up-rclone-instance")
+def _(got: list[dict[str, Any]]) -> None:
+    _up_restores(got, "ckpt-00000020.pt", "the instance downloads ckpt-00000020.pt")
+    download = one(got, "the instance downloads ckpt-00000020.pt")
+    assert download["stdin"] == "<secret>" and "/root/.relaunch/tools/bin/rclone " in download["command"]
+    assert " copy --files-from0 - s3:bucket/runs/a /root/ckpt/.relaunch-incoming/" in download["command"]
+
+
+@promise("case-up-relay-rclone")
+def _(got: list[dict[str, Any]]) -> None:
+    _up_restores(got, "ckpt-00000020.pt", "ckpt-00000020.pt (31.2 KiB) to the instance")
+    fetch = at(got, "ckpt-00000020.pt (31.2 KiB) from rclone:s3:bucket/")
+    assert got[fetch]["where"] == "local" and fetch < at(got, "ckpt-00000020.pt (31.2 KiB) to the instance")
+    clears = [a for a in got if a["title"].startswith("clear <state>/cache/planned/")]
+    assert [a.get("always", False) for a in clears] == [False, True]                  # before, and even on failure
+
+
+@promise("case-up-resumed-accelerate")
+def _(got: list[dict[str, Any]]) -> None:
+    _up_restores(got, "checkpoints/checkpoint_1", "checkpoints/checkpoint_1 (31.3 KiB) to the instance")
+    move = one(got, "move checkpoints/checkpoint_1 into place")["command"]
+    assert "mkdir -p -- /root/ckpt/checkpoints && " in move
+
+
+@promise("case-up-resumed-start")
+def _(got: list[dict[str, Any]]) -> None:
+    _up_restores(got, "ckpt-00000020.pt", "ckpt-00000020.pt (31.2 KiB) to the instance")
+    push = one(got, "ckpt-00000020.pt (31.2 KiB) to the instance")
+    assert push["argv"][0] == "rsync"
+    assert push["argv"][-1] == "203.0.113.7:/root/ckpt/.relaunch-incoming/ckpt-00000020.pt"
+    assert "StrictHostKeyChecking=yes" in " ".join(push["argv"])
+    assert "/root/ckpt/ckpt-00000020.pt" in one(got, "upload run.sh")["stdin"]                 # resumes from it
+
+
+@promise("case-up-same-on-instance")
+def _(got: list[dict[str, Any]]) -> None:
+    [restore] = [a for a in got if a["step"] == "checkpoint"]
+    assert restore["title"].startswith("verify /root/ckpt/ckpt-00000020.pt against the store manifest")
+    assert not [a for a in got if a["argv"]]                                                  # nothing copied
+
+
+@promise("case-up-secrets")
+def _(got: list[dict[str, Any]]) -> None:
+    secrets = one(got, "secrets WANDB_API_KEY -> /root/.relaunch/planned/secrets.env")
+    assert secrets["stdin"] == "<secret>" and secrets["command"].startswith("umask 077 && ")
+    assert "chmod 600 -- " in secrets["command"] and at(got, "secrets WANDB") < at(got, "start tmux session")
+
+
+@promise("case-up-streams")
+def _(got: list[dict[str, Any]]) -> None:
+    pushes = [a for a in got if a["title"].startswith("checkpoint-30 (1.2 GiB) to the instance")]
+    assert [a["lane"] for a in pushes] == ["checkpoint", "push-2", "push-3"]
+    assert all(a["needs"] == ["incoming:checkpoint-30"] for a in pushes[1:])
+    over = one(got, "the copy of checkpoint-30 is over")
+    assert over["needs"] == ["pushed:checkpoint-30:2", "pushed:checkpoint-30:3"]
+    _up_restores(got, "checkpoint-30", "checkpoint-30 (1.2 GiB) to the instance: 2 file(s), 600")
+
+
+@promise("case-up-two-indexes")
+def _(got: list[dict[str, Any]]) -> None:
+    script = one(got, "create /root/venvs/planned")["stdin"]
+    assert "export PIP_EXTRA_INDEX_URL=http://127.0.0.1:8766/simple/" in script
+    assert "UV_INDEX_STRATEGY=unsafe-best-match" in script
+    assert not [a for a in got if a["command"] and "8766" in a["command"]]     # an index URL never on a command line
+
+
+@promise("case-up-uv-provides-python")
+def _(got: list[dict[str, Any]]) -> None:
+    assert got[0]["skip"]                                                      # no preflight error for the Python
+    script = one(got, "create /root/venvs/planned")["stdin"]
+    assert "UV_PYTHON_DOWNLOADS_JSON_URL=http://127.0.0.1:8765/python/downloads.json" in script
+    assert at(got, "uv in relaunch's tools folder") < at(got, "create /root/venvs/planned")
+
+
+@promise("case-up-venv-matches")
+def _(got: list[dict[str, Any]]) -> None:
+    venv = one(got, "venv")
+    assert venv["skip"].startswith("venv /root/venvs/planned already matches the lock")
+    assert not [t for t in titles(got) if t.startswith(("create ", "upload <repo>/tests/fixtures/plans/plan.lock"))]
+    assert one(got, "upload <repo>/tests/fixtures/plans/train.py")
+
+
+@promise("case-stop")
+def _(got: list[dict[str, Any]]) -> None:
+    assert titles(got)[0] == "send SIGTERM to the training's process group"
+    wait = got[1]
+    assert wait["title"].startswith("wait up to 120s") and wait["deadline"] > 120 and wait["produces"] == "stop"
+    assert got[2]["command"] == "tmux kill-session -t =planned-guard 2>/dev/null || true"   # exact name, after
+
+
+@promise("case-stop-not-running")
+def _(got: list[dict[str, Any]]) -> None:
+    assert len(got) == 1 and got[0]["skip"]
+
+
+@promise("case-meta")
+def _(got: list[dict[str, Any]]) -> None:
+    assert got[0]["command"] == "tail -n 200 -- /root/planned.log 2>/dev/null || true"
+    assert got[0]["produces"] == "log-tail" and got[-1]["call"] == "store.flush"          # the manifest last
+    assert [a["call"] for a in got[1:-1]] == ["store.write_meta"] * 3
+
+
+def _local_copy(got: list[dict[str, Any]], source: str) -> None:
+    rsync = one(got, "ckpt-00000030.pt (step 30, 1 file(s), 31.2 KiB) from the instance")
+    assert rsync["argv"][0] == "rsync" and rsync["argv"][-2] == f"203.0.113.7:{source}"
+    assert at(got, "prepare the staging folder") < at(got, "ckpt-00000030.pt (step 30") < at(got, "the copy of")
+
+
+def _local_store_copy(got: list[dict[str, Any]], source: str) -> None:
+    """Into a local store: hashed here as it lands, then the store accepts it."""
+    _local_copy(got, source)
+    follow = one(got, "sha256 of ckpt-00000030.pt here as it lands")
+    assert follow["needs"] == ["staging:ckpt-00000030.pt"] and "--follow" in follow["argv"]
+    assert one(got, "verify ckpt-00000030.pt")["call"] == "store.accept"
+
+
+@promise("case-copy-local")
+def _(got: list[dict[str, Any]]) -> None:
+    _local_store_copy(got, "/root/.relaunch/planned/pinned/")
+    assert "--checksum" not in one(got, "ckpt-00000030.pt (step 30")["argv"]
+
+
+@promise("case-copy-local-every-byte")
+def _(got: list[dict[str, Any]]) -> None:
+    _local_store_copy(got, "/root/.relaunch/planned/pinned/")
+    assert "--checksum" in one(got, "ckpt-00000030.pt (step 30")["argv"]
+
+
+@promise("case-copy-local-unpinned")
+def _(got: list[dict[str, Any]]) -> None:
+    _local_store_copy(got, "/root/ckpt/")
+    assert not [t for t in titles(got) if t.startswith(("pin ", "unpin"))]
+    still = at(got, "ckpt-00000030.pt is still on the instance")
+    assert at(got, "hash ckpt-00000030.pt on the instance") < still < at(got, "verify ckpt-00000030.pt")
+
+
+@promise("case-copy-local-streams")
+def _(got: list[dict[str, Any]]) -> None:
+    copies = [a for a in got if a["title"].startswith("checkpoint-30 (step 30")]
+    assert [a["lane"] for a in copies] == ["copy", "copy-2", "copy-3"]
+    over = one(got, "the copy of checkpoint-30 is over")
+    assert over["needs"] == ["pulled:checkpoint-30:2", "pulled:checkpoint-30:3"]
+
+
+@promise("case-copy-rclone-instance")
+def _(got: list[dict[str, Any]]) -> None:
+    upload = one(got, "the instance uploads ckpt-00000030.pt")
+    assert " copy --immutable --files-from0 - /root/.relaunch/planned/pinned/ s3:bucket/runs/a" in upload["command"]
+    assert upload["stdin"] == "<secret>"
+    assert one(got, "hash ckpt-00000030.pt on the instance")["title"].endswith("(sha256, md5)")
+
+
+@promise("case-copy-hf-instance")
+def _(got: list[dict[str, Any]]) -> None:
+    create = at(got, "create the repo acme/ckpts (private)")
+    upload = at(got, "the instance uploads ckpt-00000030.pt")
+    assert create < upload < at(got, "verify ckpt-00000030.pt in the repo at the commit")
+    assert got[upload]["stdin"] == "<secret>" and ".relaunch/incoming" in got[upload]["command"]
+
+
+@promise("case-copy-relay-hf")
+def _(got: list[dict[str, Any]]) -> None:
+    _local_copy(got, "/root/.relaunch/planned/pinned/")
+    upload = one(got, "each file of ckpt-00000030.pt from this machine to")
+    assert upload["needs"] == ["staging:ckpt-00000030.pt", "hashes:ckpt-00000030.pt"]      # verified here first
+
+
+def snapshot_diff(expected: list[dict[str, Any]], got: list[dict[str, Any]]) -> str:
+    import difflib
+
+    def lines(doc: list[dict[str, Any]]) -> list[str]:
+        return json.dumps(doc, indent=1, ensure_ascii=False).splitlines()
+
+    return "\n".join(difflib.unified_diff(lines(expected), lines(got), "the case's expect", "the plan now",
+                                          lineterm=""))
+
+
+def test_every_case_has_its_promises_written_by_hand() -> None:
+    assert sorted(PROMISES) == sorted(p.stem for p in CASES)
+
+
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
 def test_plan_case(path: Path, state: Path) -> None:
+    """The hand-written promises first; then the snapshot, as a diff for a reviewer to accept."""
     case = json.loads(path.read_text())
     got = shown(planned(case, state), state)
+    plan_invariants(case, got)
+    PROMISES[path.stem](got)
     if os.environ.get("RELAUNCH_REGEN_PLANS"):
         case["expect"] = got
         path.write_text(json.dumps(case, indent=1, ensure_ascii=False) + "\n")
-    assert got == case["expect"], case["why"]
+    if got != case["expect"]:
+        pytest.fail(f"{case['why']}\nThe plan kept every promise above but differs from its snapshot:\n"
+                    f"{snapshot_diff(case['expect'], got)}\n"
+                    f"If the change is intended: RELAUNCH_REGEN_PLANS=1 python -m pytest "
+                    f"{Path(__file__).relative_to(REPO)} -k {path.stem}, "
+                    f"then read `git diff {path.relative_to(REPO)}` before committing it.",
+                    pytrace=False)
 
 
 def test_every_plan_function_has_a_case() -> None:

@@ -128,6 +128,7 @@ BROKEN = {
 }
 
 
+@pytest.mark.sandbox  # a minute of CLI runs: one per broken recipe
 def test_broken_recipes_exit_2_with_file_line_before_any_connection(tmp_path):
     for filename, (text, where, mention) in BROKEN.items():
         path = tmp_path / filename

@@ -19,6 +19,8 @@ import pytest
 from relaunch import sandbox as sb
 from relaunch.errors import RelaunchError, UsageError
 
+pytestmark = pytest.mark.sandbox  # sandbox instances, root
+
 
 def _out(*argv: str, stdin: str | None = None) -> str:
     """stdout of a local command."""

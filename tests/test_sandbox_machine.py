@@ -77,6 +77,7 @@ def _has_group(group: str) -> bool:
     return any(line.split(":")[0] == group for line in Path("/etc/group").read_text().splitlines())
 
 
+@pytest.mark.sandbox  # root: useradd
 def test_a_user_the_sandbox_made_is_deleted_one_it_found_is_restored(tmp_path: Path) -> None:
     """The bookkeeping behind the `ubuntu` user, on throwaway users (the real `ubuntu` is shared)."""
     made, found = f"rlt{uuid.uuid4().hex[:8]}", f"rlt{uuid.uuid4().hex[:8]}"

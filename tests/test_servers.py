@@ -13,12 +13,12 @@ import json
 import os
 import shlex
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import HubFactory, S3RemoteFactory, host_side_address, tool_path
+from conftest import HubFactory, S3Remote, S3RemoteFactory, host_side_address, tool_path
+from e2e import wait_for
 from hubserver import start_hub
 
 REPO = "acme/run1"
@@ -227,6 +227,15 @@ def rclone(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return run([tool_path("rclone"), "--config", "/dev/null", *args], env)
 
 
+
+def check_until(s3: S3Remote, local: Path, what: str, said: str) -> subprocess.CompletedProcess[str]:
+    """`rclone check` of `local` against s3 `x` until its output says `said`."""
+    def check() -> subprocess.CompletedProcess[str] | None:
+        proc = rclone(s3.env, "check", str(local), s3.remote("x"))
+        return proc if said in proc.stderr else None
+
+    return wait_for(what, check, timeout=30, every=0.1)
+
 def test_rclone_copy_to_the_bucket_and_back(s3_remote: S3RemoteFactory, tmp_path: Path) -> None:
     s3 = s3_remote()
     local = checkpoint_dir(tmp_path / "checkpoint-500")
@@ -272,15 +281,14 @@ def test_rclone_check_finds_damage_and_missing_files(s3_remote: S3RemoteFactory,
     data = bytearray(target.read_bytes())
     data[100] ^= 0xFF
     target.write_bytes(bytes(data))
-    time.sleep(0.5)  # the server lists the folder from a 100 ms cache (see the s3_remote fixture)
-    damaged = rclone(s3.env, "check", str(local), s3.remote("x"))
+    # the server lists the folder from a 100 ms cache (see the s3_remote fixture): until it sees the new bytes
+    damaged = check_until(s3, local, "the server to serve the flipped byte", "differences found")
     assert damaged.returncode == 1
     assert "model.pt: md5 differ" in damaged.stderr, damaged.stderr
     assert rclone(s3.env, "check", "--download", str(local), s3.remote("x")).returncode == 1
 
     (s3.bucket_dir / "x" / "trainer_state.json").unlink()
-    time.sleep(0.5)
-    missing = rclone(s3.env, "check", str(local), s3.remote("x"))
+    missing = check_until(s3, local, "the server to list the file gone", "file not in S3 bucket")
     assert missing.returncode == 1
     assert "trainer_state.json: file not in S3 bucket" in missing.stderr, missing.stderr
     assert "1 files missing" in missing.stderr

@@ -186,6 +186,7 @@ def test_templates_folder_must_exist(tmp_path: Path) -> None:
 
 # --- init -----------------------------------------------------------------------------------------
 
+@pytest.mark.sandbox  # a minute of CLI runs: one per provider and layout
 def test_init_writes_a_recipe_that_passes_check_for_every_provider_and_layout(tmp_path: Path) -> None:
     home = tmp_path / "home"
     providers = [None, *load_providers()]

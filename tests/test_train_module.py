@@ -215,11 +215,16 @@ def test_a_record_written_by_the_real_guard_stops_a_training_that_got_no_signal(
             "    if stop.requested(): print('stopped at step', step, stop.reason, flush=True); break\n"
             "    if step == 3: print('running', flush=True)\n"
             "    time.sleep(0.05)\n")
+    started = int(time.time()) + 1              # this run started a second after the old record
     training = subprocess.Popen([sys.executable, "-c", loop], stdout=subprocess.PIPE, text=True,
-                                env={**env, train.STARTED_ENV: str(int(time.time()) + 1)})
+                                env={**env, train.STARTED_ENV: str(started)})
     try:
         assert training.stdout is not None and training.stdout.readline() == "running\n"   # the old record: no stop
-        time.sleep(1.2)                         # this run started a second after the old record
+        # the guard stamps its record with this machine's clock: a record of this run comes after its start
+        deadline = time.monotonic() + 10
+        while time.time() <= started:
+            assert time.monotonic() < deadline, f"the clock never passed the run's start ({started})"
+            time.sleep(0.05)
         guard()
         out = training.communicate(timeout=60)[0]
     finally:

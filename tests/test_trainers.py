@@ -40,6 +40,8 @@ from e2e import run_cli, wait_for
 
 from relaunch import sandbox as sb
 
+pytestmark = pytest.mark.sandbox  # trains with torch, transformers, lightning
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 TRAINERS = ("hf-trainer", "lightning", "accelerate")

@@ -86,7 +86,8 @@ def test_a_round_that_began_after_a_failed_look_clears_the_silence(tmp_path, mon
     the node answered after the failed look."""
     watch, looker, began = _watch_with_a_round(tmp_path, monkeypatch, 0.1)
     looker._silent("the SSH connection was lost")
-    time.sleep(0.05)                                             # the round begins strictly later
+    failed = time.monotonic()
+    wait_for("the clock to pass the failed look", lambda: time.monotonic() > failed, timeout=5, every=0.001)
     assert watch.rounds.start()
     wait_for("the round to end", lambda: not watch.rounds.busy and began.exists(), timeout=30, every=0.05)
     watch.drain()
