@@ -448,6 +448,7 @@ def test_random_schedules_keep_every_promise(seed, tmp_path, sandbox, ssh, ssh_k
                     "checkpoint": {"remote": f"rclone:{server.name}:{server.bucket}/c", "via": "instance"}}
     elif kind_store == "hf":
         hub = hf_hub(lfs_threshold=1000)
+        hub.store.create_repo("model", "acme/chaos")        # as a user does first: `hf repos create`
         inst = sandbox(rate="8mbit")
         store, env, secret = HubStore(hub, "acme/chaos", "run"), hub.env(tmp_path / "hfhome"), None
         sections = {"env": {"files": {"chaos_trainer.py": "~/chaos_trainer.py"}},
