@@ -38,7 +38,7 @@ _DIE_WITH_US = (["setpriv", "--pdeathsig", "TERM", "--"]
 
 
 def check_cancel() -> None:
-    if CANCEL.is_set():
+    if CANCEL.is_set() and not _AFTER_CANCEL.get():
         raise Interrupted("interrupted")
 
 
@@ -56,6 +56,7 @@ class Budget:
 
 
 _BUDGET: ContextVar[Budget | None] = ContextVar("relaunch_budget", default=None)
+_AFTER_CANCEL: ContextVar[bool] = ContextVar("relaunch_after_cancel", default=False)
 
 
 @contextmanager
@@ -68,6 +69,18 @@ def budget(deadline: float, cancelled: Callable[[], bool]) -> Iterator[None]:
         _BUDGET.reset(token)
 
 
+@contextmanager
+def despite_cancel(deadline: float) -> Iterator[None]:
+    """The last act a Ctrl-C itself asks for (giving back the watch's lease in the store): its waits
+    in this thread are not ended by the interruption that ended every other, only by `deadline`."""
+    token = _AFTER_CANCEL.set(True)
+    try:
+        with budget(deadline, lambda: False):
+            yield
+    finally:
+        _AFTER_CANCEL.reset(token)
+
+
 def deadline_here(default: float) -> float:
     """Seconds a wait may take now: what is left of the running action's deadline, else `default`."""
     b = _BUDGET.get()
@@ -76,7 +89,7 @@ def deadline_here(default: float) -> float:
 
 def cancelled_here() -> bool:
     b = _BUDGET.get()
-    return CANCEL.is_set() or (b is not None and b.cancelled())
+    return (CANCEL.is_set() and not _AFTER_CANCEL.get()) or (b is not None and b.cancelled())
 
 
 def bounded(func: Callable[[], T], deadline: float, what: str) -> T:
@@ -113,6 +126,9 @@ def bounded(func: Callable[[], T], deadline: float, what: str) -> T:
 
 def sleep(seconds: float, also: threading.Event | None = None) -> None:
     """time.sleep that ends at once when relaunch is interrupted (or `also` is set)."""
+    if _AFTER_CANCEL.get():
+        (also or threading.Event()).wait(max(seconds, 0))
+        return
     if also is None:
         if CANCEL.wait(max(seconds, 0)):
             raise Interrupted("interrupted")

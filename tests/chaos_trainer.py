@@ -3,7 +3,10 @@ as careful trainers do (temp name, then rename), the newest 3 kept; a save on SI
 
 A checkpoint's bytes depend only on its step, so the test knows what every checkpoint must hold
 wherever it was copied. Every start appends one line to ~/starts.log: `resumed NAME SHA256 STEP`
-(the hash of the bytes it read) or `fresh`.
+(the hash of the bytes it read) or `fresh`. Every stop on SIGTERM saves (unless that step is saved
+already), then appends `stopped at step N` to ~/stops.log: the save a stop asked for. While
+~/hold-saves exists it saves nothing on its own (a training that has not saved yet); the save on
+SIGTERM still happens.
 """
 
 import hashlib
@@ -46,15 +49,19 @@ def main() -> None:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     saved = step
+    hold = Path.home() / "hold-saves"
     while not stopping:
         time.sleep(0.1)
         step += 1
         print(f"step {step} loss 1.0", flush=True)
-        if step % EVERY == 0:
+        if step % EVERY == 0 and not hold.exists():
             save()
             saved = step
-    if saved != step:
+    if saved != step or not (out / f"ckpt-{step:08d}.pt").exists():
         save()
+    with open(Path.home() / "stops.log", "a") as log:
+        log.write(f"stopped at step {step}\n")
+    print(f"stopped at step {step}", flush=True)
 
 
 if __name__ == "__main__":

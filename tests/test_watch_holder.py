@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from relaunch import processes
 from relaunch.errors import UsageError
 from relaunch.recipe.loader import load_recipe
 from relaunch.transports import open_store
@@ -146,3 +147,18 @@ def test_of_two_watches_taking_the_store_at_once_one_gets_it(kind, request, tmp_
     with pytest.raises(UsageError, match="holds the store"):
         first.take(UI())
     assert raced and lease(store)["token"] == second.token
+
+
+def test_a_ctrl_c_gives_the_lease_back_on_every_kind_of_store(any_store):
+    """A Ctrl-C ends every wait in relaunch (processes.CANCEL): the watch's last act, giving back its
+    lease, must not be ended with them. Found by the chaos test: on the Hub, a watch stopped with
+    Ctrl-C left its lease in the store, and the next watch was refused for 15 min without --take-over."""
+    holder = Holder("held", any_store, ["root@10.0.0.9:22"])
+    holder.take(UI())
+    assert lease(any_store)["token"] == holder.token
+    processes.CANCEL.set()                        # what the CLI's Ctrl-C handler does first
+    try:
+        holder.release(UI())
+    finally:
+        processes.CANCEL.clear()
+    assert lease(any_store) == {}

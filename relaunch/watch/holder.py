@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from .. import processes
 from ..errors import Interrupted, RelaunchError, UsageError
 from ..history import iso
 from ..paths import state_dir
@@ -46,6 +47,7 @@ from ..ui import UI
 LEASE = "watch.json"
 LEASE_EVERY = 300.0
 TAKE_TRIES = 5             # compare-and-set tries when other watches keep writing the lease meanwhile
+GIVE_BACK = 30.0           # seconds the lease's give-back may take after a Ctrl-C ended every other wait
 RENEW_AGAIN = 30.0         # seconds before a renewal that failed (the store did not answer) is tried again
 
 
@@ -279,12 +281,13 @@ class Holder:
         if self.taken is None:
             # only ours (as last written, or as being written when a Ctrl-C landed): a watch that
             # took over keeps its lease
-            for ours in dict.fromkeys(t for t in (self._written, self._writing) if t is not None):
-                try:
-                    if self._swap(ours, {}):
-                        break
-                except RelaunchError:
-                    break              # it goes stale by itself
+            with processes.despite_cancel(GIVE_BACK):
+                for ours in dict.fromkeys(t for t in (self._written, self._writing) if t is not None):
+                    try:
+                        if self._swap(ours, {}):
+                            break
+                    except RelaunchError:
+                        break              # it goes stale by itself
         self.note(ended=iso(time.time()))
         self._lock.close()
         self._lock = None
