@@ -7,8 +7,11 @@ and `ssh` runs the OpenSSH client with its own known_hosts file per instance.
 from __future__ import annotations
 
 import hashlib
+import os
 import shlex
 import subprocess
+import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +50,7 @@ class SandboxFactory:
         name = f"t{uuid.uuid4().hex[:8]}"
         kw.setdefault("authorized_key", Path(f"{self.key}.pub"))
         self.names.append(name)
+        _register(name)
         return sandbox_mod.create(name, user=user, **kw)  # type: ignore[arg-type]
 
     def destroy_all(self) -> None:
@@ -57,6 +61,30 @@ class SandboxFactory:
             except Exception as e:  # keep destroying the others, report at the end
                 errors.append(f"{name}: {e}")
         assert not errors, "sandbox teardown failed: " + "; ".join(errors)
+
+
+REGISTRY_ENV = "RELAUNCH_TEST_SANDBOXES"
+
+
+def _register(name: str) -> None:
+    """Every instance a worker makes is written down before it exists, for the session's reaper."""
+    registry = os.environ.get(REGISTRY_ENV)
+    if registry:
+        with open(registry, "a") as handle:
+            handle.write(name + "\n")
+
+
+def _reap(registry: Path) -> None:
+    """Destroy what the session's instances left: an interrupted xdist run ends its workers without
+    their fixtures' teardown, and their namespaces, sshds and addresses would stay."""
+    names = dict.fromkeys(registry.read_text().split()) if registry.exists() else {}
+    for name in names:
+        if (sandbox_mod.RUN_DIR / name).exists():
+            try:
+                sandbox_mod.destroy(name)
+            except Exception as exc:  # keep reaping the others
+                print(f"reaper: {name}: {exc}", file=sys.stderr)
+    registry.unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -298,3 +326,17 @@ def pytest_configure(config: pytest.Config) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+    if not hasattr(config, "workerinput"):       # the session (xdist's controller, or a run without it)
+        handle, path = tempfile.mkstemp(prefix="relaunch-test-sandboxes-")
+        os.close(handle)
+        os.environ[REGISTRY_ENV] = path           # the workers inherit it
+        config.stash[_REGISTRY] = Path(path)
+
+
+_REGISTRY = pytest.StashKey[Path]()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    registry = config.stash.get(_REGISTRY, None)
+    if registry is not None:
+        _reap(registry)
