@@ -246,6 +246,7 @@ def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple
         events.append(json.loads(line))
         emit(as_json, {"events": events})
 
+    emit(as_json, {"events": events})       # a failure before the first event still says its events: none
     outcome = watch_loop(r, specs, ui, emit=each_event if as_json else None, overrides=list(overrides),
                          take_over=take_over)
     emit(as_json, {**outcome.as_dict(), "events": events})

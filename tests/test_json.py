@@ -40,6 +40,7 @@ def test_commands_without_a_host_print_one_document(tmp_path: Path) -> None:
         (["interval", "--step-time", "soon"], 2),
         (["sandbox", "list"], 0),
         (["up", str(bad), "203.0.113.9"], 2),
+        (["watch", str(bad)], 2),
         (["status", str(recipe), "127.0.0.1:1", "--set", "ssh.key=", "--set", "ssh.wait=0"], 3),
         (["evacuate", str(recipe), "127.0.0.1:1", "--set", "ssh.key=", "--set", "ssh.wait=0"], 6),
     ]
