@@ -146,8 +146,10 @@ def test_broken_recipes_exit_2_with_file_line_before_any_connection(tmp_path):
 def test_waits_while_the_instance_boots_then_gives_up_with_exit_3(tmp_path, sandbox, ssh_key):
     home = tmp_path / "state"
     recipe = plain_recipe(tmp_path, name="boot", key=ssh_key)
-    booting = sandbox(boot_delay=4, key_delay=7)       # refused, then sshd without our key, then ready
-    result = run_cli("plan", str(recipe), booting.host, home=home)
+    # refused, then sshd without our key, then ready: the delays count from the instance's creation,
+    # long enough that a loaded machine's `relaunch` start (seconds) still finds sshd not up yet
+    booting = sandbox(boot_delay=15, key_delay=20)
+    result = run_cli("plan", str(recipe), booting.host, "--set", "ssh.wait=60", home=home)
     assert result.returncode == 0, result.stderr
     assert "connection refused" in result.stderr and "retrying" in result.stderr
     assert "authentication failed" in result.stderr
