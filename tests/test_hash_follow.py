@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e import wait_for
 
 from relaunch.host.hashing import local_hash_argv, parse_hashes, paths_stdin
 
@@ -67,13 +68,13 @@ class Follower:
     def wait_holding(self, temp_prefix: str, folder: Path) -> None:
         """Until the follower has the temp open. The temp is kept fresh meanwhile, as a copy writing
         it keeps it: the follower leaves alone a temp older than itself (one a killed copy left)."""
-        deadline = time.monotonic() + 60
-        while not self.holds(temp_prefix, folder):
+        def held() -> bool:
             for temp in folder.glob(f"{temp_prefix}*"):
                 os.utime(temp)
             assert self.proc.poll() is None, f"the follower ended: {self.proc.stderr and self.proc.stderr.read()!r}"
-            assert time.monotonic() < deadline, f"the follower never opened {folder / temp_prefix}*"
-            time.sleep(0.02)
+            return self.holds(temp_prefix, folder)
+
+        wait_for(f"the follower to open {folder / temp_prefix}*", held, timeout=60, every=0.02)
 
     def _read(self) -> None:
         assert self.proc.stdout
@@ -94,11 +95,11 @@ def hold_until_followed(copy: subprocess.Popen[bytes], follower: Follower, dest:
     """Once rsync's temp of `name` appears, rsync (its process group) is stopped until the follower
     has that temp open: a follower slow to start on a loaded machine still follows it."""
     folder, base = (dest / name).parent, (dest / name).name
-    deadline = time.monotonic() + 120
-    while not (folder.exists() and list(folder.glob(f".{base}.*"))):
+    def temp_written() -> bool:
         assert copy.poll() is None, f"rsync ended before the test saw its temp of {name}"
-        assert time.monotonic() < deadline, f"rsync never wrote a temp of {name}"
-        time.sleep(0.01)
+        return folder.exists() and bool(list(folder.glob(f".{base}.*")))
+
+    wait_for(f"rsync's temp of {name}", temp_written, timeout=120, every=0.01)
     os.killpg(copy.pid, signal.SIGSTOP)
     try:
         assert not (dest / name).exists(), f"{name} landed before rsync could be held"

@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from e2e import wait_for
 
 from relaunch import train
 from relaunch.layouts import LISTING_COMMAND, complete_checkpoints, parse_listing
@@ -221,10 +222,8 @@ def test_a_record_written_by_the_real_guard_stops_a_training_that_got_no_signal(
     try:
         assert training.stdout is not None and training.stdout.readline() == "running\n"   # the old record: no stop
         # the guard stamps its record with this machine's clock: a record of this run comes after its start
-        deadline = time.monotonic() + 10
-        while time.time() <= started:
-            assert time.monotonic() < deadline, f"the clock never passed the run's start ({started})"
-            time.sleep(0.05)
+        wait_for(f"the clock to pass the run's start ({started})", lambda: time.time() > started, timeout=10,
+                 every=0.05)
         guard()
         out = training.communicate(timeout=60)[0]
     finally:
