@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -137,43 +138,42 @@ def test_the_module_needs_nothing_but_the_standard_library(tmp_path: Path) -> No
     assert out == [str(tmp_path / "relaunch" / "train.py"), "[]"]
 
 
-def test_the_stop_signal_is_seen_and_the_handler_before_it_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
+@pytest.fixture
+def usr1(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[StopRequest, list[int]]]:
+    """A StopRequest on SIGUSR1, over a handler a script set before it (its calls listed)."""
+    calls: list[int] = []
     before = signal.signal(signal.SIGUSR1, lambda signum, frame: calls.append(signum))
     monkeypatch.setenv(train.STOP_SIGNAL_ENV, "USR1")
     monkeypatch.delenv(train.NOTICE_ENV, raising=False)
     stop = StopRequest()
     try:
-        assert stop.signals == [signal.SIGUSR1]
-        stop.install()
-        stop.install()                                  # twice: still one handler, no loop
-        assert not stop.requested() and stop.reason == ""
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert stop.requested() and stop.reason == "signal SIGUSR1" and calls == [signal.SIGUSR1]
+        yield stop, calls
     finally:
         stop.uninstall()
         signal.signal(signal.SIGUSR1, before)
 
 
-def test_installing_again_with_chain_false_stops_passing_the_signal_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_stop_signal_is_seen_and_the_handler_before_it_still_runs(usr1) -> None:
+    stop, calls = usr1
+    assert stop.signals == [signal.SIGUSR1]
+    stop.install()
+    stop.install()                                  # twice: still one handler, no loop
+    assert not stop.requested() and stop.reason == ""
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert stop.requested() and stop.reason == "signal SIGUSR1" and calls == [signal.SIGUSR1]
+
+
+def test_installing_again_with_chain_false_stops_passing_the_signal_on(usr1) -> None:
     """The Lightning callback installs chained in setup() and unchained in on_train_start(), the HF
     one unchained under torchrun over a handler a script already installed: the second call counts."""
-    calls = []
-    before = signal.signal(signal.SIGUSR1, lambda signum, frame: calls.append(signum))
-    monkeypatch.setenv(train.STOP_SIGNAL_ENV, "USR1")
-    monkeypatch.delenv(train.NOTICE_ENV, raising=False)
-    stop = StopRequest()
-    try:
-        stop.install()
-        stop.install(chain=False)
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert stop.requested() and calls == []
-        stop.install(chain=True)
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert calls == [signal.SIGUSR1]
-    finally:
-        stop.uninstall()
-        signal.signal(signal.SIGUSR1, before)
+    stop, calls = usr1
+    stop.install()
+    stop.install(chain=False)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert stop.requested() and calls == []
+    stop.install(chain=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert calls == [signal.SIGUSR1]
 
 
 def test_the_guards_notice_record_counts_only_for_this_run(tmp_path: Path) -> None:
