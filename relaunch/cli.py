@@ -244,9 +244,9 @@ def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple
         # each event as it comes, on stderr with the lines; stdout gets one document at the end
         click.echo(line, err=True)
         events.append(json.loads(line))
-        emit(as_json, {"events": events})
 
-    emit(as_json, {"events": events})       # a failure before the first event still says its events: none
+    # the document a failure or Ctrl-C prints: the events so far (this very list), none before the first
+    emit(as_json, {"events": events})
     outcome = watch_loop(r, specs, ui, emit=each_event if as_json else None, overrides=list(overrides),
                          take_over=take_over)
     emit(as_json, {**outcome.as_dict(), "events": events})
