@@ -1,4 +1,4 @@
-"""The chaos test's trainer (stdlib only): a step every 0.1 s, a checkpoint every 30 steps, written
+"""The chaos and drill tests' trainer (stdlib only): a step every 0.1 s, a checkpoint every 30 steps, written
 as careful trainers do (temp name, then rename), the newest 3 kept; a save on SIGTERM.
 
 A checkpoint's bytes depend only on its step, so the test knows what every checkpoint must hold
@@ -16,7 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-SIZE, EVERY, KEEP = 200_000, 30, 3
+SIZE, KEEP = 200_000, 3
+# the drill's test saves more often, in shorter steps: a save lands between any look and a kill
+EVERY = int(os.environ.get("CHAOS_EVERY", "30"))
+TICK = float(os.environ.get("CHAOS_TICK", "0.1"))
 
 
 def content(step: int) -> bytes:
@@ -51,9 +54,9 @@ def main() -> None:
     saved = step
     hold = Path.home() / "hold-saves"
     while not stopping:
-        time.sleep(0.1)
+        time.sleep(TICK)
         step += 1
-        print(f"step {step} loss 1.0", flush=True)
+        print(f"step {step} loss {1.0 / step:.6f}", flush=True)      # a number of the step alone
         if step % EVERY == 0 and not hold.exists():
             save()
             saved = step

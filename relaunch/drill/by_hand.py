@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .. import processes
+from .. import processes, scripts
 from ..cycle import connected, evacuate, open_group, up
 from ..errors import CheckpointError, UsageError
 from ..host.spec import HostSpec
@@ -29,7 +29,7 @@ from ..sync import sync_round
 from ..transports import open_store
 from ..ui import UI
 
-MARK = "=== relaunch: start "
+MARK = scripts.START_MARK
 LOOK_EVERY = 1.0
 
 
@@ -167,12 +167,20 @@ def run_drill(recipe: Recipe, specs: list[HostSpec], ui: UI, resume_on: list[Hos
         newest = state.manifest.newest() if state.manifest else None
         return newest is not None and bool(found) and max(found) >= newest.step + past
 
-    # the copy-off loop's work, as `sync` does it, until a checkpoint is safe and training ran on
+    # the copy-off loop's work, as `sync` does it, until a checkpoint is safe and training ran on.
+    # The decision is taken on a frozen world: training paused on every node, a last round copies
+    # what it saved, the log is read again. A save that lands between a look and the kill would
+    # otherwise leave no step run both before and after (nothing to compare).
     while True:
         sync_round(recipe, specs, UI(quiet=True))
         before = watch.until("a checkpoint and a few steps after it", lambda f: bool(f), deadline)
         if saved_then_more(before):
-            break
+            _signal(recipe, specs, "STOP", ui)
+            sync_round(recipe, specs, UI(quiet=True))
+            before = watch.until("the log of the paused training", lambda f: True, deadline)
+            if saved_then_more(before):
+                break
+            _signal(recipe, specs, "CONT", ui)
         processes.sleep(LOOK_EVERY)
     drill.interrupted_at = max(before)
     drill.throughput_before = watch.rate(min(before), max(before))
@@ -220,10 +228,26 @@ def run_drill(recipe: Recipe, specs: list[HostSpec], ui: UI, resume_on: list[Hos
     return drill
 
 
+def _signal(recipe: Recipe, specs: list[HostSpec], signal: str, ui: UI) -> None:
+    """`signal` to the training's process group on every node (the group run.sh recorded). STOP
+    spares the group's leader, run.sh's subshell: a job-control shell that sees its job stop goes
+    on as if it had ended (writes an exit status, closes the session)."""
+    pairs = open_group(recipe, specs, ui)
+    with connected(pairs) as remotes:
+        for remote in remotes.values():
+            pgid = shlex.quote(remote.expand(f"~/.relaunch/{recipe.name}/pgid"))
+            send = (f'for p in $(pgrep -g "$g"); do [ "$p" = "$g" ] || kill -{signal} "$p"; done' if signal == "STOP"
+                    else f'kill -{signal} -- "-$g"')
+            remote.exec(f'read -r g rest 2>/dev/null < {pgid} && [ -n "$g" ] && {{ {send}; }} 2>/dev/null; true',
+                        deadline=30)
+
+
 def _interrupt(recipe: Recipe, specs: list[HostSpec], how: str, ui: UI) -> list[HostSpec]:
     """Kill the training on every node at once (a crash, a preemption without notice), or destroy
     the last node (a sandbox node only). Returns the nodes that survive."""
     if how == "kill":
+        # SIGKILL: the paused training can run no handler, save nothing more (a crash, a loss)
+        _signal(recipe, specs, "KILL", ui)
         pairs = open_group(recipe, specs, ui)
         with connected(pairs) as remotes:
             session = shlex.quote("=" + recipe.run.session)
@@ -238,9 +262,11 @@ def _interrupt(recipe: Recipe, specs: list[HostSpec], how: str, ui: UI) -> list[
         if not match:
             raise UsageError(f"--interrupt destroy needs a sandbox node; {victim} is not one",
                              "use --interrupt kill on rented instances")
+        if len(specs) == 1:
+            _signal(recipe, specs, "CONT", ui)
+            raise UsageError("--interrupt destroy needs a group: the last node is destroyed, the others evacuate")
         sb.destroy(match[0].name)
         ui.say(f"destroyed sandbox node {match[0].name} ({victim})")
-        if len(specs) == 1:
-            raise UsageError("--interrupt destroy needs a group: the last node is destroyed, the others evacuate")
+        _signal(recipe, specs[:-1], "CONT", ui)            # the survivors meet the loss running, as in life
         return specs[:-1]
     raise UsageError(f"unknown --interrupt {how!r}", "kill or destroy")
