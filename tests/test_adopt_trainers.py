@@ -189,6 +189,18 @@ def tree(ssh: SSH, inst: sb.Instance, session: str) -> list[int]:
     return sorted(out)
 
 
+def hold_after(ssh: SSH, inst: sb.Instance, session: str, log: str, step: int) -> list[int]:
+    """SIGSTOP every process below the pane of `session` as soon as `log` shows a step past `step`
+    (watched on the instance, every 50 ms, for at most 300 s); their pids."""
+    script = (
+        f"n=0; until awk '/^step [0-9]+ loss/ {{ if ($2 > {step}) f = 1 }} END {{ exit !f }}' {log} 2>/dev/null; do "
+        "n=$((n+1)); [ $n -gt 6000 ] && exit 1; sleep 0.05; done; "
+        f"todo=$(tmux list-panes -t ={session} -F '#{{pane_pid}}'); all=; "
+        "while [ -n \"$todo\" ]; do next=; for p in $todo; do next=\"$next $(pgrep -P $p)\"; done; "
+        "todo=$(echo $next); all=\"$all $todo\"; kill -STOP $todo 2>/dev/null; done; echo $all")
+    return sorted(int(pid) for pid in ssh(inst, script, timeout=330).stdout.split())
+
+
 def signal_all(ssh: SSH, inst: sb.Instance, signal: str, pids: list[int]) -> None:
     if pids:
         ssh(inst, f"kill -{signal} {' '.join(map(str, pids))} 2>/dev/null || true")
@@ -221,11 +233,10 @@ def test_a_trainer_run_started_by_hand_is_adopted_evacuated_and_resumed_elsewher
     try:
         start_by_hand(ssh, boxes, run)
         hand_log = f"{run.workdir}/train.log"
-        # the first save (step SAVE_EVERY) is whole once the next step ran
-        wait_for("the hand-started run's first save", lambda: max(metrics(log_of(ssh, first, hand_log)),
-                                                                  default=0) > SAVE_EVERY, timeout=300)
-        held = tree(ssh, first, run.name)
-        signal_all(ssh, first, "STOP", held)
+        # the first save (step SAVE_EVERY) is whole once the next step ran; held there, before the
+        # next save, by a loop on the instance (from here a loaded machine lets the run finish first)
+        held = hold_after(ssh, first, run.name, hand_log, SAVE_EVERY)
+        assert held and max(metrics(log_of(ssh, first, hand_log))) < STEPS
 
         # -- adopt: read-only --------------------------------------------------------------------------
         before = snapshot(ssh, first)
