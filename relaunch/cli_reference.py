@@ -16,7 +16,7 @@ from relaunch.cli import cli
 HEADER = """\
 # Command reference
 
-<!-- Generated from relaunch/cli.py: edit the commands, then run
+<!-- Generated from relaunch/cli/: edit the commands, then run
      `python -m relaunch.cli_reference > docs/cli.md`. A test fails when they differ. -->
 
 Every command and every option, as `relaunch COMMAND --help` prints them. What the commands do

@@ -1,0 +1,253 @@
+"""The commands that act on a run: up, plan, evacuate, sync, watch, status, freeze."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from ..errors import EvacuationError, UsageError
+from ..host.spec import HostSpec
+from ..ui import UI, redact
+from .common import cli, common, emit, load
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("hosts", nargs=-1, required=True)
+@click.option("--dry-run", is_flag=True, help="Show what would run, change nothing (same as `relaunch plan`).")
+@click.option("--accept-new-host-key", is_flag=True,
+              help="The address was reused by a new instance: forget its recorded host key and record the new one.")
+@click.option("--checkpoint", "checkpoint", metavar="NAME", default=None,
+              help="Resume from this checkpoint (a name in the store's manifest) instead of the newest.")
+@common
+def up(recipe: str, hosts: tuple[str, ...], dry_run: bool, accept_new_host_key: bool, checkpoint: str | None,
+       overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
+    """Bring fresh instance(s) back to training: connect, rebuild the env, restore the newest
+    complete checkpoint, start the command in tmux. HOST is ADDRESS, USER@ADDRESS or USER@ADDRESS:PORT,
+    or a Host alias from ~/.ssh/config."""
+    from .. import cycle
+
+    r = load(recipe, overrides)
+    specs = [HostSpec.parse(h) for h in hosts]
+    ui = UI(verbose=verbose)
+    results = cycle.up(r, specs, ui, dry_run=dry_run, accept_new_host_key=accept_new_host_key, checkpoint=checkpoint)
+    if dry_run:
+        show_plans(results, as_json)
+        return
+    emit(as_json, [res.as_dict() for res in results])
+
+
+def show_plans(results: list[Any], as_json: bool) -> None:
+    """`plan` and `up --dry-run`: the plan each host's executor would run, exactly."""
+    plans = [result.plan for result in results if result.plan is not None]
+    if as_json:
+        emit(True, [plan.as_dict() for plan in plans] if len(plans) != 1 else plans[0].as_dict())
+        return
+    for result in results:
+        if result.plan is None:
+            click.echo(f"# {result.host}: {result.status}; `up` would change nothing")
+        else:
+            click.echo(redact(result.plan.render()))
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("hosts", nargs=-1, required=True)
+@click.option("--checkpoint", "checkpoint", metavar="NAME", default=None,
+              help="Plan the resume from this checkpoint instead of the newest.")
+@common
+def plan(recipe: str, hosts: tuple[str, ...], checkpoint: str | None, overrides: tuple[str, ...], as_json: bool,
+         verbose: bool, yes: bool) -> None:
+    """What `up` would do on HOST (or a node group, node 0 first): the exact commands and rendered scripts,
+    changing nothing."""
+    from .. import cycle
+
+    r = load(recipe, overrides)
+    ui = UI(verbose=verbose)
+    show_plans(cycle.up(r, [HostSpec.parse(h) for h in hosts], ui, dry_run=True, checkpoint=checkpoint), as_json)
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("hosts", nargs=-1)
+@click.option("--stop", is_flag=True, help="First ask training to save and exit (run.stop), then evacuate.")
+@click.option("--allow-empty", is_flag=True,
+              help="Accept an instance with no complete checkpoint although training made progress (that "
+                   "progress is lost when it is destroyed).")
+@common
+def evacuate(recipe: str, hosts: tuple[str, ...], stop: bool, allow_empty: bool, overrides: tuple[str, ...],
+             as_json: bool, verbose: bool, yes: bool) -> None:
+    """Before destroying an instance: copy its checkpoints, env lock and log off it, verify every
+    byte, check that the store holds the newest one now, then say `safe to destroy` (exit 0). Any
+    failure, or training progress with no checkpoint to copy: exit 6, DO NOT destroy."""
+    from .. import cycle
+
+    r = load(recipe, overrides)
+    ui = UI(verbose=verbose)
+    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    spec = " ".join(map(str, specs))
+    report = cycle.evacuate(r, specs, ui, stop=stop, allow_empty=allow_empty)
+    newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint yet"
+    ui.say(f"store {report.store}: copied {len(report.copied)}, already there {len(report.already)}, "
+           f"newest on the instance: {newest}; {report.why}")
+    emit(as_json, report.as_dict())
+    if not report.safe:         # the verdict alone decides; nothing else may say "safe"
+        raise EvacuationError(f"{report.why}\nevacuation NOT verified: DO NOT destroy the instance")
+    ui.ok(f"safe to destroy {spec}")
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("hosts", nargs=-1)
+@click.option("--every", type=float, default=None, help="Seconds between rounds (default checkpoint.every).")
+@click.option("--once", is_flag=True, help="One round, then exit (0 verified, 6 not).")
+@common
+def sync(recipe: str, hosts: tuple[str, ...], every: float | None, once: bool, overrides: tuple[str, ...],
+         as_json: bool, verbose: bool, yes: bool) -> None:
+    """Copy new complete checkpoints off the instance while training runs, verified, round after
+    round (the same copy + verify as evacuate). One line per round; Ctrl-C stops cleanly."""
+    from .. import cycle
+    from ..sync import sync as sync_loop
+
+    r = load(recipe, overrides)
+    ui = UI(verbose=verbose)
+    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    rounds: list[dict[str, Any]] = []
+
+    def each_round(line: str) -> None:
+        # a round's report as it comes, on stderr with the progress; stdout gets one document
+        click.echo(line, err=True)
+        rounds.append(json.loads(line))
+        emit(as_json, rounds[-1] if once else {"rounds": rounds})
+
+    sync_loop(r, specs, ui, every if every is not None else r.checkpoint.every, once,
+              emit=each_round if as_json else None)
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("hosts", nargs=-1)
+@click.option("--take-over", is_flag=True,
+              help="Take the store from another watch whose lease is still fresh (one that is gone for good).")
+@common
+def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple[str, ...], as_json: bool,
+          verbose: bool, yes: bool) -> None:
+    """Everything `sync` does, plus: a look at every node's guard every guard.every seconds, never held
+    up by a copy; on a reclaim notice, the save after it is evacuated at once and whether it made the
+    deadline is said; when an instance is lost (recover.lost_after, and recover.alive if set), run
+    recover.command and `up` on the HOST it prints (a node group with recover.shrink goes on on the
+    nodes left and grows back), then watch that. One watch per recipe and store. One line per step
+    (--json: each event a JSON line on stderr as it comes; stdout gets one document at the end, how
+    the watch ended and every event). Ctrl-C stops the watch, never the training."""
+    from .. import cycle
+    from ..watch import watch as watch_loop
+
+    r = load(recipe, overrides)
+    ui = UI(verbose=verbose)
+    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    events: list[dict[str, Any]] = []
+
+    def each_event(line: str) -> None:
+        # each event as it comes, on stderr with the lines; stdout gets one document at the end
+        click.echo(line, err=True)
+        events.append(json.loads(line))
+
+    # the document a failure or Ctrl-C prints: the events so far (this very list), none before the first
+    emit(as_json, {"events": events})
+    outcome = watch_loop(r, specs, ui, emit=each_event if as_json else None, overrides=list(overrides),
+                         take_over=take_over)
+    emit(as_json, {**outcome.as_dict(), "events": events})
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("hosts", nargs=-1)
+@click.option("--lines", default=10, show_default=True, help="Log lines to show.")
+@common
+def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str, ...], as_json: bool,
+           verbose: bool, yes: bool) -> None:
+    """Is training alive, its last log lines, GPUs, newest checkpoint on the instance vs newest
+    verified in the store (the lag), free disk, env drift. Exit 0 alive, 4 not, 3 unreachable."""
+    from .. import cycle
+    from ..errors import EnvError
+    from ..status import group_status, render, render_group, status as get_status
+
+    r = load(recipe, overrides)
+    ui = UI(verbose=verbose)
+    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    if len(specs) > 1:
+        statuses = group_status(r, specs, ui, lines)
+        if as_json:
+            emit(True, [s.as_dict() for s in statuses])
+        else:
+            click.echo(render_group(statuses, r))
+        down = [s.host for s in statuses if not s.alive]
+        if down:
+            raise EnvError(f"training is not running on {', '.join(down)} (tmux session {r.run.session})",
+                           "`relaunch up RECIPE HOST...` starts the group again from the newest checkpoint")
+        return
+    result = get_status(r, specs[0], ui, lines)
+    if as_json:
+        emit(True, result.as_dict())
+    else:
+        click.echo(render(result, r))
+    if not result.alive:
+        raise EnvError(f"{result.host}: training is not running (tmux session {r.run.session})",
+                       "see the log lines above; `relaunch up` starts it again from the newest checkpoint")
+
+
+@cli.command()
+@click.argument("recipe")
+@click.argument("host", required=False)
+@common
+def freeze(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: bool, verbose: bool,
+           yes: bool) -> None:
+    """Write the instance venv's `pip freeze` into the recipe's lock file, and the package indexes
+    its pip and uv use into the recipe (env.index_url, env.extra_index_urls), showing the diffs first."""
+    from .. import cycle
+    from ..freeze import (index_change, instance_freeze, local_version_warning, lock_diff, lock_path, write_lock,
+                         write_text)
+
+    r = load(recipe, overrides)
+    ui = UI(verbose=verbose)
+    path = lock_path(r)
+    spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
+    new, found = instance_freeze(r, spec, ui)
+    old = path.read_text().splitlines() if path.exists() else []
+    diff = lock_diff(old, new, path)
+    change, warnings = index_change(r, found)
+    for text in warnings:
+        ui.warn(text)
+    warning = local_version_warning(r, new, change.index_url if change else None)
+    if warning:
+        ui.warn(warning)
+    indexes: dict[str, Any] = {"recipe": str(r.source), "changed": change is not None,
+                               "index_url": change.index_url if change else r.env.index_url,
+                               "extra_index_urls": change.extra if change else r.env.extra_index_urls,
+                               "found_on_instance": change.found.where if change else {}}
+    if not diff and change is None:
+        ui.say(f"{path} already matches the instance ({len(new)} packages), and the recipe names its indexes")
+        emit(as_json, {"lock": str(path), "changed": False, "packages": len(new), "indexes": indexes})
+        return
+    shown = [*diff, *(change.diff() if change else [])]
+    # on stderr with --json: stdout holds the one JSON document
+    click.echo(redact("\n".join(shown)), err=as_json)
+    if change is not None:
+        ui.say(f"the instance's indexes: {change.found.shown()}")
+    what = " and ".join(([f"{len(new)} packages to {path}"] if diff else []) +
+                        ([f"the indexes to {change.path}"] if change else []))
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UsageError(f"not writing {what} without a prompt", "rerun with --yes")
+        if not click.confirm(f"write {what}?", default=True, err=True):
+            raise UsageError("nothing written")
+    if diff:
+        write_lock(path, new)
+        ui.ok(f"wrote {path} ({len(new)} packages)")
+    if change is not None:
+        write_text(change.path, change.new)
+        ui.ok(f"wrote env.index_url / env.extra_index_urls in {change.path}")
+    emit(as_json, {"lock": str(path), "changed": bool(diff), "packages": len(new), "indexes": indexes})

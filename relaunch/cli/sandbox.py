@@ -1,0 +1,165 @@
+"""`relaunch sandbox`: local instances in network namespaces, shaped like the images people rent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .common import cli, emit
+
+
+@cli.group()
+def sandbox() -> None:
+    """Throwaway local instances (Linux, root): own address, real sshd, empty private disk; --image
+    reproduces a provider's stock image, and stop/start/pause/resume do what its provider does."""
+
+
+def _image_names() -> list[str]:
+    from ..sandbox.images import PROFILES
+
+    return list(PROFILES)
+
+
+@sandbox.command("create")
+@click.argument("name")
+@click.option("--image", type=click.Choice(_image_names()), default="default", show_default=True,
+              help="Reproduce a provider's stock image (see `relaunch sandbox images`); default: this machine as it "
+                   "is.")
+@click.option("--user", type=click.Choice(["root", "ubuntu"]), default=None,
+              help="The login user: root, or ubuntu with passwordless sudo (as on cloud images); default: root on the "
+                   "default image, and each other image has its own.")
+@click.option("--disk", default="4G", show_default=True, help="Size of the instance's private home (tmpfs).")
+@click.option("--volume", default="8G", show_default=True,
+              help="Size of the image's other disk (/workspace, /lambda/nfs/NAME, /opt/dlami/nvme; tmpfs).")
+@click.option("--rate", default=None, help="Shape the link, e.g. 100mbit (tc tbf).")
+@click.option("--key", "key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Public key to authorize (default: relaunch's sandbox key).")
+@click.option("--index", "index", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Serve this package index (a folder with simple/) inside the instance on 127.0.0.1:8765.")
+@click.option("--address", default=None,
+              help="This free address of the sandbox's range (one a destroyed instance had: providers reuse "
+                   "addresses); default: the next free one.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_create(name: str, image: str, user: str | None, disk: str, volume: str, rate: str | None,
+                   key: str | None, index: str | None, address: str | None, as_json: bool) -> None:
+    """Create instance NAME and print how to reach it."""
+    from .. import sandbox as sb
+
+    inst = sb.create(name, image=image, user=user, authorized_key=Path(key) if key else None, disk=disk,
+                     volume=volume, rate=rate, index_dir=Path(index) if index else None, address=address)
+    if as_json:
+        emit(True, {**inst.__dict__, "host": inst.host, "key": str(sb.default_key()) if key is None else None})
+        return
+    click.echo(f"{inst.name}: {inst.host}  host key {inst.host_key_fingerprint}"
+               + (f"  image {inst.image}" if inst.image != "default" else ""))
+    if key is None:
+        click.echo(f"  ssh key: {sb.default_key()}  (recipe: --set ssh.key={sb.default_key()})")
+    if inst.index_url:
+        click.echo(f"  package index inside the instance: {inst.index_url}")
+
+
+@sandbox.command("destroy")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_destroy(name: str, as_json: bool) -> None:
+    """Destroy instance NAME: its processes, disk, address and namespace."""
+    from .. import sandbox as sb
+
+    destroyed = sb.destroy(name)
+    if as_json:
+        emit(True, {"name": name, "destroyed": destroyed})
+        return
+    click.echo(f"{name}: {'destroyed' if destroyed else 'no such instance'}")
+
+
+@sandbox.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_list(as_json: bool) -> None:
+    """List the sandbox instances."""
+    from .. import sandbox as sb
+
+    instances = sb.list_instances()
+    if as_json:
+        emit(True, [{**i.__dict__, "host": i.host, "state": sb.state(i.name)} for i in instances])
+        return
+    for inst in instances:
+        click.echo(f"{inst.name:<14} {inst.host:<27} {inst.image:<13} {sb.state(inst.name):<8} "
+                   f"{inst.host_key_fingerprint}")
+
+
+@sandbox.command("images")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_images(as_json: bool) -> None:
+    """The image profiles `create --image` takes, and what each reproduces."""
+    from ..sandbox.images import PROFILES
+
+    if as_json:
+        emit(True, [{"name": i.name, "kind": i.kind, "user": i.user, "python": i.python,
+                     "home_survives_stop": i.home_survives_stop, "can_pause": i.can_pause,
+                     "stop_grace": i.stop_grace, "mapped_port": i.mapped_port,
+                     "volumes": [{"path": v.path, "survives_stop": v.survives_stop} for v in i.volumes],
+                     "summary": i.summary} for i in PROFILES.values()])
+        return
+    for image in PROFILES.values():
+        click.echo(f"{image.name:<13} {image.summary}")
+
+
+@sandbox.command("stop")
+@click.argument("name")
+@click.option("--grace", type=click.FloatRange(min=0), default=None,
+              help="Seconds from the stop's SIGTERM to the SIGKILL of everything left (default: the image's: "
+                   "runpod 5, vast 10, VMs 30, default 0).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_stop(name: str, grace: float | None, as_json: bool) -> None:
+    """Stop instance NAME as its provider does: what survives a stop stays, the rest is wiped."""
+    from .. import sandbox as sb
+
+    used = sb.stop(name, grace=grace)
+    if as_json:
+        emit(True, {"name": name, "state": "stopped", "grace": used})
+        return
+    click.echo(f"{name}: stopped")
+
+
+@sandbox.command("start")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_start(name: str, as_json: bool) -> None:
+    """Start a stopped instance NAME again: same address, host key, port and surviving disks."""
+    from .. import sandbox as sb
+
+    sb.start(name)
+    inst = sb.get(name)
+    if as_json:
+        emit(True, {**inst.__dict__, "host": inst.host, "state": "running"})
+        return
+    click.echo(f"{name}: running  {inst.host}")
+
+
+@sandbox.command("pause")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_pause(name: str, as_json: bool) -> None:
+    """Freeze every process of instance NAME, as Vast pauses an outbid instance (no signal)."""
+    from .. import sandbox as sb
+
+    sb.pause(name)
+    if as_json:
+        emit(True, {"name": name, "state": "paused"})
+        return
+    click.echo(f"{name}: paused")
+
+
+@sandbox.command("resume")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_resume(name: str, as_json: bool) -> None:
+    """Thaw a paused instance NAME: every process goes on where it was."""
+    from .. import sandbox as sb
+
+    sb.resume(name)
+    if as_json:
+        emit(True, {"name": name, "state": "running"})
+        return
+    click.echo(f"{name}: running")
