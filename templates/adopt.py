@@ -15,6 +15,9 @@
 # script. Wherever such a value appears (a command line, a tmux start command, an output line)
 # it is replaced by NUL NAME NUL; a file that holds one is not sent. Standard library only,
 # Python 3.6 and later.
+#
+# One file of one job (read-only facts), and long on purpose: it is sent alone, as `-c THIS`, to an
+# instance that has nothing of relaunch.
 import json
 import os
 import re

@@ -3,7 +3,10 @@
 An instance is a Linux network namespace `rl-<name>` joined to this machine by a veth pair, with a
 real OpenSSH sshd listening on its own address, an empty private home and a private /tmp.
 
-- `instance`: create, destroy, list_instances, get, run_in, set_link, set_silent, commands
+- `instance`: create (and boot), destroy
+- `records`: what is recorded of an instance (list_instances, get, state, the default key)
+- `processes`: the processes started for it, recorded with their start time; its PID 1
+- `console`: run_in, commands, set_link, set_silent (reaching into a running instance)
 - `images`: the image profiles (`create(image=...)`): the facts of a provider's stock image, as data
 - `boot`: what an instance is made of on this machine (disks, mount points, PATH layers, its PID 1)
   and the script that boots it
@@ -38,22 +41,10 @@ so several processes may create and destroy instances at once.
 
 from .images import PROFILES
 from .index import build_index
-from .instance import (
-    INDEX_PORT,
-    RUN_DIR,
-    Instance,
-    commands,
-    create,
-    default_key,
-    destroy,
-    get,
-    list_instances,
-    pid1,
-    run_in,
-    set_link,
-    set_silent,
-    state,
-)
+from .console import commands, run_in, set_link, set_silent
+from .instance import INDEX_PORT, create, destroy
+from .processes import pid1
+from .records import RUN_DIR, Instance, default_key, get, list_instances, state
 from .power import pause, resume, start, stop
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Sandbox instances: create, boot, destroy, list, get, run_in, set_link, commands.
+"""Sandbox instances: create (and boot), destroy. What is recorded of them is records.py's, the
+processes started for them processes.py's, reaching into a running one console.py's.
 
 An instance is a Linux network namespace `rl-<name>` joined to this machine by a veth pair, with a
 real OpenSSH sshd listening on its own address. sshd runs in a private mount namespace where the
@@ -20,7 +21,6 @@ home are masked there, /run is not.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shlex
@@ -30,7 +30,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Any
@@ -38,121 +38,19 @@ from typing import Any
 from relaunch.errors import RelaunchError, UsageError
 
 from . import boot, freezer, images, network, sshd, users
-from .boot import DEFAULT_PATH
-from .network import TOOLS, TOOLS_COMMAND_LOG, locked, netns_exists, require_tools, run, veths
+from .network import TOOLS, TOOLS_COMMAND_LOG, netns_exists, require_tools, run, veths
+from .processes import cmdline, kill_recorded, log_tail, netns_pids, process_state, reap, spawn, start_time
+from .records import RUN_DIR, Instance, check_name, default_key, folder_of, require_root, save_meta
 from .users import HOMES
 
-RUN_DIR = Path(os.path.abspath(os.environ.get("RELAUNCH_SANDBOX_DIR") or network.MACHINE_DIR))
 
-NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,12}")
 DISK_RE = re.compile(r"[1-9][0-9]*[kKmMgG]?")
 INDEX_PORT = 8765
 VOLUME_SIZE = "8G"  # an image's disk besides home (/workspace ...), unless create() is given another
 
-# Popen objects of the children this process started, so that destroy() can reap them instead
-# of leaving zombies behind in a long pytest session.
-_children: dict[str, list[subprocess.Popen[bytes]]] = {}
-
-
-@dataclass(frozen=True)
-class Instance:
-    name: str
-    address: str  # instance IPv4, reachable from this machine
-    user: str  # "root" | "ubuntu"
-    port: int  # 22; a container image's mapped port: 40000 + slot
-    home: str  # "/root" | "/home/ubuntu"
-    host_key_fingerprint: str  # "SHA256:..." of its ed25519 host key (as ssh-keygen -lf prints)
-    index_url: str | None  # "http://127.0.0.1:PORT/simple/" when an index is served inside it
-    image: str = "default"  # the profile (images.PROFILES) it reproduces
-
-    @property
-    def host(self) -> str:
-        return f"{self.user}@{self.address}:{self.port}"
-
 
 # ---------------------------------------------------------------------------------------------
 # small helpers
-
-
-def state_dir() -> Path:
-    """Where relaunch keeps its own state on this machine: $RELAUNCH_HOME or ~/.local/state/relaunch."""
-    env = os.environ.get("RELAUNCH_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".local" / "state" / "relaunch"
-
-
-def default_key() -> Path:
-    """The private key sandbox instances accept when create() is given none; made on first use."""
-    key = state_dir() / "id_ed25519"
-    if not key.exists():
-        require_tools(["ssh-keygen"])
-        key.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with locked(key.parent / ".key.lock"):
-            if not key.exists():
-                tmp = key.with_name(f".{key.name}.{os.getpid()}")
-                for p in (tmp, tmp.with_suffix(".pub")):
-                    p.unlink(missing_ok=True)
-                run(
-                    ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "relaunch-sandbox", "-f", str(tmp)]
-                )
-                # public half first: whoever sees the private key may rely on the .pub being there
-                os.replace(str(tmp) + ".pub", str(key) + ".pub")
-                os.replace(tmp, key)
-    key.chmod(0o600)
-    return key
-
-
-def _require_root() -> None:
-    if os.geteuid() != 0:
-        raise UsageError(
-            "sandbox instances need root (network namespaces, mounts, sshd)",
-            hint="run as root, e.g. with sudo",
-        )
-
-
-def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise UsageError(f"bad sandbox name {name!r}: use 1 to 12 of A-Z a-z 0-9 _ -")
-
-
-def _folder(name: str) -> Path:
-    return RUN_DIR / name
-
-
-def _start_time(pid: int) -> str | None:
-    """Kernel start time of a process: together with the pid it names one process, even after reuse."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) may contain spaces and parentheses: split after its last ")"
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _state(pid: int) -> str | None:
-    """The state letter of a process (R, S, D, Z ...), None if there is none."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _spawn(name: str, role: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """Start a background process in its own session and remember it in <state>/<role>.pid."""
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, close_fds=True
-        )
-    _children.setdefault(name, []).append(proc)
-    (_folder(name) / f"{role}.pid").write_text(f"{proc.pid} {_start_time(proc.pid) or ''}\n")
-    return proc
-
-
-def _log_tail(path: Path, lines: int = 10) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join("  | " + ln for ln in text.strip().splitlines()[-lines:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +105,7 @@ def create(
     that program's path as its command. Other subsystems are not supported on such an instance.
     address: this free address of the range (one a destroyed instance had), else the next free one.
     """
-    _check_name(name)
+    check_name(name)
     profile = images.profile(image)
     if user is None:
         user = profile.user
@@ -227,11 +125,11 @@ def create(
             raise UsageError(
                 f"no package index at {index_dir} (no simple/ folder)", hint="build it with build_index()"
             )
-    _require_root()
+    require_root()
     require_tools(list(TOOLS) + (list(TOOLS_COMMAND_LOG) if command_log else []))
     pubkey = _public_key(authorized_key)
 
-    folder = _folder(name)
+    folder = folder_of(name)
     boot.check_folder(folder, profile)
     with network.machine_lock():
         owner = network.claimed_dir(name)
@@ -330,11 +228,11 @@ def _boot(
             f"sleep {float(key_delay)}; mv -f {shlex.quote(str(folder))}/authorized_keys.pending "
             + shlex.quote(str(folder / "authorized_keys"))
         )
-        _spawn(name, "keys", ["sh", "-c", move], folder / "keys.log")
+        spawn(name, "keys", ["sh", "-c", move], folder / "keys.log")
     if rate is not None:
         network.shape(name, slot, rate)
     meta["index_url"] = _serve_index(name, meta)
-    _save(folder, meta)
+    save_meta(folder, meta)
     return Instance(**{k: meta[k] for k in Instance.__dataclass_fields__})
 
 
@@ -345,7 +243,7 @@ def _cgroup(meta: dict[str, Any]) -> freezer.Cgroup | None:
 def _boot_sshd(name: str, meta: dict[str, Any], boot_delay: float = 0.0) -> None:
     """Boot sshd (under the image's PID 1) in fresh namespaces; returns once it accepts TCP (at
     once with boot_delay). create() does this once, start() after every stop."""
-    folder = _folder(name)
+    folder = folder_of(name)
     image = images.profile(meta.get("image", "default"))
     ids = (meta["ids"][0], meta["ids"][1]) if meta.get("ids") else None
     sizes = {"home": meta["disk"], "volume": meta.get("volume", VOLUME_SIZE)}
@@ -358,9 +256,9 @@ def _boot_sshd(name: str, meta: dict[str, Any], boot_delay: float = 0.0) -> None
     if boot_delay > 0:
         # like a booting VM: the address answers (refusing connections) before sshd is there
         delayed = f"sleep {float(boot_delay)}; exec {shlex.join(sshd_argv)}"
-        _spawn(name, "boot", ["sh", "-c", delayed], folder / "sshd.log")
+        spawn(name, "boot", ["sh", "-c", delayed], folder / "sshd.log")
     else:
-        proc = _spawn(name, "boot", sshd_argv, folder / "sshd.log")
+        proc = spawn(name, "boot", sshd_argv, folder / "sshd.log")
         _wait_for_sshd(name, meta["address"], int(meta["port"]), proc, folder / "sshd.log")
 
 
@@ -368,12 +266,12 @@ def _serve_index(name: str, meta: dict[str, Any]) -> str | None:
     """Serve the instance's package index (if it has one) inside it; its URL there."""
     if not meta.get("index_dir"):
         return None
-    folder = _folder(name)
+    folder = folder_of(name)
     server = [
         "ip", "netns", "exec", network.netns(name), sys.executable, "-m", "http.server", str(INDEX_PORT),
         "--bind", "127.0.0.1", "--directory", meta["index_dir"],
     ]  # fmt: skip
-    _spawn(name, "index", _in_cgroup(_cgroup(meta), server), folder / "index.log")
+    spawn(name, "index", _in_cgroup(_cgroup(meta), server), folder / "index.log")
     _wait_for_index(name, folder / "index.log")
     return f"http://127.0.0.1:{INDEX_PORT}/simple/"
 
@@ -386,17 +284,6 @@ def _in_cgroup(cgroup: freezer.Cgroup | None, argv: list[str]) -> list[str]:
     return ["sh", "-c", enter, "sh", *argv]
 
 
-def _save(folder: Path, meta: dict[str, Any]) -> None:
-    tmp = folder / "instance.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, folder / "instance.json")
-
-
-def _meta(name: str) -> dict[str, Any]:
-    get(name)
-    return json.loads((_folder(name) / "instance.json").read_text())  # type: ignore[no-any-return]
-
-
 def _wait_for_sshd(
     name: str, address: str, port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 20
 ) -> None:
@@ -404,14 +291,14 @@ def _wait_for_sshd(
     while True:
         if proc.poll() is not None:
             raise RelaunchError(
-                f"sandbox {name}: sshd exited (status {proc.returncode}) at start\n{_log_tail(log)}"
+                f"sandbox {name}: sshd exited (status {proc.returncode}) at start\n{log_tail(log)}"
             )
         with contextlib.suppress(OSError):
             socket.create_connection((address, port), timeout=0.5).close()
             return
         if time.monotonic() > deadline:
             raise RelaunchError(
-                f"sandbox {name}: sshd did not accept connections within {timeout:g}s\n{_log_tail(log)}"
+                f"sandbox {name}: sshd did not accept connections within {timeout:g}s\n{log_tail(log)}"
             )
         time.sleep(0.05)
 
@@ -432,66 +319,32 @@ def _wait_for_index(name: str, log: Path, timeout: float = 20) -> None:
         ["ip", "netns", "exec", network.netns(name), sys.executable, "-c", probe], capture_output=True
     )
     if proc.returncode != 0:
-        raise RelaunchError(f"sandbox {name}: the package index server did not start\n{_log_tail(log)}")
+        raise RelaunchError(f"sandbox {name}: the package index server did not start\n{log_tail(log)}")
 
 
 # ---------------------------------------------------------------------------------------------
 # destroy, list, get, run_in, set_link
 
 
-def _kill_recorded(folder: Path) -> None:
-    """Kill the processes recorded in <state>/*.pid (delayed starters live outside the netns)."""
-    for pid_file in folder.glob("*.pid"):
-        try:
-            fields = pid_file.read_text().split()
-            pid = int(fields[0])
-        except (OSError, ValueError, IndexError):
-            continue
-        # only the process we started (same pid *and* start time), never a later reuse of the pid
-        if pid_file.name != "sshd.pid" and (len(fields) < 2 or _start_time(pid) != fields[1]):
-            continue
-        if pid_file.name == "sshd.pid" and f"{folder}/".encode() not in _cmdline(pid):
-            continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, signal.SIGKILL)
-            else:
-                os.kill(pid, signal.SIGKILL)
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:
-        return b""
-
-
-def _netns_pids(name: str) -> list[int]:
-    if not netns_exists(name):
-        return []
-    proc = subprocess.run(["ip", "netns", "pids", network.netns(name)], capture_output=True, text=True)
-    return [int(p) for p in proc.stdout.split() if p.isdigit() and int(p) != os.getpid()]
-
-
 def _kill_all(name: str) -> None:
     """SIGKILL every process of the instance: the recorded ones (delayed starters live outside the
     netns), then everything in its netns (sshd, the image's PID 1 and every process under it,
     tmux servers, trainers, nohup'd jobs: `ip netns pids` sees into nested PID namespaces)."""
-    folder = _folder(name)
+    folder = folder_of(name)
     for cgroup in freezer.of(name):
         if cgroup.frozen():
             cgroup.freeze(False)  # a frozen process does not die until thawed
     # who is there before anything is killed: killing the boot process group or a PID 1 kills others
-    killed: dict[int, str | None] = {pid: _start_time(pid) for pid in _netns_pids(name)}
+    killed: dict[int, str | None] = {pid: start_time(pid) for pid in netns_pids(name)}
     if folder.exists():
-        _kill_recorded(folder)
+        kill_recorded(folder)
     deadline = time.monotonic() + 10
-    while pids := _netns_pids(name):
+    while pids := netns_pids(name):
         for pid in pids:
-            killed.setdefault(pid, _start_time(pid))
+            killed.setdefault(pid, start_time(pid))
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        _reap(name)
+        reap(name)
         if time.monotonic() > deadline:
             raise RelaunchError(f"sandbox {name}: processes {pids} survived SIGKILL")
         time.sleep(0.02)
@@ -499,13 +352,13 @@ def _kill_all(name: str) -> None:
     # files: its listening socket still accepts for a moment. Gone means a zombie, or no process.
     deadline = time.monotonic() + 30
     while left := [pid for pid, start in killed.items()
-                   if start is not None and _start_time(pid) == start and _state(pid) not in (None, "Z")]:
-        _reap(name)
+                   if start is not None and start_time(pid) == start and process_state(pid) not in (None, "Z")]:
+        reap(name)
         if time.monotonic() > deadline:
             raise RelaunchError(f"sandbox {name}: processes did not exit 30s after SIGKILL: "
-                                + "; ".join(f"{pid} ({_state(pid)}) {_cmdline(pid)[:60]!r}" for pid in left))
+                                + "; ".join(f"{pid} ({process_state(pid)}) {cmdline(pid)[:60]!r}" for pid in left))
         time.sleep(0.02)
-    _reap(name, wait=True)
+    reap(name, wait=True)
     for pid_file in folder.glob("*.pid"):
         pid_file.unlink()
 
@@ -518,15 +371,15 @@ def destroy(name: str) -> bool:
 
     Idempotent; works on half-created instances. Returns True if anything existed.
     """
-    _check_name(name)
-    _require_root()
+    check_name(name)
+    require_root()
     owner = network.claimed_dir(name)
     if owner not in (None, RUN_DIR):
         raise UsageError(
             f"sandbox {name!r} is in the sandbox dir {owner}",
             hint=f"RELAUNCH_SANDBOX_DIR={owner} relaunch sandbox destroy {name}",
         )
-    folder = _folder(name)
+    folder = folder_of(name)
     slot: int | None = None
     with contextlib.suppress(OSError, ValueError):
         slot = int((folder / "slot").read_text())
@@ -559,140 +412,3 @@ def _mount_points_needed() -> set[str]:
     return needed
 
 
-def _reap(name: str, wait: bool = False) -> None:
-    """Collect exit statuses of children this process started for `name` (no zombies)."""
-    for proc in _children.get(name, []):
-        if wait:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        else:
-            proc.poll()
-    if wait:
-        _children.pop(name, None)
-
-
-def _load(folder: Path) -> Instance | None:
-    try:
-        meta = json.loads((folder / "instance.json").read_text())
-        return Instance(
-            name=meta["name"],
-            address=meta["address"],
-            user=meta["user"],
-            port=int(meta["port"]),
-            home=meta["home"],
-            host_key_fingerprint=meta["host_key_fingerprint"],
-            index_url=meta.get("index_url"),
-            image=meta.get("image", "default"),
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def list_instances() -> list[Instance]:
-    """Every instance created (by any process) and not yet destroyed, by name."""
-    if not RUN_DIR.is_dir():
-        return []
-    found = (_load(d) for d in sorted(RUN_DIR.iterdir()) if d.is_dir())
-    return [inst for inst in found if inst is not None]
-
-
-def get(name: str) -> Instance:
-    _check_name(name)
-    inst = _load(_folder(name))
-    if inst is None:
-        raise UsageError(f"no sandbox named {name!r}", hint="relaunch sandbox list")
-    return inst
-
-
-def state(name: str) -> str:
-    """running, stopped or paused."""
-    return str(_meta(name).get("state", "running"))
-
-
-def _recorded_pid(folder: Path, role: str) -> int | None:
-    """The process recorded in <folder>/<role>.pid, if it is still the one recorded."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        pid, start = (folder / f"{role}.pid").read_text().split()[:2]
-        if _start_time(int(pid)) == start:
-            return int(pid)
-    return None
-
-
-def pid1(name: str) -> int | None:
-    """This machine's PID of the instance's PID 1 (an image with a PID namespace of its own), or
-    None while it is not running: the only child of the boot process (`unshare -f`)."""
-    boot_pid = _recorded_pid(_folder(name), "boot")
-    if boot_pid is None:
-        return None
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        child = int(Path(f"/proc/{boot_pid}/task/{boot_pid}/children").read_text().split()[0])
-        # (not a delayed boot's `sleep`): PID 1 of a namespace below this one
-        nspid = next(ln for ln in Path(f"/proc/{child}/status").read_text().splitlines() if ln.startswith("NSpid:"))
-        if nspid.split()[1:] == [str(child), "1"]:
-            return child
-    return None
-
-
-def _anchor_pid(name: str) -> int:
-    """A process in every namespace of the instance, to enter them by: its PID 1, else sshd."""
-    folder = _folder(name)
-    if get(name).image != "default":
-        pid = pid1(name)
-        if pid is not None:
-            return pid
-    else:
-        with contextlib.suppress(OSError, ValueError):
-            pid = int((folder / "sshd.pid").read_text().split()[0])
-            if f"{folder}/".encode() in _cmdline(pid):
-                return pid
-    raise UsageError(f"sandbox {name!r} is not running (sshd not started yet, stopped, or gone)")
-
-
-def run_in(name: str, argv: list[str], **kw: object) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
-    """Run argv inside the instance (its network, mount and PID namespaces) as root, like a console.
-
-    Keyword arguments go to subprocess.run (capture_output, text, check, input, timeout ...).
-    The environment is a clean one like an ssh session's unless `env` is given.
-    """
-    inst = get(name)
-    pid = _anchor_pid(name)
-    kw.setdefault("env", {"PATH": DEFAULT_PATH, "HOME": "/root", "USER": "root", "LANG": "C.UTF-8"})
-    kw.setdefault("cwd", "/")
-    spaces = ["-n", "-m"] + (["-p"] if inst.image != "default" else [])
-    return subprocess.run(["nsenter", "-t", str(pid), *spaces, "--", *argv], **kw)  # type: ignore[call-overload]
-
-
-def commands(name: str) -> list[str]:
-    """The commands instance `name` was asked to run over ssh, in the order they arrived, byte for
-    byte (bytes that are not UTF-8 come back as surrogate escapes). Needs create(command_log=True)."""
-    get(name)
-    try:
-        data = (_folder(name) / sshd.COMMAND_LOG).read_bytes()
-    except FileNotFoundError:
-        raise UsageError(
-            f"sandbox {name!r} does not log commands", hint="create it with command_log=True"
-        ) from None
-    # every command ends with a NUL byte; a command being appended right now has none yet
-    return [c.decode("utf-8", "surrogateescape") for c in data.split(b"\0")[:-1]]
-
-
-def set_link(name: str, up: bool) -> None:
-    """Take the instance's link down (an outage: packets vanish, connections time out) or up again."""
-    inst = get(name)
-    meta = _meta(name)
-    network.set_link_state(name, int(meta["slot"]), up, IPv4Network(meta["range"]) if meta.get("range") else None)
-    if up and meta.get("state", "running") == "running":
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                socket.create_connection((inst.address, inst.port), timeout=0.5).close()
-                return
-            time.sleep(0.1)
-        raise RelaunchError(f"sandbox {name}: sshd not reachable 20s after the link came back up")
-
-
-def set_silent(name: str, silent: bool) -> None:
-    """Drop every packet to and from the instance without a word (a machine that lost power:
-    nothing answers, nothing is refused), or let them pass again. Its processes go on."""
-    meta = _meta(name)
-    network.set_silent(name, int(meta["slot"]), silent, meta.get("rate"))

@@ -20,24 +20,14 @@ from typing import Any
 from relaunch.errors import UsageError
 
 from . import freezer, images
-from .instance import (
-    _boot_sshd,
-    _cgroup,
-    _folder,
-    _kill_all,
-    _meta,
-    _netns_pids,
-    _require_root,
-    _save,
-    _serve_index,
-    _state,
-    pid1,
-)
+from .instance import _boot_sshd, _cgroup, _kill_all, _serve_index
+from .processes import netns_pids, pid1, process_state
+from .records import folder_of, meta_of, require_root, save_meta
 
 
 def _in_state(name: str, wanted: str, verb: str) -> dict[str, Any]:
-    _require_root()
-    meta = _meta(name)
+    require_root()
+    meta = meta_of(name)
     now = meta.get("state", "running")
     if now != wanted:
         hint = {"stopped": f"relaunch sandbox start {name}", "paused": f"relaunch sandbox resume {name}"}.get(now)
@@ -50,10 +40,10 @@ def stop(name: str, grace: float | None = None) -> float:
     SIGTERM and the SIGKILL to everything left)."""
     if grace is not None and (not isinstance(grace, (int, float)) or grace < 0):
         raise UsageError(f"bad grace {grace!r}: use a number of seconds >= 0")
-    meta = _meta(name)
+    meta = meta_of(name)
     if meta.get("state") == "paused":  # stopping a paused instance: thawed first, then stopped
         resume(name)
-        meta = _meta(name)
+        meta = meta_of(name)
     meta = _in_state(name, "running", "stop")
     image = images.profile(str(meta.get("image", "default")))
     grace = image.stop_grace if grace is None else float(grace)
@@ -63,28 +53,28 @@ def stop(name: str, grace: float | None = None) -> float:
             os.kill(first, signal.SIGTERM)
         # a VM's init exits once its processes are gone; a container's PID 1 never heard it
         deadline = time.monotonic() + grace
-        while _state(first) not in (None, "Z") and time.monotonic() < deadline:
+        while process_state(first) not in (None, "Z") and time.monotonic() < deadline:
             time.sleep(0.05)
     _kill_all(name)
-    _save(_folder(name), {**meta, "state": "stopped", "index_url": meta.get("index_url")})
+    save_meta(folder_of(name), {**meta, "state": "stopped", "index_url": meta.get("index_url")})
     return grace
 
 
 def start(name: str) -> None:
     """Boot a stopped instance again: fresh namespaces, the same address, host key, port and kept disks."""
     meta = _in_state(name, "stopped", "start")
-    folder = _folder(name)
-    if _netns_pids(name):
+    folder = folder_of(name)
+    if netns_pids(name):
         _kill_all(name)  # (a stop leaves none; a process someone started into the netns since)
     pending = folder / "authorized_keys.pending"
     if pending.exists():  # stopped before the delayed key arrived: it is there now
         os.replace(pending, folder / "authorized_keys")
     _boot_sshd(name, meta)
-    _save(folder, {**meta, "index_url": _serve_index(name, meta), "state": "running"})
+    save_meta(folder, {**meta, "index_url": _serve_index(name, meta), "state": "running"})
 
 
 def _freezable(name: str, verb: str, wanted: str) -> tuple[dict[str, Any], freezer.Cgroup]:
-    meta = _meta(name)
+    meta = meta_of(name)
     image = images.profile(str(meta.get("image", "default")))
     cgroup = _cgroup(meta)
     if not image.can_pause or cgroup is None:
@@ -99,11 +89,11 @@ def pause(name: str) -> None:
     """Freeze every process of the instance (an outbid Vast instance): no signal, sshd silent."""
     meta, cgroup = _freezable(name, "pause", "running")
     cgroup.freeze(True)
-    _save(_folder(name), {**meta, "state": "paused"})
+    save_meta(folder_of(name), {**meta, "state": "paused"})
 
 
 def resume(name: str) -> None:
     """Thaw a paused instance: every process goes on where it was, same PIDs."""
     meta, cgroup = _freezable(name, "resume", "paused")
     cgroup.freeze(False)
-    _save(_folder(name), {**meta, "state": "running"})
+    save_meta(folder_of(name), {**meta, "state": "running"})
