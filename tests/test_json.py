@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from e2e import plain_recipe, run_cli, wait_for
 from test_faults import plant
 
@@ -24,30 +25,34 @@ def one_document(out: subprocess.CompletedProcess[str]) -> Any:
     return doc
 
 
-def test_commands_without_a_host_print_one_document(tmp_path: Path) -> None:
+# (arguments, exit code); {recipe} is a recipe whose ssh.key names no file, {bad} one that fails check
+WITHOUT_A_HOST = [
+    (["check", "{recipe}"], 2),                       # ssh.key names a file that does not exist
+    (["check", "{recipe}", "--set", "ssh.key="], 0),
+    (["check", "{bad}"], 2),
+    (["init", "{new}", "--provider", "runpod"], 0),
+    (["init", "{recipe}"], 2),                        # exists: never overwritten
+    (["providers"], 0),
+    (["interval", "--step-time", "1s", "--save-time", "30s", "--mtbi", "6h"], 0),
+    (["interval", "--step-time", "soon"], 2),
+    (["sandbox", "list"], 0),
+    (["up", "{bad}", "203.0.113.9"], 2),
+    (["watch", "{bad}"], 2),
+    (["status", "{recipe}", "127.0.0.1:1", "--set", "ssh.key=", "--set", "ssh.wait=0"], 3),
+    (["evacuate", "{recipe}", "127.0.0.1:1", "--set", "ssh.key=", "--set", "ssh.wait=0"], 6),
+]
+
+
+@pytest.mark.parametrize("args,code", WITHOUT_A_HOST, ids=[" ".join(a[:2]) + f" -> {c}" for a, c in WITHOUT_A_HOST])
+def test_commands_without_a_host_print_one_document(args: list[str], code: int, tmp_path: Path) -> None:
     home = tmp_path / "state"
     recipe = plain_recipe(tmp_path / "work", name="docs", key=tmp_path / "none")
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: b\nenv: {python: 3.10}\n")
-    cases = [
-        (["check", str(recipe)], 2),                       # ssh.key names a file that does not exist
-        (["check", str(recipe), "--set", "ssh.key="], 0),
-        (["check", str(bad)], 2),
-        (["init", str(tmp_path / "new.yaml"), "--provider", "runpod"], 0),
-        (["init", str(tmp_path / "new.yaml")], 2),          # exists: never overwritten
-        (["providers"], 0),
-        (["interval", "--step-time", "1s", "--save-time", "30s", "--mtbi", "6h"], 0),
-        (["interval", "--step-time", "soon"], 2),
-        (["sandbox", "list"], 0),
-        (["up", str(bad), "203.0.113.9"], 2),
-        (["watch", str(bad)], 2),
-        (["status", str(recipe), "127.0.0.1:1", "--set", "ssh.key=", "--set", "ssh.wait=0"], 3),
-        (["evacuate", str(recipe), "127.0.0.1:1", "--set", "ssh.key=", "--set", "ssh.wait=0"], 6),
-    ]
-    for args, code in cases:
-        out = run_cli(*args, "--json", home=home, timeout=120)
-        assert out.returncode == code, (args, out.stderr)
-        one_document(out)
+    args = [a.format(recipe=recipe, bad=bad, new=tmp_path / "new.yaml") for a in args]
+    out = run_cli(*args, "--json", home=home, timeout=120)
+    assert out.returncode == code, (args, out.stderr)
+    one_document(out)
 
 
 def test_commands_on_an_instance_print_one_document_on_each_exit(tmp_path, sandbox, ssh, ssh_key):

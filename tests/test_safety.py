@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -103,7 +102,9 @@ def test_instance_vanishing_mid_evacuate_exits_6_and_trusts_nothing_partial(tmp_
         wait_for("the copy to be under way", lambda: any(
             p.is_file() or p.name.startswith(".") for p in (store / ".relaunch" / "partial").rglob("*")), timeout=60,
             every=0.1)
-        time.sleep(1)
+        partial = store / ".relaunch" / "partial"
+        wait_for("half a megabyte copied", lambda: sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+                 >= 500_000, timeout=60, every=0.1)
         sb.destroy(inst.name)                     # preempted mid-copy
         out, err = proc.communicate(timeout=240)
     finally:

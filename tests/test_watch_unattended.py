@@ -78,6 +78,20 @@ def steps_on(ssh, inst: sb.Instance, name: str) -> int:
     return int(lines[-1].split()[1]) if lines else 0
 
 
+def steps_inside(inst: sb.Instance, name: str) -> int:
+    """steps_on, read from inside the instance (sb.run_in): works while its link is down."""
+    out = sb.run_in(inst.name, ["sh", "-c", f"cat {inst.home}/{name}.log 2>/dev/null || true"], capture_output=True,
+                    text=True, timeout=30).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    return int(lines[-1].split()[1]) if lines else 0
+
+
+def failed_children(home: Path) -> int:
+    """Commands that ended in an error, by the debug log they share (each writes `relaunch DEBUG error`)."""
+    log = home / "debug.log"
+    return log.read_text(errors="replace").count(" relaunch DEBUG error\n") if log.exists() else 0
+
+
 def sandbox_env(key: Path, index: Path | None = None) -> dict[str, str]:
     """What examples/pytorch/rent-sandbox.sh needs to rent a sandbox instance, as a user has it."""
     env = {"RELAUNCH_SANDBOX_KEY": f"{key}.pub", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -273,7 +287,9 @@ def test_this_machines_outage_longer_than_lost_after_rents_nothing_when_the_prov
         sb.set_link(inst.name, up=False)
         wait_for("recover.alive's answer", lambda: "recover.alive says the provider still runs" in err_of(tmp_path),
                  timeout=60)
-        time.sleep(12)                                            # three times lost_after, still not lost
+        # three times lost_after (a step is at least 0.1 s), still not lost: read inside the instance
+        wait_for("120 steps trained through the outage", lambda: steps_inside(inst, "outage") >= before + 120,
+                 timeout=120)
         sb.set_link(inst.name, up=True)
         wait_for("the watch to hear from it again", lambda: "answers again" in err_of(tmp_path), timeout=60)
         rounds = sum(e["event"] == "round" for e in events(tmp_path))
@@ -447,9 +463,11 @@ def test_a_store_that_fails_once_is_tried_again_and_one_that_refuses_ends_the_wa
         with watching(recipe, home, tmp_path, env=env) as watch:
             wait_for("a checkpoint copied", lambda: any(e["event"] == "round" and e["copied"]
                                                         for e in events(tmp_path)), timeout=120)
+            failed_before = failed_children(home)
             _stop(server)
             wait_for("the failure said", lambda: "sync round failed" in err_of(tmp_path), timeout=120)
-            time.sleep(8)                                         # a few more tries fail while it is away
+            # a few more tries fail while it is away (each round's child logs its error)
+            wait_for("two more failed tries", lambda: failed_children(home) >= failed_before + 3, timeout=120)
             server = _serve_s3(served, port, keys, log)
             wait_for("the rounds to work again", lambda: "sync rounds work again after" in err_of(tmp_path),
                      timeout=300)
@@ -487,7 +505,7 @@ def test_a_rebalance_recommendation_copies_at_once_and_training_goes_on(tmp_path
             metadata.recommend_rebalance()
             wait_for("a round after the recommendation", lambda: [e["event"] for e in events(tmp_path)].count("round")
                      >= 2, timeout=60)
-            time.sleep(3)
+            wait_for("the watch to say training goes on", lambda: "training goes on" in err_of(tmp_path), timeout=60)
             watch.send_signal(signal.SIGINT)
             watch.wait(timeout=60)
     err = err_of(tmp_path)
