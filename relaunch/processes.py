@@ -37,8 +37,13 @@ _DIE_WITH_US = (["setpriv", "--pdeathsig", "TERM", "--"]
                 if sys.platform.startswith("linux") and shutil.which("setpriv") else [])
 
 
+def interrupted() -> bool:
+    """Ctrl-C (or SIGTERM) was pressed, and this is not the last act it asks for (despite_cancel)."""
+    return CANCEL.is_set() and not _AFTER_CANCEL.get()
+
+
 def check_cancel() -> None:
-    if CANCEL.is_set() and not _AFTER_CANCEL.get():
+    if interrupted():
         raise Interrupted("interrupted")
 
 

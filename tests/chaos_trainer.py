@@ -27,6 +27,8 @@ def content(step: int) -> bytes:
 
 
 def main() -> None:
+    if os.environ.get("CHAOS_OWN_SESSION"):
+        os.setsid()              # as torchrun's workers do: out of the group relaunch recorded
     out = Path.home() / "ckpt"
     out.mkdir(exist_ok=True)
     resume = sys.argv[1] if len(sys.argv) > 1 else ""

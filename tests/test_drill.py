@@ -1,15 +1,18 @@
 """`relaunch drill` by hand on one node, against a training that saves often: a save lands
 between any look at the log and the kill that follows it. The drill decides on a paused world
 (the training's process group stopped, a last copy-off round, the log read again), so the
-checkpoint it resumes from always has steps after it that were run before the interruption."""
+checkpoint it resumes from always has steps after it that were run before the interruption. The
+trainer leaves the process group relaunch recorded, as torchrun's workers do: the drill pauses and
+kills by the process tree."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
-from e2e import plain_recipe, run_cli
+from e2e import plain_recipe, run_cli, start_cli, wait_for
 
 TRAINER = Path(__file__).with_name("chaos_trainer.py")
 
@@ -19,7 +22,7 @@ def test_drill_compares_steps_run_twice_though_saves_come_every_half_second(tmp_
     shutil.copy(TRAINER, tmp_path / "chaos_trainer.py")
     recipe = plain_recipe(tmp_path, name="drilled", key=ssh_key, command='python ~/chaos_trainer.py "{{ checkpoint }}"',
                           env={"files": {"chaos_trainer.py": "~/chaos_trainer.py"},
-                               "vars": {"CHAOS_EVERY": "10", "CHAOS_TICK": "0.05"}},
+                               "vars": {"CHAOS_EVERY": "10", "CHAOS_TICK": "0.05", "CHAOS_OWN_SESSION": "1"}},
                           checkpoint={"keep": 3})
     drill = run_cli("drill", str(recipe), inst.host, "--past", "3", "--json", home=home, timeout=600)
     assert drill.returncode == 0, drill.stderr
@@ -33,3 +36,28 @@ def test_drill_compares_steps_run_twice_though_saves_come_every_half_second(tmp_
     assert starts[0] == "fresh" and starts[-1].startswith(f"resumed {result['checkpoint']} "), starts
     assert int(starts[-1].split()[-1]) == result["resumed_at"]
     assert (tmp_path / "store" / result["checkpoint"]).is_file()
+
+
+def test_ctrl_c_while_the_drill_holds_training_paused_lets_it_train_on(tmp_path, sandbox, ssh, ssh_key):
+    home, inst = tmp_path / "state", sandbox()
+    shutil.copy(TRAINER, tmp_path / "chaos_trainer.py")
+    recipe = plain_recipe(tmp_path, name="held", key=ssh_key, command='python ~/chaos_trainer.py "{{ checkpoint }}"',
+                          env={"files": {"chaos_trainer.py": "~/chaos_trainer.py"},
+                               "vars": {"CHAOS_EVERY": "10", "CHAOS_TICK": "0.05", "CHAOS_OWN_SESSION": "1"}},
+                          checkpoint={"keep": 3})
+    drill = start_cli("drill", str(recipe), inst.host, "--past", "3", home=home, err=tmp_path / "drill.err")
+    try:
+        # this instance's trainer (the default image shares the PID namespace: by network namespace)
+        state = "$(sed 's/.*) //' /proc/$p/stat | cut -d' ' -f1)"
+        ssh(inst, "me=$(readlink /proc/self/ns/net); n=0; until for p in $(pgrep -f '[c]haos_trainer.py'); do "
+                  f"[ \"$(readlink /proc/$p/ns/net)\" = \"$me\" ] && [ \"{state}\" = T ] && exit 0; done; false; "
+                  "do n=$((n+1)); [ $n -gt 6000 ] && exit 1; sleep 0.05; done", timeout=330)
+        drill.send_signal(signal.SIGINT)
+        drill.wait(timeout=120)
+    finally:
+        drill.kill()
+    assert drill.returncode == 130, (tmp_path / "drill.err").read_text()
+    steps = int(ssh(inst, "grep -c '^step ' ~/held.log").stdout)
+    wait_for("the training to run on", lambda: int(ssh(inst, "grep -c '^step ' ~/held.log").stdout) > steps + 10,
+             timeout=60)
+    assert ssh(inst, "tmux has-session -t =held", check=False).returncode == 0

@@ -171,14 +171,26 @@ def run_drill(recipe: Recipe, specs: list[HostSpec], ui: UI, resume_on: list[Hos
     # The decision is taken on a frozen world: training paused on every node, a last round copies
     # what it saved, the log is read again. A save that lands between a look and the kill would
     # otherwise leave no step run both before and after (nothing to compare).
+    until = time.monotonic() + deadline
     while True:
+        if time.monotonic() > until:
+            raise CheckpointError(f"drill: training was never seen {past} steps past a copied checkpoint while paused, "
+                                  f"within {deadline:g}s",
+                                  "a save every step leaves no step to lose (raise the interval, or lower --past); "
+                                  "the training goes on: `relaunch status` shows it")
         sync_round(recipe, specs, UI(quiet=True))
         before = watch.until("a checkpoint and a few steps after it", lambda f: bool(f), deadline)
         if saved_then_more(before):
             _signal(recipe, specs, "STOP", ui)
-            sync_round(recipe, specs, UI(quiet=True))
-            before = watch.until("the log of the paused training", lambda f: True, deadline)
-            if saved_then_more(before):
+            try:
+                sync_round(recipe, specs, UI(quiet=True))
+                before = watch.until("the log of the paused training", lambda f: True, deadline)
+                paused_past = saved_then_more(before)
+            except BaseException:
+                with processes.despite_cancel(60):          # never leave training paused (Ctrl-C, a failure)
+                    _signal(recipe, specs, "CONT", ui)
+                raise
+            if paused_past:
                 break
             _signal(recipe, specs, "CONT", ui)
         processes.sleep(LOOK_EVERY)
@@ -229,17 +241,20 @@ def run_drill(recipe: Recipe, specs: list[HostSpec], ui: UI, resume_on: list[Hos
 
 
 def _signal(recipe: Recipe, specs: list[HostSpec], signal: str, ui: UI) -> None:
-    """`signal` to the training's process group on every node (the group run.sh recorded). STOP
-    spares the group's leader, run.sh's subshell: a job-control shell that sees its job stop goes
+    """`signal` to every process below the training's group leader on every node (run.sh's
+    subshell, from its pgid file), by parent: torchrun's workers have sessions and groups of
+    their own. The leader itself only gets KILL: a job-control shell that sees its job stop goes
     on as if it had ended (writes an exit status, closes the session)."""
+    # the whole tree is listed before any signal: a killed parent's children would move to init
+    tree = ('todo=$g; all=; while [ -n "$todo" ]; do next=; for p in $todo; do next="$next $(pgrep -P "$p")"; '
+            'done; todo=$(echo $next); all="$all $todo"; done')
+    targets = '$all "$g"' if signal == "KILL" else "$all"
     pairs = open_group(recipe, specs, ui)
     with connected(pairs) as remotes:
         for remote in remotes.values():
             pgid = shlex.quote(remote.expand(f"~/.relaunch/{recipe.name}/pgid"))
-            send = (f'for p in $(pgrep -g "$g"); do [ "$p" = "$g" ] || kill -{signal} "$p"; done' if signal == "STOP"
-                    else f'kill -{signal} -- "-$g"')
-            remote.exec(f'read -r g rest 2>/dev/null < {pgid} && [ -n "$g" ] && {{ {send}; }} 2>/dev/null; true',
-                        deadline=30)
+            remote.exec(f'read -r g rest 2>/dev/null < {pgid} && [ -n "$g" ] && {{ {tree}; '
+                        f'kill -{signal} {targets}; }} 2>/dev/null; true', deadline=30)
 
 
 def _interrupt(recipe: Recipe, specs: list[HostSpec], how: str, ui: UI) -> list[HostSpec]:

@@ -176,7 +176,7 @@ class Remote:
     # -- commands -------------------------------------------------------------------------
     def exec(self, command: str, *, deadline: float, stdin: bytes | Path | None = None,
              on_output: Callable[[bytes], None] | None = None,
-             cancelled: Callable[[], bool] = processes.CANCEL.is_set) -> ExecResult:
+             cancelled: Callable[[], bool] = processes.interrupted) -> ExecResult:
         """Run `command` (bytes in, bytes out, no pty). At the deadline, or when `cancelled()`
         turns true, its process group on the instance is ended: status None, and on cancel
         Interrupted is raised once the group is gone."""
