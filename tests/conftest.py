@@ -335,6 +335,23 @@ def pytest_configure(config: pytest.Config) -> None:
 
 _REGISTRY = pytest.StashKey[Path]()
 
+# The modules whose tests take minutes each (`--durations`), started first, then the other sandbox
+# tests, then the quick ones: with -n, a long test that starts last keeps one worker busy alone.
+LONGEST_FIRST = ("test_watch_unattended", "test_chaos", "test_checkpointer_runs", "test_groups", "test_team_recipes",
+                 "test_demo", "test_adopt", "test_adopt_trainers", "test_hf_store", "test_watch_faults", "test_cycle",
+                 "test_profiles", "test_trainers", "test_living")
+
+
+@pytest.hookimpl(trylast=True)           # after tests/layers.py has marked the sandbox tests
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+        if module in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(module)
+        return (1 if item.get_closest_marker("sandbox") else 2), 0
+
+    items.sort(key=rank)                  # stable: the order within a module stays
+
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     registry = config.stash.get(_REGISTRY, None)
