@@ -72,7 +72,10 @@ NOTICE_LOOK_EVERY = 1.0                      # seconds between looks at the noti
 
 
 def _say(message: str) -> None:
-    print(f"relaunch.train: {message}", file=sys.stderr, flush=True)
+    # one write of the whole line: print() writes the text and its newline apart, and on stderr
+    # (write-through) the ranks' lines then interleave mid-line in a shared log
+    sys.stderr.write(f"relaunch.train: {message}\n")
+    sys.stderr.flush()
 
 
 def parse_signal(name: str | int) -> signal.Signals:
