@@ -61,3 +61,17 @@ def test_ctrl_c_while_the_drill_holds_training_paused_lets_it_train_on(tmp_path,
     wait_for("the training to run on", lambda: int(ssh(inst, "grep -c '^step ' ~/held.log").stdout) > steps + 10,
              timeout=60)
     assert ssh(inst, "tmux has-session -t =held", check=False).returncode == 0
+
+
+def test_interrupt_destroy_is_refused_before_anything_starts(tmp_path):
+    """A node that is not a sandbox instance, or a group of one: exit 2 before any connection (the
+    drill would otherwise train, pause the training, and only then find it cannot destroy)."""
+    home = tmp_path / "state"
+    recipe = plain_recipe(tmp_path, name="refused", key=tmp_path / "none", ssh={"wait": 60})
+    one = run_cli("drill", str(recipe), "203.0.113.9", "--interrupt", "destroy", "--set", "ssh.key=", home=home,
+                  timeout=60)
+    assert one.returncode == 2 and "needs a group" in one.stderr, one.stderr
+    two = run_cli("drill", str(recipe), "203.0.113.9", "203.0.113.10", "--interrupt", "destroy", "--set", "ssh.key=",
+                  home=home, timeout=60)
+    assert two.returncode == 2 and "203.0.113.10" in two.stderr and "is not one" in two.stderr, two.stderr
+    assert "connecting" not in one.stderr + two.stderr

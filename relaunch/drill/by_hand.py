@@ -155,6 +155,10 @@ def run_drill(recipe: Recipe, specs: list[HostSpec], ui: UI, resume_on: list[Hos
               interrupt: str = "kill", past: int = 3, after: int = 5, tolerance: float = 1e-4,
               deadline: float = 900) -> Drill:
     resume_on = resume_on or specs
+    if interrupt not in ("kill", "destroy"):
+        raise UsageError(f"unknown --interrupt {interrupt!r}", "kill or destroy")
+    if interrupt == "destroy":
+        _destroyable(specs)            # before training starts (and is paused), not after
     drill = Drill(recipe.name, f"{len(specs)} node(s)", f"{len(resume_on)} node(s)", interrupt, tolerance=tolerance,
                   at=utc_now())
     ui.say(f"# drill 1/5: training on {' '.join(map(str, specs))}")
@@ -257,6 +261,19 @@ def _signal(recipe: Recipe, specs: list[HostSpec], signal: str, ui: UI) -> None:
                         f'kill -{signal} {targets}; }} 2>/dev/null; true', deadline=30)
 
 
+def _destroyable(specs: list[HostSpec]) -> str:
+    """The sandbox node `--interrupt destroy` destroys (the last one), or a UsageError."""
+    from .. import sandbox as sb
+
+    if len(specs) == 1:
+        raise UsageError("--interrupt destroy needs a group: the last node is destroyed, the others evacuate")
+    match = [i for i in sb.list_instances() if i.address == specs[-1].address]
+    if not match:
+        raise UsageError(f"--interrupt destroy needs a sandbox node; {specs[-1]} is not one",
+                         "use --interrupt kill on rented instances")
+    return match[0].name
+
+
 def _interrupt(recipe: Recipe, specs: list[HostSpec], how: str, ui: UI) -> list[HostSpec]:
     """Kill the training on every node at once (a crash, a preemption without notice), or destroy
     the last node (a sandbox node only). Returns the nodes that survive."""
@@ -272,16 +289,9 @@ def _interrupt(recipe: Recipe, specs: list[HostSpec], how: str, ui: UI) -> list[
     if how == "destroy":
         from .. import sandbox as sb
 
-        victim = specs[-1]
-        match = [i for i in sb.list_instances() if i.address == victim.address]
-        if not match:
-            raise UsageError(f"--interrupt destroy needs a sandbox node; {victim} is not one",
-                             "use --interrupt kill on rented instances")
-        if len(specs) == 1:
-            _signal(recipe, specs, "CONT", ui)
-            raise UsageError("--interrupt destroy needs a group: the last node is destroyed, the others evacuate")
-        sb.destroy(match[0].name)
-        ui.say(f"destroyed sandbox node {match[0].name} ({victim})")
+        victim = _destroyable(specs)
+        sb.destroy(victim)
+        ui.say(f"destroyed sandbox node {victim} ({specs[-1]})")
         _signal(recipe, specs[:-1], "CONT", ui)            # the survivors meet the loss running, as in life
         return specs[:-1]
     raise UsageError(f"unknown --interrupt {how!r}", "kill or destroy")
