@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import plain_recipe, run_cli, wait_for
+from e2e import plain_recipe, run_cli, start_cli, wait_for
 
 from relaunch import sandbox as sb
 
@@ -147,13 +147,21 @@ def test_broken_recipes_exit_2_with_file_line_before_any_connection(tmp_path):
 def test_waits_while_the_instance_boots_then_gives_up_with_exit_3(tmp_path, sandbox, ssh_key):
     home = tmp_path / "state"
     recipe = plain_recipe(tmp_path, name="boot", key=ssh_key)
-    # refused, then sshd without our key, then ready: the delays count from the instance's creation,
-    # long enough that a loaded machine's `relaunch` start (seconds) still finds sshd not up yet
-    booting = sandbox(boot_delay=15, key_delay=20)
-    result = run_cli("plan", str(recipe), booting.host, "--set", "ssh.wait=60", home=home)
-    assert result.returncode == 0, result.stderr
-    assert "connection refused" in result.stderr and "retrying" in result.stderr
-    assert "authentication failed" in result.stderr
+    # refused, then sshd without our key, then ready: sshd starts 15 s after creation (a loaded
+    # machine's `relaunch` start still finds it not up), the key once relaunch was refused for want of it
+    booting = sandbox(boot_delay=15, key_delay=3600)
+    err = tmp_path / "plan.err"
+    plan = start_cli("plan", str(recipe), booting.host, "--set", "ssh.wait=60", home=home, err=err)
+    try:
+        wait_for("relaunch refused for want of its key", lambda: "authentication failed" in err.read_text(),
+                 timeout=120, every=0.1)
+        sb.release_key(booting.name)
+        plan.wait(timeout=120)
+    finally:
+        plan.kill()
+    assert plan.returncode == 0, err.read_text()
+    assert "connection refused" in err.read_text() and "retrying" in err.read_text()
+    assert "authentication failed" in err.read_text()
 
     never = sandbox(boot_delay=3600)
     result = run_cli("plan", str(recipe), never.host, "--set", "ssh.wait=3", home=home)

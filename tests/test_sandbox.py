@@ -177,9 +177,10 @@ def test_destroy_while_booting(ssh_key: Path) -> None:
 
 
 def test_key_delay_fails_auth_then_works(sandbox, ssh) -> None:
-    inst = sandbox(key_delay=6)  # room for a loaded machine: the first ssh must come before the key
+    inst = sandbox(key_delay=3600)  # held until the first ssh was refused, however loaded the machine
     early = ssh(inst, "true", check=False)
     assert early.returncode == 255 and "Permission denied" in early.stderr
+    sb.release_key(inst.name)
     _eventually("auth after key install", lambda: ssh(inst, "true", check=False).returncode == 0)
 
 

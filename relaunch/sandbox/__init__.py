@@ -6,7 +6,7 @@ real OpenSSH sshd listening on its own address, an empty private home and a priv
 - `instance`: create (and boot), destroy
 - `records`: what is recorded of an instance (list_instances, get, state, the default key)
 - `processes`: the processes started for it, recorded with their start time; its PID 1
-- `console`: run_in, commands, set_link, set_silent (reaching into a running instance)
+- `console`: run_in, commands, set_link, set_silent, release_key (reaching into a running instance)
 - `images`: the image profiles (`create(image=...)`): the facts of a provider's stock image, as data
 - `boot`: what an instance is made of on this machine (disks, mount points, PATH layers, its PID 1)
   and the script that boots it
@@ -41,7 +41,7 @@ so several processes may create and destroy instances at once.
 
 from .images import PROFILES
 from .index import build_index
-from .console import commands, run_in, set_link, set_silent
+from .console import commands, release_key, run_in, set_link, set_silent
 from .instance import INDEX_PORT, create, destroy
 from .processes import pid1
 from .records import RUN_DIR, Instance, default_key, get, list_instances, state
@@ -61,6 +61,7 @@ __all__ = [
     "list_instances",
     "pause",
     "pid1",
+    "release_key",
     "resume",
     "run_in",
     "set_link",

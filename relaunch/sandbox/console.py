@@ -1,5 +1,6 @@
 """Reaching into a running instance from this machine, as a provider's console or network does:
-run a command inside it, read the commands it was sent over ssh, take its link down, make it silent."""
+run a command inside it, read the commands it was sent over ssh, take its link down, make it silent,
+install the key held back by `key_delay` now (cloud-init reaching that step)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from . import network, sshd
 from .boot import DEFAULT_PATH
 from .processes import cmdline, pid1
 from .records import folder_of, get, meta_of
+
 
 def anchor_pid(name: str) -> int:
     """A process in every namespace of the instance, to enter them by: its PID 1, else sshd."""
@@ -79,3 +81,11 @@ def set_silent(name: str, silent: bool) -> None:
     nothing answers, nothing is refused), or let them pass again. Its processes go on."""
     meta = meta_of(name)
     network.set_silent(name, int(meta["slot"]), silent, meta.get("rate"))
+
+
+def release_key(name: str) -> None:
+    """Authorize the key that create(key_delay=...) holds back, now: a test waits for what it means
+    (auth refused once) and then lets the key in, instead of racing the delay's timer."""
+    folder = folder_of(name)
+    with contextlib.suppress(FileNotFoundError):
+        (folder / "authorized_keys.pending").replace(folder / "authorized_keys")

@@ -99,10 +99,11 @@ def create(
     /opt/dlami/nvme). rate: tc rate of the link both ways ("20mbit"). index_dir: a build_index()
     folder served inside at INDEX_PORT. boot_delay: sshd starts only after that many seconds (the
     address refuses connections meanwhile). key_delay: the key is authorized only after that many
-    seconds (auth fails meanwhile). command_log: sshd logs every command it is asked to run, byte
-    for byte, for `commands(name)`; a session without a command (a login shell) logs nothing. SFTP
-    still works, through /usr/lib/openssh/sftp-server instead of sshd's own: each SFTP session logs
-    that program's path as its command. Other subsystems are not supported on such an instance.
+    seconds (auth fails meanwhile), or when release_key(name) is called. command_log: sshd logs
+    every command it is asked to run, byte for byte, for `commands(name)`; a session without a
+    command (a login shell) logs nothing. SFTP still works, through /usr/lib/openssh/sftp-server
+    instead of sshd's own: each SFTP session logs that program's path as its command. Other
+    subsystems are not supported on such an instance.
     address: this free address of the range (one a destroyed instance had), else the next free one.
     """
     check_name(name)
