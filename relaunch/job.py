@@ -99,6 +99,16 @@ class Facts:
         )
 
 
+def state_folder(home: str, recipe_name: str) -> str:
+    """~/.relaunch/<name>: relaunch's own files on the instance, for one recipe."""
+    return f"{home.rstrip('/')}/.relaunch/{recipe_name}"
+
+
+def pgid_file(state: str) -> str:
+    """The training's process group as run.sh records it (`PGID START BOOT_ID`)."""
+    return f"{state}/pgid"
+
+
 @dataclass
 class InstancePaths:
     home: str
@@ -122,7 +132,7 @@ class InstancePaths:
 
     @property
     def pgid_file(self) -> str:
-        return f"{self.state}/pgid"
+        return pgid_file(self.state)
 
     @property
     def run_info(self) -> str:
@@ -215,7 +225,7 @@ class Job:
 
         return InstancePaths(home=home, venv=path("env.venv"), ckpt_dir=path("checkpoint.dir"),
                              workdir=path("run.workdir"), log=path("run.log"),
-                             state=f"{home.rstrip('/')}/.relaunch/{recipe.name}")
+                             state=state_folder(home, recipe.name))
 
     @property
     def copy_from(self) -> str:

@@ -64,14 +64,17 @@ def example_recipe(folder: Path, *, name: str, layout: str, key: Path, index_url
     return write_recipe(folder, data)
 
 
-def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 300, every: float = 0.5) -> Any:
+def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 300, every: float = 0.5,
+             explain: Callable[[], str] | None = None) -> Any:
+    """Poll until predicate() is true; past the timeout, fail naming `what` (and what explain() says:
+    the output of the process that should have done it)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}" + (f"\n{explain()}" if explain else ""))
         time.sleep(every)
 
 

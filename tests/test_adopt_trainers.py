@@ -326,4 +326,3 @@ def rendered_words(recipe_path: Path, world: int) -> list[str]:
     argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + text], capture_output=True, check=True,
                           env={"PATH": "/usr/bin:/bin", "HOME": "/home/u", **env}).stdout
     return argv.decode().split("\0")[:-1]
-

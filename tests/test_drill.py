@@ -17,13 +17,18 @@ from e2e import plain_recipe, run_cli, start_cli, wait_for
 TRAINER = Path(__file__).with_name("chaos_trainer.py")
 
 
+def often_saving_recipe(folder: Path, name: str, key: Path) -> Path:
+    """A save every 10 steps of 0.05 s, by a trainer out of relaunch's recorded process group."""
+    shutil.copy(TRAINER, folder / "chaos_trainer.py")
+    return plain_recipe(folder, name=name, key=key, command='python ~/chaos_trainer.py "{{ checkpoint }}"',
+                        env={"files": {"chaos_trainer.py": "~/chaos_trainer.py"},
+                             "vars": {"CHAOS_EVERY": "10", "CHAOS_TICK": "0.05", "CHAOS_OWN_SESSION": "1"}},
+                        checkpoint={"keep": 3})
+
+
 def test_drill_compares_steps_run_twice_though_saves_come_every_half_second(tmp_path, sandbox, ssh, ssh_key):
     home, inst = tmp_path / "state", sandbox()
-    shutil.copy(TRAINER, tmp_path / "chaos_trainer.py")
-    recipe = plain_recipe(tmp_path, name="drilled", key=ssh_key, command='python ~/chaos_trainer.py "{{ checkpoint }}"',
-                          env={"files": {"chaos_trainer.py": "~/chaos_trainer.py"},
-                               "vars": {"CHAOS_EVERY": "10", "CHAOS_TICK": "0.05", "CHAOS_OWN_SESSION": "1"}},
-                          checkpoint={"keep": 3})
+    recipe = often_saving_recipe(tmp_path, "drilled", ssh_key)
     drill = run_cli("drill", str(recipe), inst.host, "--past", "3", "--json", home=home, timeout=600)
     assert drill.returncode == 0, drill.stderr
     result = json.loads(drill.stdout)
@@ -40,11 +45,7 @@ def test_drill_compares_steps_run_twice_though_saves_come_every_half_second(tmp_
 
 def test_ctrl_c_while_the_drill_holds_training_paused_lets_it_train_on(tmp_path, sandbox, ssh, ssh_key):
     home, inst = tmp_path / "state", sandbox()
-    shutil.copy(TRAINER, tmp_path / "chaos_trainer.py")
-    recipe = plain_recipe(tmp_path, name="held", key=ssh_key, command='python ~/chaos_trainer.py "{{ checkpoint }}"',
-                          env={"files": {"chaos_trainer.py": "~/chaos_trainer.py"},
-                               "vars": {"CHAOS_EVERY": "10", "CHAOS_TICK": "0.05", "CHAOS_OWN_SESSION": "1"}},
-                          checkpoint={"keep": 3})
+    recipe = often_saving_recipe(tmp_path, "held", ssh_key)
     drill = start_cli("drill", str(recipe), inst.host, "--past", "3", home=home, err=tmp_path / "drill.err")
     try:
         # this instance's trainer (the default image shares the PID namespace: by network namespace)

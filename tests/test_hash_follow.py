@@ -195,7 +195,6 @@ def test_a_save_that_did_not_finish_is_reported_as_it_lands(tmp_path):
     assert got["ckpt.pt"].problem.startswith("truncated zip")
 
 
-
 def test_a_checkpoint_re_saved_at_the_same_size_during_the_copy_is_read_again(tmp_path):
     """Real rsync lands the followed temp under its final name; before the follower looks, the
     checkpoint is saved again there at the same size with other bytes (another inode, the same

@@ -100,11 +100,8 @@ def test_sync_keeps_going_through_an_outage(tmp_path, sandbox, ssh, ssh_key):
         sb.set_link(inst.name, up=False)
         # a round in flight notices within the TCP timeout (30 s) and its copy step's own three
         # attempts (20 s connect timeout each) come before the round fails: minutes on a loaded machine
-        try:
-            wait_for("sync to notice the outage", lambda: "retrying in" in err_file.read_text(), timeout=300)
-        except AssertionError:
-            raise AssertionError(f"sync did not notice the outage; it printed:\n{err_file.read_text()}\n"
-                                 f"its debug log:\n{_tail(home / 'debug.log')}") from None
+        wait_for("sync to notice the outage", lambda: "retrying in" in err_file.read_text(), timeout=300,
+                 explain=lambda: f"sync printed:\n{err_file.read_text()}\nits debug log:\n{_tail(home / 'debug.log')}")
         assert proc.poll() is None                             # still running
         sb.set_link(inst.name, up=True)
         plant(ssh, inst, 10)

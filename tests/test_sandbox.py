@@ -270,11 +270,16 @@ def test_failing_create_leaves_nothing_behind(ssh_key: Path) -> None:
     leftovers = [p for p in Path("/proc").iterdir()
                  if p.name.isdigit() and f"/relaunch-sandbox/{name}/".encode() in _cmdline(p)]  # fmt: skip
     assert leftovers == []
-    new_links = {dev for dev in set(os.listdir("/sys/class/net")) - links_before if dev.startswith("rlv")}
-    # other sessions may create instances meanwhile: any new link must belong to a live instance
-    live = {json.loads((d / "instance.json").read_text())["veth"][0]
-            for d in sb.RUN_DIR.iterdir() if (d / "instance.json").exists()}  # fmt: skip
-    assert new_links <= live
+
+    def strays() -> set[str]:
+        new_links = {dev for dev in set(os.listdir("/sys/class/net")) - links_before if dev.startswith("rlv")}
+        live = {json.loads((d / "instance.json").read_text())["veth"][0]
+                for d in sb.RUN_DIR.iterdir() if (d / "instance.json").exists()}  # fmt: skip
+        return new_links - live
+
+    # other sessions may create instances meanwhile: any new link must belong to a live instance, once
+    # the instance whose link it is has recorded itself (its instance.json comes last)
+    _eventually("every new link to belong to an instance", lambda: not strays(), timeout=60)
     assert sb.destroy(name) is False
 
 

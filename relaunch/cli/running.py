@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -12,6 +12,16 @@ from ..errors import EvacuationError, UsageError
 from ..host.spec import HostSpec
 from ..ui import UI, redact
 from .common import cli, common, emit, load
+
+if TYPE_CHECKING:                        # the model loads pydantic: not on every start
+    from ..recipe import Recipe
+
+
+def hosts_or_last(recipe: Recipe, hosts: tuple[str, ...], ui: UI) -> list[HostSpec]:
+    """The HOSTs given, else the ones the recipe's last `up` used (evacuate, sync, watch, status)."""
+    from .. import cycle
+
+    return [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(recipe, ui)
 
 
 @cli.command()
@@ -87,7 +97,7 @@ def evacuate(recipe: str, hosts: tuple[str, ...], stop: bool, allow_empty: bool,
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
-    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    specs = hosts_or_last(r, hosts, ui)
     spec = " ".join(map(str, specs))
     report = cycle.evacuate(r, specs, ui, stop=stop, allow_empty=allow_empty)
     newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint yet"
@@ -109,12 +119,11 @@ def sync(recipe: str, hosts: tuple[str, ...], every: float | None, once: bool, o
          as_json: bool, verbose: bool, yes: bool) -> None:
     """Copy new complete checkpoints off the instance while training runs, verified, round after
     round (the same copy + verify as evacuate). One line per round; Ctrl-C stops cleanly."""
-    from .. import cycle
     from ..sync import sync as sync_loop
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
-    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    specs = hosts_or_last(r, hosts, ui)
     rounds: list[dict[str, Any]] = []
 
     def each_round(line: str) -> None:
@@ -142,12 +151,11 @@ def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple
     nodes left and grows back), then watch that. One watch per recipe and store. One line per step
     (--json: each event a JSON line on stderr as it comes; stdout gets one document at the end, how
     the watch ended and every event). Ctrl-C stops the watch, never the training."""
-    from .. import cycle
     from ..watch import watch as watch_loop
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
-    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    specs = hosts_or_last(r, hosts, ui)
     events: list[dict[str, Any]] = []
 
     def each_event(line: str) -> None:
@@ -171,13 +179,12 @@ def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str
            verbose: bool, yes: bool) -> None:
     """Is training alive, its last log lines, GPUs, newest checkpoint on the instance vs newest
     verified in the store (the lag), free disk, env drift. Exit 0 alive, 4 not, 3 unreachable."""
-    from .. import cycle
     from ..errors import EnvError
     from ..status import group_status, render, render_group, status as get_status
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
-    specs = [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(r, ui)
+    specs = hosts_or_last(r, hosts, ui)
     if len(specs) > 1:
         statuses = group_status(r, specs, ui, lines)
         if as_json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -105,6 +106,14 @@ def sandbox_images(as_json: bool) -> None:
         click.echo(f"{image.name:<13} {image.summary}")
 
 
+def _now(name: str, state: str, as_json: bool, **more: Any) -> None:
+    """What a power command leaves: `NAME: STATE`, or its JSON document."""
+    if as_json:
+        emit(True, {"name": name, "state": state, **more})
+    else:
+        click.echo(f"{name}: {state}")
+
+
 @sandbox.command("stop")
 @click.argument("name")
 @click.option("--grace", type=click.FloatRange(min=0), default=None,
@@ -115,11 +124,7 @@ def sandbox_stop(name: str, grace: float | None, as_json: bool) -> None:
     """Stop instance NAME as its provider does: what survives a stop stays, the rest is wiped."""
     from .. import sandbox as sb
 
-    used = sb.stop(name, grace=grace)
-    if as_json:
-        emit(True, {"name": name, "state": "stopped", "grace": used})
-        return
-    click.echo(f"{name}: stopped")
+    _now(name, "stopped", as_json, grace=sb.stop(name, grace=grace))
 
 
 @sandbox.command("start")
@@ -145,10 +150,7 @@ def sandbox_pause(name: str, as_json: bool) -> None:
     from .. import sandbox as sb
 
     sb.pause(name)
-    if as_json:
-        emit(True, {"name": name, "state": "paused"})
-        return
-    click.echo(f"{name}: paused")
+    _now(name, "paused", as_json)
 
 
 @sandbox.command("resume")
@@ -159,7 +161,4 @@ def sandbox_resume(name: str, as_json: bool) -> None:
     from .. import sandbox as sb
 
     sb.resume(name)
-    if as_json:
-        emit(True, {"name": name, "state": "running"})
-        return
-    click.echo(f"{name}: running")
+    _now(name, "running", as_json)

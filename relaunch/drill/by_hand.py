@@ -22,8 +22,10 @@ from .. import processes, scripts
 from ..cycle import connected, evacuate, open_group, up
 from ..errors import CheckpointError, UsageError
 from ..host.spec import HostSpec
+from ..job import pgid_file, state_folder
 from ..recipe import Recipe
 from ..savecosts import saves_of, summarize
+from ..steps.stop import group_script_for
 from ..store import utc_now
 from ..sync import sync_round
 from ..transports import open_store
@@ -245,20 +247,20 @@ def run_drill(recipe: Recipe, specs: list[HostSpec], ui: UI, resume_on: list[Hos
 
 
 def _signal(recipe: Recipe, specs: list[HostSpec], signal: str, ui: UI) -> None:
-    """`signal` to every process below the training's group leader on every node (run.sh's
-    subshell, from its pgid file), by parent: torchrun's workers have sessions and groups of
-    their own. The leader itself only gets KILL: a job-control shell that sees its job stop goes
-    on as if it had ended (writes an exit status, closes the session)."""
+    """`signal` to every process below the training's group leader on every node (the group
+    run.sh recorded, as `evacuate --stop` finds it), by parent: torchrun's workers have sessions
+    and groups of their own. The leader itself only gets KILL: a job-control shell that sees its
+    job stop goes on as if it had ended (writes an exit status, closes the session)."""
     # the whole tree is listed before any signal: a killed parent's children would move to init
-    tree = ('todo=$g; all=; while [ -n "$todo" ]; do next=; for p in $todo; do next="$next $(pgrep -P "$p")"; '
+    tree = ('todo=$pg; all=; while [ -n "$todo" ]; do next=; for p in $todo; do next="$next $(pgrep -P "$p")"; '
             'done; todo=$(echo $next); all="$all $todo"; done')
-    targets = '$all "$g"' if signal == "KILL" else "$all"
+    targets = '$all "$pg"' if signal == "KILL" else "$all"
     pairs = open_group(recipe, specs, ui)
     with connected(pairs) as remotes:
         for remote in remotes.values():
-            pgid = shlex.quote(remote.expand(f"~/.relaunch/{recipe.name}/pgid"))
-            remote.exec(f'read -r g rest 2>/dev/null < {pgid} && [ -n "$g" ] && {{ {tree}; '
-                        f'kill -{signal} {targets}; }} 2>/dev/null; true', deadline=30)
+            group = group_script_for(recipe.run.session, pgid_file(state_folder(remote.home, recipe.name)))
+            remote.exec(f'{group}; [ -n "$pg" ] && {{ {tree}; kill -{signal} {targets}; }} 2>/dev/null; true',
+                        deadline=30)
 
 
 def _destroyable(specs: list[HostSpec]) -> str:

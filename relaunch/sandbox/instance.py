@@ -411,5 +411,3 @@ def _mount_points_needed() -> set[str]:
         with contextlib.suppress(OSError, UsageError):
             needed |= set(images.profile((world / other / "image").read_text().strip()).volume_paths(other))
     return needed
-
-

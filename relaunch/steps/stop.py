@@ -23,15 +23,20 @@ def group_script(job: Job) -> str:
     recorded (`PGID START BOOT_ID`), only while its leader is that same process of this boot (after a
     reboot, or once it exited, the number may be another group's); else, for a run relaunch did not
     start (`relaunch adopt`), the foreground group of the training's tmux pane."""
-    q, paths = shlex.quote, job.paths
-    pane = q("=" + job.recipe.run.session + ":")
+    return group_script_for(job.recipe.run.session, job.paths.pgid_file)
+
+
+def group_script_for(session: str, pgid_path: str) -> str:
+    """group_script from the tmux session's name and the pgid file's path alone (no facts read)."""
+    q = shlex.quote
+    pane = q("=" + session + ":")
     return (
         f"pg=; boot=$(cat /proc/sys/kernel/random/boot_id 2>/dev/null); "
-        f"if read -r g s b 2>/dev/null < {q(paths.pgid_file)} && [ -n \"$g\" ]; then "
+        f"if read -r g s b 2>/dev/null < {q(pgid_path)} && [ -n \"$g\" ]; then "
         f"if [ -n \"$b\" ]; then "
         f"if [ \"$b\" = \"$boot\" ] && [ \"$({START_OF.format(pid='$g')})\" = \"$s\" ]; then pg=$g; fi; "
         # a pgid file of an earlier relaunch (the group alone): trusted only while its session runs
-        f"elif tmux has-session -t {q('=' + job.recipe.run.session)} 2>/dev/null; then pg=$g; fi; "
+        f"elif tmux has-session -t {q('=' + session)} 2>/dev/null; then pg=$g; fi; "
         f"elif p=$(tmux display-message -p -t {pane} '#{{pane_pid}}' 2>/dev/null) && [ -n \"$p\" ]; then "
         "t=$(ps -o tpgid= -p \"$p\" 2>/dev/null | tr -d ' '); "
         # the pane's foreground group, unless that is a shell idle at its prompt (the command ended)

@@ -302,6 +302,7 @@ class Watch(NoticeHandling, Replacing):
         self.look_at(self.specs)
         self.next_round = time.monotonic() + self.recipe.checkpoint.every
 
+
 def watch(recipe: Recipe, specs: list[HostSpec], ui: UI, emit: Callable[[str], None] | None = None,
           overrides: list[str] | None = None, take_over: bool = False) -> WatchEnd:
     return Watch(recipe, specs, ui, emit, overrides, take_over).run()

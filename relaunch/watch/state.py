@@ -29,7 +29,6 @@ from .looks import Looker, View
 from .rounds import Rounds, child_argv, clock
 
 
-
 @dataclass
 class WatchEnd:
     """How the watch ended (when it did not run until Ctrl-C)."""
