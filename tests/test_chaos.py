@@ -7,7 +7,8 @@ what to look at, never prove it is there.
 
 Real sandbox instances, the real CLI, rsync, tmux; the store is a local folder on a small tmpfs (so
 that it can fill up), a real `rclone serve s3` copied to through the instance (so that credentials
-travel), or a local Hub server that speaks the real API. Every fourth schedule is a `watch` left
+travel), or a local Hub server that speaks the real API (copied to from here, or, every other Hub
+schedule, by the instance's own `hf` with the token). Every fourth schedule is a `watch` left
 alone: a reclaim notice (AWS, GCP), AWS's rebalance recommendation, a silent loss replaced by
 `recover.command`, or a 2-node group that shrinks and grows back.
 
@@ -446,9 +447,19 @@ def test_random_schedules_keep_every_promise(seed, tmp_path, sandbox, ssh, ssh_k
         env, secret = server.env, server.secret_key
         sections = {"env": {"index_url": inst.index_url, "files": {"chaos_trainer.py": "~/chaos_trainer.py"}},
                     "checkpoint": {"remote": f"rclone:{server.name}:{server.bucket}/c", "via": "instance"}}
+    elif kind_store == "hf" and (seed // len(KINDS)) % 2:     # the instance runs `hf` itself, with the token
+        anchor = sandbox()                   # holds the address the Hub listens on, for the whole schedule
+        hub = hf_hub(bind=host_side_address(anchor), lfs_threshold=1000)
+        hub.store.create_repo("model", "acme/chaos")        # as a user does first: `hf repos create`
+        index_dir = package_index
+        inst = sandbox(rate="8mbit", index_dir=package_index)
+        store, env = HubStore(hub, "acme/chaos", "run"), hub.env(tmp_path / "hfhome")
+        secret = hub.token
+        sections = {"env": {"index_url": inst.index_url, "files": {"chaos_trainer.py": "~/chaos_trainer.py"}},
+                    "checkpoint": {"remote": "hf:acme/chaos/run", "via": "instance"}}
     elif kind_store == "hf":
         hub = hf_hub(lfs_threshold=1000)
-        hub.store.create_repo("model", "acme/chaos")        # as a user does first: `hf repos create`
+        hub.store.create_repo("model", "acme/chaos")
         inst = sandbox(rate="8mbit")
         store, env, secret = HubStore(hub, "acme/chaos", "run"), hub.env(tmp_path / "hfhome"), None
         sections = {"env": {"files": {"chaos_trainer.py": "~/chaos_trainer.py"}},
@@ -472,7 +483,7 @@ def test_random_schedules_keep_every_promise(seed, tmp_path, sandbox, ssh, ssh_k
             world.trace.append(f"watch schedule: {scenario}, {kind_store} store")
             watch_schedule(world, rng, scenario, ssh_key)
         else:
-            world.trace.append(f"{kind_store} store")
+            world.trace.append(f"{kind_store} store, via {sections['checkpoint'].get('via', 'local')}")
             schedule(world, rng)
         print(f"chaos schedule {seed}:", *world.trace, sep="\n  ")      # shown with -s, and in the long run's log
     finally:
