@@ -22,6 +22,16 @@ class Calls:
     def __init__(self) -> None:
         self.log: list[str] = []
         self.both = threading.Barrier(2, timeout=10)
+        self.executor: Executor | None = None
+
+    def until_waited_on(self, name: str) -> None:
+        """Until another lane of the executor waits for the result `name`: the order a test needs,
+        made to happen rather than hoped for."""
+        deadline = time.monotonic() + 10
+        while not any(name in names for names in dict(self.executor._waits).values()):  # type: ignore[union-attr]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no lane waited for {name} within 10 s")
+            time.sleep(0.005)
 
     def mark(self, name: str) -> str:
         self.log.append(name)
@@ -32,11 +42,11 @@ class Calls:
         return self.mark(name)
 
     def fail(self) -> None:
-        time.sleep(0.2)
+        self.until_waited_on("verified")
         raise CheckpointError("the copy did not verify")
 
-    def slow(self, name: str) -> str:
-        time.sleep(0.3)          # long enough for the other lane to be waiting on this one
+    def slow(self, name: str, waited_on: str) -> str:
+        self.until_waited_on(waited_on)
         return self.mark(name)
 
 
@@ -48,8 +58,8 @@ def call(title: str, method: str, lane: str, **kw: object) -> Action:
 
 def run(actions: list[Action]) -> tuple[Calls, dict]:
     calls = Calls()
-    results = Executor(UI(quiet=True), "test", handlers={"calls": calls}).run(actions)
-    return calls, results
+    calls.executor = Executor(UI(quiet=True), "test", handlers={"calls": calls})
+    return calls, calls.executor.run(actions)
 
 
 def test_lanes_run_at_the_same_time_and_a_result_is_waited_for():
@@ -135,7 +145,8 @@ def test_two_lanes_that_wait_on_each_other_in_turn_are_no_deadlock():
         calls, results = run([
             call("env 0", "mark", "env@0"),
             call("env 1", "mark", "env@1"),
-            call("copy to 0", "slow", "checkpoint", produces="ckpt@0"),
+            call("copy to 0", "slow", "checkpoint", args={"name": "copy to 0", "waited_on": "ckpt@0"},
+                 produces="ckpt@0"),
             call("move on 0", "mark", "checkpoint", needs=("ckpt@0", "ckpt@1")),
             call("copy to 1", "mark", "checkpoint@1", needs=("ckpt@0",), produces="ckpt@1"),
             call("move on 1", "mark", "checkpoint@1", needs=("ckpt@0", "ckpt@1")),
