@@ -59,7 +59,8 @@ def pane(session: str, pid: int) -> dict[str, Any]:
 
 
 def detail(pid: int, *, files: dict[str, str] | None = None, sources: dict[str, str] | None = None,
-           env: list[dict[str, Any]] = (), dists: list[dict[str, Any]] = (), output: list[str] = ()) -> Detail:
+           env: list[dict[str, Any]] = (), dists: list[dict[str, Any]] = (), output: list[str] = (),
+           pip_config: list[tuple[str, str]] = ()) -> Detail:
     files, sources = files or {}, sources or {}
     paths = [{"path": p, "kind": "f", "size": len(t), "text": t, "why": ""} for p, t in files.items()]
     return Detail.from_dict({
@@ -67,7 +68,7 @@ def detail(pid: int, *, files: dict[str, str] | None = None, sources: dict[str, 
         "prefix": {"path": VENV, "exists": True, "pyvenv": {"version": "3.11.2", "home": "/usr/bin"}, "conda": False,
                    "site": [f"{VENV}/lib/python3.11/site-packages"],
                    "dists": list(dists) or [{"name": "torch", "version": "2.13.0", "direct": None}]},
-        "pip_config": [], "paths": paths,
+        "pip_config": [{"path": p, "text": t} for p, t in pip_config], "paths": paths,
         "sources": [{"path": p, "text": t, "why": ""} for p, t in sources.items()], "sources_capped": False,
         "checkpoint_folders": [], "output": {"from": "tmux capture-pane", "lines": list(output)}, "secret_names": []})
 
@@ -239,6 +240,42 @@ def test_python_m_module_and_environment_variables(tmp_path) -> None:
     assert recipe["env"]["secrets"] == ["HUB_TOKEN", "WANDB_API_KEY"]
     assert set(recipe["env"]["files"]) == {"proj/__init__.py", "proj/train.py", "proj/data.py"}
     assert recipe["checkpoint"]["dir"] == "~/work/runs"            # guessed from --out, nothing there
+
+
+PIP_FILES = [(f"{VENV}/pip.conf", "[global]\nindex-url = https://venv/simple\n"),       # the scan's order:
+             (f"{HOME}/.config/pip/pip.conf",                                           # the file that wins first
+              "[install]\nindex-url = https://user/simple\nextra-index-url = https://extra/simple\n")]
+
+
+@pytest.mark.parametrize("config, env, index_url, extra, where", [
+    # pip's own resolution: a key in [install] of any file over one in [global], not the first file read
+    (PIP_FILES, [], "https://user/simple", ["https://extra/simple"], "pip.conf [install] index-url"),
+    # uv's file is uv's view, the recipe's installer's: pip's default becomes one more index
+    ([*PIP_FILES, (f"{HOME}/.config/uv/uv.toml", '[[index]]\nurl = "https://uv/simple"\ndefault = true\n')], [],
+     "https://uv/simple", ["https://user/simple", "https://extra/simple"], "uv.toml [[index]]"),
+    # uv.toml naming only an extra index: the default one is named too, or the recipe would lose it
+    ([(f"{HOME}/.config/uv/uv.toml", '[[index]]\nurl = "https://cu/whl"\n')], [],
+     "https://pypi.org/simple", ["https://cu/whl"], "uv's default index"),
+    (PIP_FILES, [{"name": "PIP_INDEX_URL", "secret": False, "value": "https://env/simple", "in_base": False,
+                  "same": False}], "https://env/simple", ["https://extra/simple"],
+     "PIP_INDEX_URL in the training's environment"),
+])
+def test_the_package_index_is_read_as_pip_and_uv_resolve_it(tmp_path, config, env, index_url, extra, where) -> None:
+    argv = [f"{VENV}/bin/python", "train.py"]
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv)], panes=[pane("idx", 10)])
+    a, recipe = adopted(s, detail(11, pip_config=config, env=env), {}, tmp_path)
+    assert recipe["env"]["index_url"] == index_url
+    assert recipe["env"].get("extra_index_urls", []) == extra
+    assert where in a.notes["env.index_url"][0]
+
+
+def test_an_index_variable_holding_credentials_is_not_read(tmp_path) -> None:
+    argv = [f"{VENV}/bin/python", "train.py"]
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv)], panes=[pane("idx", 10)])
+    env = [{"name": "UV_INDEX_URL", "secret": True, "value": None, "in_base": False, "same": False}]
+    a, recipe = adopted(s, detail(11, pip_config=PIP_FILES, env=env), {}, tmp_path)
+    assert "index_url" not in recipe["env"]
+    assert any("UV_INDEX_URL holds credentials (not read)" in w for w in a.warnings)
 
 
 def test_the_lock_calls_out_git_and_local_installs() -> None:

@@ -4,11 +4,11 @@ Python, its lock and package indexes, and relaunch itself left out of the lock.
 
 from __future__ import annotations
 
-import configparser
 import os
 import re
 from typing import Any
 
+from ..host import indexes
 from .candidates import Candidate
 from .facts import MARK, Detail, Dist, EnvRoot
 from .words import TOOLING, tilde
@@ -94,29 +94,24 @@ def lock_lines(dists: list[Dist], where: str) -> tuple[list[str], list[str]]:
 
 
 def index_from(detail: Detail) -> tuple[list[str], str]:
-    """(index URLs, where they were read) from pip's and uv's configuration on the instance."""
-    for var in ("PIP_INDEX_URL", "UV_INDEX_URL", "UV_DEFAULT_INDEX"):
-        found = next((e for e in detail.env if e.name == var), None)
-        if found is not None:
-            if found.secret or not found.value:
-                return [], f"{var} holds credentials (not read)"
-            return [found.value], f"{var} in the training's environment"
-    for path, text in detail.pip_config:
-        if path.endswith(".toml"):
-            m = re.search(r"""^\s*(?:index-url|url)\s*=\s*["']([^"']+)["']""", text, re.M)
-            if m:
-                return [m.group(1)], path
-            continue
-        parser = configparser.ConfigParser(interpolation=None)
-        try:
-            parser.read_string(text)
-        except configparser.Error:
-            continue
-        for section in ("install", "global"):
-            if parser.has_option(section, "index-url"):
-                extra = parser.get(section, "extra-index-url", fallback="").split()
-                return [parser.get(section, "index-url"), *extra], f"{path} [{section}] index-url"
-    return [], ""
+    """(index URLs, where the first was read): pip's and uv's configuration on the instance and the
+    training's variables, resolved as `relaunch freeze` resolves them (host/indexes.py), uv's view
+    first (the recipe's default installer)."""
+    env: dict[str, str] = {}
+    for var in detail.env:
+        if var.name in indexes.VARIABLES:
+            if var.secret or not var.value:
+                return [], f"{var.name} holds credentials (not read)"
+            env[var.name] = var.value
+    files = list(reversed(detail.pip_config))      # the scan lists the file that wins first
+    found = indexes.combined({"env": env, "env_from": "the training's environment",
+                              "pip_files": [[p, t] for p, t in files if not p.endswith(".toml")],
+                              "uv_files": [[p, t] for p, t in files if p.endswith(".toml")]}, "uv")
+    if not found.urls:
+        return [], ""
+    # extras only: they are searched besides the default index, which the recipe must then name
+    urls = found.urls if found.index_url else [indexes.DEFAULT_INDEX, *found.urls]
+    return urls, found.where.get(urls[0], "uv's default index")
 
 
 def is_relaunch_train(module: str, info: Any) -> bool:

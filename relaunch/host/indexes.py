@@ -20,6 +20,11 @@ from typing import Any
 from ..scripts import plain
 
 READ_DEADLINE = 120.0
+# what pip and uv read when no file or variable says otherwise
+DEFAULT_INDEX = "https://pypi.org/simple"
+# the variables that name indexes, read below
+VARIABLES = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "UV_INDEX_URL", "UV_DEFAULT_INDEX", "UV_EXTRA_INDEX_URL",
+             "UV_INDEX")
 
 
 @dataclass
@@ -85,6 +90,11 @@ def _pip_files(files: list[list[str]]) -> tuple[dict[str, str], dict[str, str]]:
     return values, origin
 
 
+def _env_from(doc: dict[str, Any]) -> str:
+    """Whose variables `env` holds: the login's (freeze), or the training process's (adopt)."""
+    return str(doc.get("env_from") or "the login environment")
+
+
 def pip_indexes(doc: dict[str, Any]) -> Indexes:
     """pip's indexes: PIP_* in the login environment over its files ([install] over [global])."""
     found = Indexes()
@@ -99,7 +109,7 @@ def pip_indexes(doc: dict[str, Any]) -> Indexes:
     for option, variable in (("index-url", "PIP_INDEX_URL"), ("extra-index-url", "PIP_EXTRA_INDEX_URL")):
         key = next((k for k in (f":env:.{option}", f"install.{option}", f"global.{option}") if values.get(k)), None)
         if env.get(variable):
-            value, where = env[variable], f"{variable} in the login environment"
+            value, where = env[variable], f"{variable} in {_env_from(doc)}"
         elif key is not None:
             value = values[key]
             where = f"{source}: {key}" if source else f"{origin[key]} [{key.split('.')[0]}] {option}"
@@ -147,13 +157,13 @@ def uv_indexes(doc: dict[str, Any]) -> Indexes:
     for variable in ("UV_INDEX_URL", "UV_DEFAULT_INDEX"):
         if env.get(variable):
             found.index_url = _words(env[variable])[0]
-            found.found([found.index_url], f"{variable} in the login environment")
+            found.found([found.index_url], f"{variable} in {_env_from(doc)}")
     for variable in ("UV_EXTRA_INDEX_URL", "UV_INDEX"):
         if env.get(variable):
             # UV_INDEX entries may be named: `name=https://...`
             urls = [w.split("=", 1)[1] if "=" in w.split("://")[0] else w for w in _words(env[variable])]
             found.extra = urls + [u for u in found.extra if u not in urls]
-            found.found(urls, f"{variable} in the login environment")
+            found.found(urls, f"{variable} in {_env_from(doc)}")
     return found
 
 
