@@ -20,8 +20,8 @@ from .host.connection import expand_home
 from .host.facts import HostFacts
 from .host.spec import Target
 from .layouts import Entry
+from .manifest import StoreManifest
 from .recipe import Recipe, render_at, render_context
-from .store import StoreManifest
 
 
 @dataclass(frozen=True)

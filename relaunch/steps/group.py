@@ -19,8 +19,8 @@ from ..errors import CheckpointError, EnvError
 from ..host.connection import upload_command
 from ..host.hashing import hash_command, hash_deadline, paths_stdin
 from ..job import Job
+from ..manifest import CheckpointRecord
 from ..plan import LOCAL, Action, Ref
-from ..store import CheckpointRecord
 from ..transports.rsync import deadline_for
 from ..ui import human
 
