@@ -13,7 +13,7 @@ from .. import verdicts
 from ..errors import EvacuationError, Interrupted, RelaunchError, UsageError
 from ..executor import Executor
 from ..gather import gather_group, read_listing, share_listings
-from ..host.connection import Remote
+from ..host.remote import Remote
 from ..host.spec import HostSpec
 from ..job import Job
 from ..layouts import Checkpoint, Entry

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..host.connection import rsync_rsh
+from ..host.ssh_argv import rsync_rsh
 from ..host.spec import Target
 from .folder import RSYNC_PARTIAL
 
