@@ -34,7 +34,8 @@ from pathlib import Path
 import yaml
 
 from relaunch import sandbox as sb
-from relaunch.store import CheckpointRecord, FileRecord, LocalStore, StoreManifest, utc_now
+from relaunch.manifest import CheckpointRecord, FileRecord, StoreManifest, utc_now
+from relaunch.transports.folder import LocalStore
 
 
 def make_store(folder: Path, size_mb: int) -> Path:

@@ -22,8 +22,8 @@ from typing import Any
 from . import processes
 from .errors import CheckpointError, ConnectError, EnvError, EvacuationError, Interrupted, RelaunchError, \
     remote_failure, shorten
-from .host.connection import Remote
 from .host.hashing import parse_hashes
+from .host.remote import Remote
 from .plan import LOCAL, Action, Ref
 from .retry import retrying
 from .transports.base import Vanished

@@ -12,11 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .errors import CheckpointError, ConnectError, EnvError, RelaunchError, remote_failure
-from .host.connection import HOME_COMMAND, Remote, environ_secrets
+from .host.connection import HOME_COMMAND
 from .host.facts import FACTS_DEADLINE, HostFacts, facts_script, parse_facts
 from .host.hashing import hash_command, parse_hashes, paths_stdin
 from .host.indexes import READ_DEADLINE as INDEXES_DEADLINE
 from .host.indexes import indexes_command
+from .host.remote import Remote
 from .job import Facts, Job, Node, read_lock
 from .layouts import LISTING_COMMAND, Entry, complete_checkpoints, parse_listing
 from .layouts.dcp import MARKER as DCP_MARKER
@@ -97,7 +98,7 @@ def read_damaged(remote: Remote, job: Job) -> dict[str, str]:
 
 def _check(remote: Remote, result: object, what: str, error: type[RelaunchError], deadline: float,
            command: str | None = None) -> None:
-    from .host.connection import ExecResult
+    from .host.remote import ExecResult
 
     assert isinstance(result, ExecResult)
     if result.ok:
@@ -155,6 +156,11 @@ def gather(remote: Remote, recipe: Recipe, node: Node, store: Store | None = Non
     facts.secrets = environ_secrets([n for n in recipe.env.secrets if n not in facts.withheld])
     facts.modes, facts.sizes = env_files(recipe)
     return job
+
+
+def environ_secrets(names: list[str]) -> dict[str, str]:
+    """The values of the recipe's `env.secrets`, from this machine's environment."""
+    return {name: os.environ[name] for name in names if name in os.environ}
 
 
 def env_files(recipe: Recipe) -> tuple[dict[str, int], dict[str, int]]:

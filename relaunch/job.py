@@ -16,12 +16,12 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
-from .host.connection import expand_home
 from .host.facts import HostFacts
+from .host.remote import expand_home
 from .host.spec import Target
 from .layouts import Entry
+from .manifest import StoreManifest
 from .recipe import Recipe, render_at, render_context
-from .store import StoreManifest
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 from .cycle import connected, open_group, open_host
 from .gather import gather, gather_group
 from .history import Interruption, read_history
-from .host.connection import Remote
+from .host.remote import Remote
 from .interval import badput_now
 from .host.spec import HostSpec
 from .job import Lag, StoreState, drift

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .store import CheckpointRecord, FileRecord, Seen
+from .manifest import CheckpointRecord, FileRecord, Seen
 
 
 @dataclass(frozen=True)

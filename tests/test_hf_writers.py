@@ -32,7 +32,7 @@ from e2e import run_cli
 from relaunch.errors import EvacuationError
 from relaunch.host.hashing import FileHash
 from relaunch.layouts.base import Checkpoint, Entry
-from relaunch.store import CheckpointRecord, FileRecord, StoreManifest, utc_now
+from relaunch.manifest import CheckpointRecord, FileRecord, StoreManifest, utc_now
 
 REPO = "acme/ckpts"
 SUB = "run1"

@@ -20,8 +20,8 @@ import pytest
 from conftest import host_side_address
 from e2e import plain_recipe, run_cli, wait_for
 
-from relaunch.host.connection import ssh_argv
 from relaunch.host.spec import Target
+from relaunch.host.ssh_argv import ssh_argv
 
 CHECKPOINT = "mkdir -p ~/ckpt && head -c 3000 /dev/urandom > ~/ckpt/ckpt-00000005.pt && sleep 600"
 

@@ -15,8 +15,9 @@ import yaml
 
 from relaunch.cycle import last_host, make_target, remember_host
 from relaunch.errors import UsageError
-from relaunch.host.connection import public_blob, ssh_argv
+from relaunch.host.connection import public_blob
 from relaunch.host.spec import HostSpec, Target
+from relaunch.host.ssh_argv import ssh_argv
 from relaunch.host.sshconfig import ENV_VAR, Layer, SSHConfigFile, config_path, resolve
 from relaunch.recipe import load_recipe
 from relaunch.ui import UI

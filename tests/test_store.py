@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from relaunch.errors import CheckpointError, EvacuationError, UsageError
-from relaunch.store import (
+from relaunch.manifest import (
     CheckpointRecord,
     FileRecord,
-    LocalStore,
     StoreManifest,
     utc_now,
 )
+from relaunch.transports.folder import LocalStore
 
 
 def sha(data: bytes) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "relaunch"
 # lower layers first: a module may import from its own layer or any layer before it
 LAYERS = [
-    {"__init__", "errors", "paths", "resources", "processes", "retry", "ui", "scripts", "plan", "layouts", "store",
+    {"__init__", "errors", "paths", "resources", "processes", "retry", "ui", "scripts", "plan", "layouts", "manifest",
      "verdicts", "recipe", "versions", "train", "savecosts"},
     {"host"},
     {"job"},

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from relaunch import verdicts
-from relaunch.store import Seen, StoreManifest
+from relaunch.manifest import Seen, StoreManifest
 
 FIX = Path(__file__).parent / "fixtures" / "verdicts"
 

@@ -25,9 +25,10 @@ from test_guard import events as lines
 from test_watch import go_silent
 
 from relaunch import sandbox as sb
+from relaunch.manifest import CheckpointRecord, FileRecord, StoreManifest, utc_now
 from relaunch.sandbox.instance import RUN_DIR
 from relaunch.sandbox.network import netns, veths
-from relaunch.store import CheckpointRecord, FileRecord, LocalStore, StoreManifest, utc_now
+from relaunch.transports.folder import LocalStore
 
 HERE = Path(__file__).parent
 TRAINER = HERE / "spot_trainer.py"

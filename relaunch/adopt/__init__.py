@@ -21,7 +21,8 @@ from typing import Any
 from ..cycle import open_host
 from ..errors import RelaunchError, UsageError
 from ..gather import listing_command, read_listing
-from ..host.connection import HOME_COMMAND, Remote
+from ..host.connection import HOME_COMMAND
+from ..host.remote import Remote
 from ..host.spec import HostSpec
 from ..layouts import Entry
 from ..recipe import check_recipe, load_recipe

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConnectError, EnvError, remote_failure, shorten
-from ..host.connection import Remote
+from ..host.remote import Remote
 from ..scripts import plain
 
 SCRIPT = "adopt.py"

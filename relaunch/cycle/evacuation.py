@@ -13,13 +13,13 @@ from .. import verdicts
 from ..errors import EvacuationError, Interrupted, RelaunchError, UsageError
 from ..executor import Executor
 from ..gather import gather_group, read_listing, share_listings
-from ..host.connection import Remote
+from ..host.remote import Remote
 from ..host.spec import HostSpec
 from ..job import Job
 from ..layouts import Checkpoint, Entry
+from ..manifest import CheckpointRecord
 from ..plan import LOCAL, Action
 from ..recipe import Recipe
-from ..store import CheckpointRecord
 from ..steps.checkpoint import instance_checkpoints
 from ..steps.group import tag
 from ..steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan_copy, plan_meta, plan_unpin

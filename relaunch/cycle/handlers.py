@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import EnvError, RelaunchError, shorten
 from ..executor import Executor
-from ..host.connection import Remote
+from ..host.remote import Remote
 from ..job import Job, drift
 from ..recipe import Recipe
 from ..steps.group import MARK

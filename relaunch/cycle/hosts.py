@@ -13,7 +13,8 @@ from pathlib import Path
 
 from .. import processes
 from ..errors import RelaunchError, UsageError
-from ..host.connection import Remote, connect
+from ..host.connection import connect
+from ..host.remote import Remote
 from ..host.spec import HostSpec, Target
 from ..host.sshconfig import Layer, resolve
 from ..job import Node

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import EvacuationError, shorten
 from ..executor import Executor
-from ..host.connection import Remote
+from ..host.remote import Remote
 from ..host.spec import HostSpec
 from ..job import Job, Node
 from ..recipe import Recipe

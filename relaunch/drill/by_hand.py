@@ -23,10 +23,10 @@ from ..cycle import connected, evacuate, open_group, up
 from ..errors import CheckpointError, UsageError
 from ..host.spec import HostSpec
 from ..job import pgid_file, state_folder
+from ..manifest import utc_now
 from ..recipe import Recipe
 from ..savecosts import saves_of, summarize
 from ..steps.stop import group_script_for
-from ..store import utc_now
 from ..sync import sync_round
 from ..transports import open_store
 from ..ui import UI

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from .. import processes
 from ..cycle import make_target
 from ..errors import Interrupted, RelaunchError
-from ..host.connection import Remote, connect
+from ..host.connection import connect
+from ..host.remote import Remote
 from ..host.spec import HostSpec
 from ..recipe import Recipe
 

@@ -49,8 +49,8 @@ from ..errors import (
 )
 from ..history import read_history
 from ..host.spec import HostSpec
+from ..manifest import utc_now
 from ..recipe import Recipe, check_recipe, load_recipe
-from ..store import utc_now
 from ..transports import open_store
 from ..ui import UI
 from .follow import Followers

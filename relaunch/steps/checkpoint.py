@@ -16,8 +16,8 @@ from ..errors import CheckpointError
 from ..host.hashing import hash_command, hash_deadline, paths_stdin
 from ..job import Job
 from ..layouts import Checkpoint, complete_checkpoints
+from ..manifest import CheckpointRecord
 from ..plan import Action
-from ..store import CheckpointRecord
 from ..transports import Store
 from ..transports.base import incoming_ready
 from ..ui import human

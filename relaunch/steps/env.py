@@ -7,8 +7,8 @@ import shlex
 import urllib.parse
 
 from .. import scripts
-from ..host.connection import upload_command
 from ..host.facts import FREEZE_PY
+from ..host.remote import upload_command
 from ..job import Job, drift
 from ..plan import LOCAL, Action, Ref
 from ..recipe import render_shell_at

@@ -30,7 +30,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..host.connection import upload_command
+from ..host.remote import upload_command
 from ..job import Job
 from ..layouts import LISTING_COMMAND, Entry, parse_listing
 from ..plan import Action

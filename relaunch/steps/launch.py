@@ -8,7 +8,7 @@ import shlex
 from pathlib import Path
 
 from .. import scripts, train
-from ..host.connection import upload_command
+from ..host.remote import upload_command
 from ..job import Job
 from ..plan import Action
 from ..recipe import render_shell_at

@@ -26,7 +26,7 @@ from ..layouts import Checkpoint
 from ..paths import state_dir
 from ..plan import LOCAL, Action, Ref
 from ..host.hashing import FileHash
-from ..store import Seen, EXTRA_HASHES, CheckpointRecord, FileRecord, StoreManifest, utc_now
+from ..manifest import Seen, EXTRA_HASHES, CheckpointRecord, FileRecord, StoreManifest, utc_now
 from ..ui import UI
 
 if TYPE_CHECKING:

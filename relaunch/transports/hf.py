@@ -69,11 +69,11 @@ from ..host.hashing import FileHash
 from ..job import Job, StoreState
 from ..layouts.base import last_int
 from ..layouts import Checkpoint
+from ..manifest import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, StoreManifest, check_relpath, \
+    utc_now
 from ..plan import LOCAL, Action, Ref
 from ..recipe import Recipe
 from ..retry import retrying
-from ..store import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, StoreManifest, check_relpath, \
-    utc_now
 from ..ui import UI, human, redact
 from . import rsync
 from .base import Hashes, Store, cp_bytes, expected_record, merged, store_deadline

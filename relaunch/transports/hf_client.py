@@ -14,9 +14,9 @@ from typing import Any
 
 from .. import processes
 from ..errors import shorten
-from ..store import LocalStore
 from ..ui import redact
 from .base import store_wait
+from .folder import LocalStore
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

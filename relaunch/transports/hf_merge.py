@@ -5,7 +5,7 @@ applied to the head; a name another writer recorded with other files is refused,
 from __future__ import annotations
 
 from ..errors import EvacuationError
-from ..store import CheckpointRecord, StoreManifest
+from ..manifest import CheckpointRecord, StoreManifest
 
 
 class HeadMoved(Exception):

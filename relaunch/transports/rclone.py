@@ -31,13 +31,14 @@ from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchErr
 from ..host.hashing import FileHash, paths_stdin
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
+from ..manifest import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, StoreManifest
 from ..plan import LOCAL, Action
 from ..recipe import Recipe
-from ..store import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, LocalStore, StoreManifest
 from ..retry import retrying
 from ..ui import UI, human, redact
 from . import rsync
 from .base import Hashes, Store, expected_record, merged, store_wait
+from .folder import LocalStore
 from .tools import credentials_stdin, tool_action, tool_path
 
 AUTH = re.compile(r"AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId|403 Forbidden|401 Unauthorized|"

@@ -19,10 +19,11 @@ from typing import Any
 from ..host.hashing import FileHash
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
+from ..manifest import Seen, EXTRA_HASHES, CheckpointRecord, StoreManifest
 from ..plan import LOCAL, Action, Ref
-from ..store import Seen, EXTRA_HASHES, CheckpointRecord, LocalStore, StoreManifest
 from ..ui import UI, human
 from .base import Hashes, Mismatch, Store, cp_bytes, expected_record, hash_ref_names, store_deadline
+from .folder import LocalStore
 from .hf import HfStore
 from .local import StagingCalls, pull_actions, push_actions
 from .rclone import RcloneStore

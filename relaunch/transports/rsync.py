@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..host.connection import rsync_rsh
+from ..host.ssh_argv import rsync_rsh
 from ..host.spec import Target
-from ..store import RSYNC_PARTIAL
+from .folder import RSYNC_PARTIAL
 
 # Exit codes worth another try: stream/timeout errors and ssh dropping out. 24: files vanished
 # on the sending side (a trainer rotating checkpoints). 23: a partial transfer, which is files

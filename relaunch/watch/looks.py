@@ -15,8 +15,9 @@ from .. import processes
 from ..scripts import this_run
 from ..cycle import make_target
 from ..errors import ConnectError, HostKeyError, RelaunchError
-from ..host.connection import Remote, connect
+from ..host.connection import connect
 from ..host.facts import HostFacts
+from ..host.remote import Remote
 from ..host.spec import HostSpec
 from ..job import Facts, Job, Node
 from ..layouts import complete_checkpoints
