@@ -10,7 +10,8 @@ verified and moved into place; nothing is overwritten with different bytes; noth
 except by `prune`, and then only after the manifest no longer lists it. The manifest is always
 replaced atomically, so a crash leaves either the old one or the new one, never a mix.
 
-One writer at a time: nothing here locks the store against a concurrent sync/evacuate.
+One writer at a time: the caller holds the store's lock (`Store.lock`, transports/base.py) around
+a sync or an evacuation; only `swap_meta` locks on its own (one meta file, compared and replaced).
 """
 
 from __future__ import annotations
