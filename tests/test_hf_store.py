@@ -275,7 +275,7 @@ def test_verification_reads_one_revision_lfs_sha256_and_git_blob_ids(tmp_path, h
     """The check behind "verified": sizes, LFS sha256 and (regular files) git blob ids at one commit."""
     from relaunch.store import FileRecord
     from relaunch.transports.hf import HfStore
-    from relaunch.transports.hf_client import git_blob_id
+    from relaunch.transports.hf.client import git_blob_id
 
     monkeypatch.setenv("RELAUNCH_HOME", str(tmp_path / "state"))
     hub = hf_hub(lfs_threshold=1000)

@@ -82,7 +82,7 @@ class Writer:
             return record
         from huggingface_hub import CommitOperationAdd, HfApi
 
-        from relaunch.transports.hf_client import git_blob_id
+        from relaunch.transports.hf.client import git_blob_id
 
         cp, record, staged = self._stage(step, variant)
         api = HfApi(endpoint=self.url, token=self.token)

@@ -8,7 +8,8 @@ Credentials: this machine's HF_TOKEN (else the token `hf auth login` stored), as
 does; it is not a training secret, so it needs no place in env.secrets (instance.py says how it
 reaches the instance's `hf`).
 
-HfStore (store.py) is these rooms composed, each a mixin over HfRepo, which holds their state:
+HfStore (store.py) is these rooms composed: HfRepo (repo.py) holds the state, the others are mixins
+over it:
 
 - repo.py       the repo read at one commit from this machine: its tree, the manifest, a Trainer's
                 `last-checkpoint/`; every Hub call's failure as one line of ours
@@ -19,8 +20,8 @@ HfStore (store.py) is these rooms composed, each a mixin over HfRepo, which hold
 - instance.py   via: instance (the default): the instance runs `hf upload` / `hf download`
 - local.py      via: local: the relay's uploads to the repo and downloads from it, on this machine
 
-The Hub client they call (bounded calls, snapshots, ids) is hf_client.py; the writers' merge,
-hf_merge.py.
+and what they call: client.py, the Hub client (bounded calls, snapshots, ids); merge.py, the
+writers' merge of two manifests.
 """
 
 from .store import HfStore

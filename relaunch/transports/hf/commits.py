@@ -18,8 +18,8 @@ from typing import Any
 from ...errors import EvacuationError, RelaunchError
 from ...retry import retrying
 from ...store import META_DIR, MANIFEST, StoreManifest
-from ..hf_client import Snapshot
-from ..hf_merge import HeadMoved, merge_manifests
+from .client import Snapshot
+from .merge import HeadMoved, merge_manifests
 from .repo import HfRepo
 
 # commits tried while other writers keep moving the head (each retry re-reads and merges)

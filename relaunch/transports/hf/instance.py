@@ -29,8 +29,8 @@ from ...store import CheckpointRecord
 from ...ui import human
 from .. import rsync
 from ..base import Hashes, cp_bytes, expected_record, merged, store_deadline
-from ..hf_client import ANSI, Snapshot, last_line
-from ..hf_merge import conflict_error
+from .client import ANSI, Snapshot, last_line
+from .merge import conflict_error
 from ..tools import credentials_stdin, tool_action, tool_path
 from .commits import Commits
 from .repo import INCOMING

@@ -20,8 +20,8 @@ from ...plan import LOCAL, Action
 from ...store import CheckpointRecord
 from ...ui import UI, human
 from ..base import store_deadline
-from ..hf_client import git_blob_id, sha256_of
-from ..hf_merge import conflict_error
+from .client import git_blob_id, sha256_of
+from .merge import conflict_error
 from .commits import Commits
 from .verifying import Verifying
 

@@ -20,7 +20,7 @@ from ...errors import CheckpointError, ConnectError, EvacuationError, RelaunchEr
 from ...job import StoreState
 from ...store import META_DIR, MANIFEST, CheckpointRecord, FileRecord, StoreManifest, utc_now
 from ..base import Store
-from ..hf_client import Bounded, RemoteFile, Snapshot, last_line, sha256_of
+from .client import Bounded, RemoteFile, Snapshot, last_line, sha256_of
 
 TRAINER_LAST = "last-checkpoint"           # the folder Trainer(push_to_hub, hub_strategy="checkpoint") keeps
 # files a repo may hold without being a store (the Hub's first commit, a model card)

@@ -8,7 +8,7 @@ from ...errors import UsageError
 from ...recipe import Recipe
 from ...store import check_relpath
 from ...ui import redact
-from ..hf_client import hub_token
+from .client import hub_token
 from .instance import ViaInstance
 from .local import ViaLocal
 from .meta import MetaFiles

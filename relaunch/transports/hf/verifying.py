@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...store import Seen, CheckpointRecord, FileRecord
-from ..hf_client import Snapshot
+from .client import Snapshot
 from .repo import HfRepo
 
 
