@@ -274,7 +274,8 @@ def test_full_cycle_through_the_hub_resumes_bit_identical(tmp_path, sandbox, ssh
 def test_verification_reads_one_revision_lfs_sha256_and_git_blob_ids(tmp_path, hf_hub, monkeypatch):
     """The check behind "verified": sizes, LFS sha256 and (regular files) git blob ids at one commit."""
     from relaunch.manifest import FileRecord
-    from relaunch.transports.hf import HfStore, git_blob_id
+    from relaunch.transports.hf import HfStore
+    from relaunch.transports.hf.client import git_blob_id
 
     monkeypatch.setenv("RELAUNCH_HOME", str(tmp_path / "state"))
     hub = hf_hub(lfs_threshold=1000)

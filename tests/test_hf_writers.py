@@ -82,7 +82,7 @@ class Writer:
             return record
         from huggingface_hub import CommitOperationAdd, HfApi
 
-        from relaunch.transports.hf import git_blob_id
+        from relaunch.transports.hf.client import git_blob_id
 
         cp, record, staged = self._stage(step, variant)
         api = HfApi(endpoint=self.url, token=self.token)
@@ -312,9 +312,9 @@ def test_a_record_whose_files_were_pruned_after_its_upload_is_refused(hub, tmp_p
 
 
 def test_retries_are_bounded_and_end_in_one_line(hub, tmp_path, monkeypatch):
-    from relaunch.transports import hf
+    from relaunch.transports.hf import commits
 
-    monkeypatch.setattr(hf, "COMMIT_TRIES", 3, raising=False)
+    monkeypatch.setattr(commits, "COMMIT_TRIES", 3, raising=False)
     a = writer(hub, tmp_path, "a")
     for i in range(3):          # someone commits before each of A's tries
         hub.before_commit("relaunch: manifest", lambda i=i: hub.seed(REPO, {f"{SUB}/notes-{i}.txt": b"busy"}))

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import processes
-from ..errors import shorten
-from ..ui import redact
-from .base import store_wait
-from .folder import LocalStore
+from ... import processes
+from ...errors import shorten
+from ...ui import redact
+from ..base import store_wait
+from ..folder import LocalStore
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -4,8 +4,8 @@ applied to the head; a name another writer recorded with other files is refused,
 
 from __future__ import annotations
 
-from ..errors import EvacuationError
-from ..manifest import CheckpointRecord, StoreManifest
+from ...errors import EvacuationError
+from ...manifest import CheckpointRecord, StoreManifest
 
 
 class HeadMoved(Exception):
