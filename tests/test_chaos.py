@@ -810,15 +810,22 @@ def notice(world: World, rng: random.Random, scenario: str, metadata: Any, watch
 
 
 def rebalance(world: World, metadata: Any, until: Any) -> None:
-    """A rebalance recommendation: a round at once, whose checkpoint the store's files hold; training goes on."""
+    """A rebalance recommendation: a round at once (after the one in flight, which began before it), whose
+    checkpoint the store's files hold; training goes on."""
     err = world.tmp / "watch.err"
     newest = max(world.on_instance(), default=None)
     metadata.recommend_rebalance()
     world.trace.append("rebalance recommended")
-    until("a round after the recommendation",
-          lambda: "rebalance" in (k := kinds(err)) and "round" in k[k.index("rebalance"):])
+
+    def round_begun_after() -> dict | None:
+        seen = events(err)
+        asked = next((e for e in seen if e["event"] == "rebalance"), None)
+        return asked and next((e for e in seen if e["event"] == "round" and e["started"] > asked["time"]), None)
+
+    until("a round begun after the recommendation", round_begun_after)
     if newest is not None and not [s for s in world.held() if s >= newest]:
-        world.fail(f"a round after the recommendation, and the store's files do not hold step {newest} or newer")
+        world.fail(f"a round begun after the recommendation, and the store's files do not hold step {newest} "
+                   "or newer")
     if not world.trainers():
         world.fail("the training stopped on a rebalance recommendation")
 

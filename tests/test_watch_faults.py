@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import yaml
@@ -27,6 +28,9 @@ from test_watch_unattended import _free_port, _serve_s3, _stop, err_of, events, 
     spot_recipe
 
 from relaunch import sandbox as sb
+from relaunch.recipe import load_recipe
+from relaunch.transports import open_store
+from relaunch.ui import UI
 
 
 
@@ -346,3 +350,38 @@ def test_two_losses_inside_one_shrink_grow_the_group_back_with_every_replacement
     finally:
         for name in rented.read_text().split():
             sb.destroy(name)
+
+
+def test_a_rebalance_while_a_round_copies_gets_a_round_of_its_own_at_once(tmp_path, sandbox, ssh_key, monkeypatch):
+    """The recommendation comes while a round is in flight (here it waits for the store, which this
+    test holds): that round began before it and need not hold what was saved since, so one more
+    begins as soon as it ends, not checkpoint.every (10 minutes here) later. Found by the chaos
+    long run (seed 1077)."""
+    home, inst = tmp_path / "state", sandbox()
+    recipe = spot_recipe(tmp_path, "inflight", ssh_key, every=10, guard={"sources": ["aws", "aws-rebalance"],
+                                                                          "every": 1}, checkpoint={"every": 600})
+    monkeypatch.setenv("RELAUNCH_HOME", str(home))      # where relaunch keeps the store's lock
+    store = open_store(load_recipe(recipe))
+    with metadata_service(inst, "aws", tmp_path) as metadata, ExitStack() as held:
+        assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+        held.enter_context(store.lock(UI(quiet=True)))
+        with watching(recipe, home, tmp_path) as watch:
+            wait_for("the watch's first round, waiting for the store", lambda: subprocess.run(
+                ["pgrep", "-f", f"relaunch.cli sync {recipe} .*--once"], capture_output=True).returncode == 0,
+                timeout=60)
+            metadata.recommend_rebalance()
+            rebalance = wait_for("the rebalance event", lambda: next(
+                (e for e in events(tmp_path) if e["event"] == "rebalance"), None), timeout=60)
+            held.close()        # the round in flight ends, and the one owed to the recommendation begins
+
+            def rounds_after() -> list[dict]:
+                seen = events(tmp_path)
+                after = [e for e in seen[seen.index(rebalance):] if e["event"] == "round"]
+                return after if len(after) >= 2 else []
+
+            rounds = wait_for("two rounds after the recommendation", rounds_after, timeout=180,
+                              explain=lambda: err_of(tmp_path)[-3000:])
+            watch.send_signal(signal.SIGINT)
+            watch.wait(timeout=60)
+    assert rounds[0]["started"] <= rebalance["time"]                # the one in flight
+    assert rounds[1]["started"] >= rebalance["time"]                # the one it asked for

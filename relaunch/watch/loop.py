@@ -99,13 +99,23 @@ class Watch(NoticeHandling, Replacing):
                 self.warn(first_line(exc))
             self.ending = None
 
-    def after_round(self, report: Report, started: float) -> None:
+    def plan_next_round(self, started: float) -> None:
+        """After checkpoint.every, or at once when a round was asked for (a rebalance) after the one
+        that just ended had begun: that one may not hold what was there when it was asked."""
+        if self.round_asked is not None and started < self.round_asked:
+            self.next_round = 0.0
+            return
+        self.round_asked = None
         self.next_round = time.monotonic() + self.recipe.checkpoint.every
+
+    def after_round(self, report: Report, started: float) -> None:
+        self.plan_next_round(started)
         self.last_stored = report.stored_step
         for looker in self.lookers.values():
             looker.answered(started)        # a round that worked heard from every node, when it began
         self.ui.ok(round_line(report))
-        self.emit("round", **report.as_dict())
+        began = time.time() - (time.monotonic() - started)
+        self.emit("round", started=history.iso(began), **report.as_dict())
         self.holder.note(last_round={"at": history.iso(time.time()), "line": round_line(report)})
 
     def tick(self) -> WatchEnd | None:

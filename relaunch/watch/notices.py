@@ -179,6 +179,7 @@ class NoticeHandling(WatchBase):
         entry.resumed(view.host, time.time())       # it never stopped
         entry.time_to_resume = 0.0
         self.record(entry)
+        self.round_asked = time.monotonic()          # a round in flight began before it: one more after it
         self.next_round = 0.0                       # the next (or this) tick starts one
 
 

@@ -76,6 +76,7 @@ class WatchBase:
         self.waiting: history.Interruption | None = None       # lost, no recover.command: back?
         self.waiting_looks: dict[str, int] = {}
         self.next_round = 0.0
+        self.round_asked: float | None = None   # a round wanted at once (monotonic): owed until one begins after it
         self.said_silent: set[str] = set()
 
     # -- output ------------------------------------------------------------------------------
