@@ -7,6 +7,7 @@ Proved here on a small suite of its own, run with the real plugin.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -99,8 +100,10 @@ def test_ruff_is_clean() -> None:
 
 
 def test_mypy_is_clean() -> None:
-    # a cache outside the checkout: a fresh clone on the same machine checks in seconds, not minutes
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "relaunch-tests" / "mypy"
+    # a cache outside the checkout, so that a test run leaves the tree clean; one per checkout, since
+    # mypy's cache names modules, and another checkout's (a branch that moved one) crashes it
+    checkout = hashlib.sha256(str(REPO).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "relaunch-tests" / "mypy" / checkout
     proc = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(cache), "relaunch"], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"mypy relaunch:\n{proc.stdout}{proc.stderr}"
