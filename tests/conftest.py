@@ -357,3 +357,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     registry = config.stash.get(_REGISTRY, None)
     if registry is not None:
         _reap(registry)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (the suite's default): the quick layer keeps the cores busy with one worker each (more
+    would each import the suite again); the full suite's sandbox tests mostly wait on instances, so
+    6 of them share two cores well (measured: 31 min against 35 with 4)."""
+    import os
+
+    cores = os.cpu_count() or 1
+    return cores if config.getoption("markexpr") == "not sandbox" else max(6, cores)
