@@ -18,7 +18,6 @@ from ...ui import redact
 from ..base import store_wait
 from ..folder import LocalStore
 
-
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import EvacuationError, RelaunchError
+from ...manifest import MANIFEST, META_DIR, StoreManifest
 from ...retry import retrying
-from ...manifest import META_DIR, MANIFEST, StoreManifest
 from .client import Snapshot
 from .merge import HeadMoved, merge_manifests
 from .repo import HfRepo

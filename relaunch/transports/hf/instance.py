@@ -24,15 +24,15 @@ from typing import Any
 from ...errors import CheckpointError, EvacuationError, RelaunchError
 from ...job import Job
 from ...layouts import Checkpoint
-from ...plan import LOCAL, Action, Ref
 from ...manifest import CheckpointRecord
+from ...plan import LOCAL, Action, Ref
 from ...ui import human
 from .. import rsync
 from ..base import Hashes, cp_bytes, expected_record, merged, store_deadline
-from .client import ANSI, Snapshot, last_line
-from .merge import conflict_error
 from ..tools import credentials_stdin, tool_action, tool_path
+from .client import ANSI, Snapshot, last_line
 from .commits import Commits
+from .merge import conflict_error
 from .repo import INCOMING
 from .verifying import Verifying
 

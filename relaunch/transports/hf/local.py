@@ -16,13 +16,13 @@ from ... import processes
 from ...errors import EvacuationError
 from ...host.hashing import FileHash
 from ...layouts import Checkpoint
-from ...plan import LOCAL, Action
 from ...manifest import CheckpointRecord
+from ...plan import LOCAL, Action
 from ...ui import UI, human
 from ..base import store_deadline
 from .client import git_blob_id, sha256_of
-from .merge import conflict_error
 from .commits import Commits
+from .merge import conflict_error
 from .verifying import Verifying
 
 

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from ...errors import UsageError
-from ...manifest import META_DIR, MANIFEST
+from ...manifest import MANIFEST, META_DIR
 from .commits import Commits
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ...errors import CheckpointError, ConnectError, EvacuationError, RelaunchError, UsageError
 from ...job import StoreState
-from ...manifest import META_DIR, MANIFEST, CheckpointRecord, FileRecord, StoreManifest, utc_now
+from ...manifest import MANIFEST, META_DIR, CheckpointRecord, FileRecord, StoreManifest, utc_now
 from ..base import Store
 from .client import Bounded, RemoteFile, Snapshot, last_line, sha256_of
 

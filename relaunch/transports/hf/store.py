@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from ...errors import UsageError
-from ...recipe import Recipe
 from ...manifest import check_relpath
+from ...recipe import Recipe
 from ...ui import redact
 from .client import hub_token
 from .instance import ViaInstance

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...manifest import Seen, CheckpointRecord, FileRecord
+from ...manifest import CheckpointRecord, FileRecord, Seen
 from .client import Snapshot
 from .repo import HfRepo
 
