@@ -279,6 +279,30 @@ def test_a_remote_command_that_keeps_printing_ends_at_its_deadline(sandbox, ssh_
         assert remote.exec("echo still usable", deadline=10).text == "still usable\n"
 
 
+def test_a_command_whose_connection_is_closed_under_it_has_no_exit_status(sandbox, ssh_key):
+    """Another lane gives up on the host and closes the shared connection while this command runs
+    (the link went down): the command has no exit status, which the executor takes as a lost
+    connection (a transient ConnectError: `sync` retries through an outage), not as an exit -1 of
+    the command (an EvacuationError that ended `sync` in a CI run)."""
+    import threading
+
+    from relaunch.host.connection import connect
+    from relaunch.host.spec import Target
+
+    inst = sandbox()
+    target = Target(inst.address, inst.user, inst.port, key=str(ssh_key), host_key=inst.host_key_fingerprint, wait=20)
+    with connect(target) as remote:
+        started = threading.Event()
+        closer = threading.Thread(target=lambda: started.wait(30) and remote.conn.transport.close())
+        closer.start()
+        result = remote.exec("echo begun; sleep 60", deadline=120,
+                             on_output=lambda data: started.set() if b"begun" in data else None)
+        closer.join(timeout=30)
+    assert started.is_set()
+    assert result.status is None and not result.timed_out, result
+    assert "the SSH connection was lost" in result.stderr.decode()
+
+
 def test_the_store_lock_wait_is_bounded_and_names_the_holder(tmp_path, sandbox, ssh, ssh_key):
     import fcntl
 

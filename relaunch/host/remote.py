@@ -218,7 +218,12 @@ class Remote:
                 found = PGID_LINE.search(err)
                 assert found is not None
                 del err[found.start():found.end()]
-            return ExecResult(command, chan.recv_exit_status(), bytes(out), bytes(err))
+            status = chan.recv_exit_status()
+            if status == -1 and not transport.is_active():
+                # the channel ended with the connection (another lane gave up on the host and closed
+                # it): no exit status came, which paramiko reports as -1, as if the command had said so
+                return ExecResult(command, None, bytes(out), bytes(err) + b"\nthe SSH connection was lost")
+            return ExecResult(command, status, bytes(out), bytes(err))
         except KeyboardInterrupt:
             self._end_group(pgid)
             raise
