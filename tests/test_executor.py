@@ -7,9 +7,9 @@ import io
 import re
 import sys
 import threading
-import time
 
 import pytest
+from e2e import wait_for
 from rich.console import Console
 
 from relaunch.errors import CheckpointError, RelaunchError
@@ -27,11 +27,8 @@ class Calls:
     def until_waited_on(self, name: str) -> None:
         """Until another lane of the executor waits for the result `name`: the order a test needs,
         made to happen rather than hoped for."""
-        deadline = time.monotonic() + 10
-        while not any(name in names for names in dict(self.executor._waits).values()):  # type: ignore[union-attr]
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no lane waited for {name} within 10 s")
-            time.sleep(0.005)
+        wait_for(f"a lane waiting for {name}", lambda: any(
+            name in names for names in dict(self.executor._waits).values()), timeout=10, every=0.005)  # type: ignore[union-attr]
 
     def mark(self, name: str) -> str:
         self.log.append(name)
