@@ -797,9 +797,12 @@ class Checkpointer:
         self.costs.append(cost)
         if self.rank == 0:
             step_s = "-" if cost["step_s"] is None else f"{cost['step_s']:.6f}"
-            print(f"{CHECKPOINT_METRIC} step={cost['step']} name={cost['name']} blocking_s={cost['blocking_s']:.6f} "
-                  f"write_s={cost['write_s']:.6f} step_s={step_s} bytes={cost['bytes']} "
-                  f"world_size={self.world_size}", flush=True)
+            # one write: with PYTHONUNBUFFERED print() writes the newline apart, and another
+            # rank's line could land inside this one (interval reads it)
+            sys.stdout.write(f"{CHECKPOINT_METRIC} step={cost['step']} name={cost['name']} "
+                             f"blocking_s={cost['blocking_s']:.6f} write_s={cost['write_s']:.6f} step_s={step_s} "
+                             f"bytes={cost['bytes']} world_size={self.world_size}\n")
+            sys.stdout.flush()
 
     def stop_requested(self) -> bool:
         """Has relaunch asked this training to save and exit (a signal or the guard's notice, seen

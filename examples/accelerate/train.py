@@ -28,6 +28,10 @@ import hashlib
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 POOL, FEATURES, HIDDEN = 1024, 16, 32
 
@@ -43,6 +47,14 @@ class Progress:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step = int(state["step"])
+
+
+def say(accelerator: Accelerator, line: str) -> None:
+    """accelerator.print's rule (the main process alone) in one write: with PYTHONUNBUFFERED,
+    print() writes a line's text and its newline apart, and another rank's line could land between."""
+    if accelerator.is_main_process:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 def main() -> int:
@@ -91,10 +103,10 @@ def main() -> int:
     accelerator.register_for_checkpointing(progress)
     if args.resume_from_checkpoint:
         relaunch_train.load_accelerate_state(accelerator, args.resume_from_checkpoint)
-        accelerator.print(f"resumed from {args.resume_from_checkpoint} at step {progress.step} "
-                          f"(processes {world}, grad_accum {args.gradient_accumulation_steps})", flush=True)
+        say(accelerator, f"resumed from {args.resume_from_checkpoint} at step {progress.step} "
+                         f"(processes {world}, grad_accum {args.gradient_accumulation_steps})")
     else:
-        accelerator.print("fresh start", flush=True)
+        say(accelerator, "fresh start")
 
     sampler = relaunch_train.GlobalBatchSampler(POOL, args.global_batch, steps=args.max_train_steps, seed=args.seed,
                                                 rank=rank, world_size=world, start_step=progress.step,
@@ -116,16 +128,16 @@ def main() -> int:
         optimizer.step()
         optimizer.zero_grad()
         total = accelerator.reduce(total, reduction="sum")
-        accelerator.print(f"step {progress.step} loss {total.item() / (world * args.gradient_accumulation_steps):.6f} "
-                          f"grad_norm {float(norm):.6f}", flush=True)
+        say(accelerator, f"step {progress.step} loss {total.item() / (world * args.gradient_accumulation_steps):.6f} "
+                         f"grad_norm {float(norm):.6f}")
         if stop.requested():
             accelerator.set_trigger()
         stopping = accelerator.check_trigger()        # on every process, when any one was asked
         if progress.step % args.checkpointing_steps == 0 or stopping:
             folder = relaunch_train.save_accelerate_state(accelerator, step=progress.step)
-            accelerator.print(f"saved {folder}", flush=True)
+            say(accelerator, f"saved {folder}")
         if stopping:
-            accelerator.print(f"stopped at step {progress.step}", flush=True)
+            say(accelerator, f"stopped at step {progress.step}")
             break
         time.sleep(args.sleep)
     else:
@@ -133,7 +145,7 @@ def main() -> int:
             weights = accelerator.unwrap_model(model).state_dict()
             digest = hashlib.sha256(b"".join(weights[k].detach().cpu().numpy().tobytes() for k in sorted(weights)))
             Path(args.final).expanduser().write_text(digest.hexdigest() + "\n")
-        accelerator.print(f"done step {progress.step}", flush=True)
+        say(accelerator, f"done step {progress.step}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0

@@ -31,6 +31,13 @@ from pathlib import Path
 VOCAB, LENGTH, SEQUENCES = 64, 16, 512
 
 
+def say(line: str) -> None:
+    """One write per line. Under torchrun every rank shares the log, and with PYTHONUNBUFFERED
+    print() writes a line's text and its newline apart: two ranks' lines would splice into one."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output_dir", required=True, help="where checkpoint-N/ go (checkpoint.dir)")
@@ -74,8 +81,7 @@ def main() -> int:
     class Report(transformers.TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
             if logs and "loss" in logs:
-                print(f"step {state.global_step} loss {logs['loss']:.6f} grad_norm {logs['grad_norm']:.6f}",
-                      flush=True)
+                say(f"step {state.global_step} loss {logs['loss']:.6f} grad_norm {logs['grad_norm']:.6f}")
 
         def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             time.sleep(cli.sleep)
@@ -97,17 +103,17 @@ def main() -> int:
     trainer = Trainer(model=model, args=training, train_dataset=Sequences(),
                       callbacks=[Report(), relaunch_callback])
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)   # Report prints the steps
-    print(f"resumed from {resume}" if resume else "fresh start", flush=True)
+    say(f"resumed from {resume}" if resume else "fresh start")
     stop = relaunch_train.install()
     trainer.train(resume_from_checkpoint=resume or None)
     if stop.requested() or relaunch_callback.stopping:   # the signal here, or on another rank
-        print(f"stopped at step {trainer.state.global_step}", flush=True)
+        say(f"stopped at step {trainer.state.global_step}")
         return 0
     if args.final:
         weights = trainer.model.state_dict()
         digest = hashlib.sha256(b"".join(weights[k].detach().cpu().numpy().tobytes() for k in sorted(weights)))
         Path(args.final).expanduser().write_text(digest.hexdigest() + "\n")
-    print(f"done step {trainer.state.global_step}", flush=True)
+    say(f"done step {trainer.state.global_step}")
     return 0
 
 

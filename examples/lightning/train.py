@@ -30,6 +30,13 @@ from pathlib import Path
 POOL, FEATURES, HIDDEN = 1024, 16, 32
 
 
+def say(line: str) -> None:
+    """One write per line. Under torchrun every rank shares the log, and with PYTHONUNBUFFERED
+    print() writes a line's text and its newline apart: two ranks' lines would splice into one."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt_dir", required=True, help="ModelCheckpoint's dirpath (checkpoint.dir)")
@@ -74,8 +81,7 @@ def main() -> int:
 
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
             if len(self.losses) == accum:   # the step's last micro-batch: the optimizer stepped
-                print(f"step {self.global_step} loss {sum(self.losses) / accum:.6f} grad_norm {self.norm:.6f}",
-                      flush=True)
+                say(f"step {self.global_step} loss {sum(self.losses) / accum:.6f} grad_norm {self.norm:.6f}")
                 self.losses.clear()
                 time.sleep(args.sleep)
 
@@ -101,7 +107,7 @@ def main() -> int:
     if args.ckpt_path and not Path(args.ckpt_path).is_file():
         print(f"error: --ckpt_path {args.ckpt_path}: no such checkpoint file", file=sys.stderr)
         return 2
-    print(f"resumed from {args.ckpt_path}" if args.ckpt_path else "fresh start", flush=True)
+    say(f"resumed from {args.ckpt_path}" if args.ckpt_path else "fresh start")
     # Lightning warns that a plain DataLoader restarts its epoch on a resume; this one does not
     warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended")
     stop = relaunch_train.install()
@@ -110,13 +116,13 @@ def main() -> int:
     except SIGTERMException:     # a SIGTERM before the first step (Lightning's own): nothing new to save
         pass
     if stop.requested():
-        print(f"stopped at step {trainer.global_step}", flush=True)
+        say(f"stopped at step {trainer.global_step}")
         return 0
     if args.final:
         weights = model.net.state_dict()
         digest = hashlib.sha256(b"".join(weights[k].detach().cpu().numpy().tobytes() for k in sorted(weights)))
         Path(args.final).expanduser().write_text(digest.hexdigest() + "\n")
-    print(f"done step {trainer.global_step}", flush=True)
+    say(f"done step {trainer.global_step}")
     return 0
 
 

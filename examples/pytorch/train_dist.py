@@ -31,6 +31,13 @@ from pathlib import Path
 POOL, FEATURES, HIDDEN = 4096, 16, 32
 
 
+def say(line: str) -> None:
+    """One write per line. Under torchrun every rank shares the log, and with PYTHONUNBUFFERED
+    print() writes a line's text and its newline apart: two ranks' lines would splice into one."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def interface_towards(address: str) -> str | None:
     """The network interface this machine reaches `address` through (gloo binds to it)."""
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -81,8 +88,7 @@ def main() -> int:
               f"{args.global_batch}", file=sys.stderr)
         return 2
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        print(f"node ready: ranks {rank}..{rank + int(os.environ.get('LOCAL_WORLD_SIZE', 1)) - 1} of {world}",
-              flush=True)
+        say(f"node ready: ranks {rank}..{rank + int(os.environ.get('LOCAL_WORLD_SIZE', 1)) - 1} of {world}")
 
     torch.manual_seed(0)
     data = torch.Generator().manual_seed(1234)
@@ -98,8 +104,8 @@ def main() -> int:
 
     start = ckpt.restore(args.resume) if args.resume else 0
     if rank == 0:
-        print(f"resumed from {args.resume} at step {start} (world size {world}, grad_accum {args.grad_accum})"
-              if args.resume else "fresh start", flush=True)
+        say(f"resumed from {args.resume} at step {start} (world size {world}, grad_accum {args.grad_accum})"
+            if args.resume else "fresh start")
 
     step = start
     while step < args.steps:
@@ -117,12 +123,11 @@ def main() -> int:
         optimizer.zero_grad()
         dist.all_reduce(total)
         if rank == 0:
-            print(f"step {step} loss {total.item() / (world * args.grad_accum):.6f} grad_norm {float(norm):.6f}",
-                  flush=True)
+            say(f"step {step} loss {total.item() / (world * args.grad_accum):.6f} grad_norm {float(norm):.6f}")
         if ckpt.stop_requested():                       # every rank stops at the same step
             ckpt.finish(step)                           # saves it, flushes the write in flight, commits
             if rank == 0:
-                print(f"stopped at step {step}", flush=True)
+                say(f"stopped at step {step}")
             break
         if step % args.save_every == 0 or step == args.steps:
             ckpt.save(step)
@@ -134,7 +139,7 @@ def main() -> int:
             if rank == 0:
                 digest = hashlib.sha256(b"".join(full[k].detach().numpy().tobytes() for k in sorted(full)))
                 Path(args.final).expanduser().write_text(digest.hexdigest() + "\n")
-                print(f"done step {step}", flush=True)
+                say(f"done step {step}")
     ckpt.close()
     dist.barrier()
     dist.destroy_process_group()
