@@ -68,6 +68,15 @@ def make_handler(provider: str, control: Path, log: Path) -> type[BaseHTTPReques
             pass
 
         def reply(self, status: int, body: bytes | str, kind: str = "text/plain", headers: dict | None = None) -> None:
+            # logged before the answer leaves: a request the answer causes (the GET after a token's
+            # PUT, in another thread) must come after it in the log
+            seen = {k: self.headers.get(k) for k in (TOKEN_TTL, TOKEN, "Metadata-Flavor", "Metadata")
+                    if self.headers.get(k) is not None}
+            if TOKEN in seen:
+                seen[TOKEN] = "known" if seen[TOKEN] in tokens else "unknown"
+            with lock, log.open("a") as f:
+                f.write(json.dumps({"method": self.command, "path": self.path, "headers": seen, "status": status})
+                        + "\n")
             data = body.encode() if isinstance(body, str) else body
             self.send_response(status)
             self.send_header("Content-Type", kind)
@@ -76,13 +85,6 @@ def make_handler(provider: str, control: Path, log: Path) -> type[BaseHTTPReques
                 self.send_header(key, value)
             self.end_headers()
             self.wfile.write(data)
-            seen = {k: self.headers.get(k) for k in (TOKEN_TTL, TOKEN, "Metadata-Flavor", "Metadata")
-                    if self.headers.get(k) is not None}
-            if TOKEN in seen:
-                seen[TOKEN] = "known" if seen[TOKEN] in tokens else "unknown"
-            with lock, log.open("a") as f:
-                f.write(json.dumps({"method": self.command, "path": self.path, "headers": seen, "status": status})
-                        + "\n")
 
         def handle_one_request(self) -> None:
             if provider == "silent":
