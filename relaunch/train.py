@@ -32,6 +32,9 @@ What `relaunch up` exports for this module (run.sh): RELAUNCH_STOP_SIGNAL (run.s
 RELAUNCH_NOTICE (the guard's notice record) and RELAUNCH_STARTED (when this run started, so that
 a record left by an earlier run on the same instance is not taken for a new notice). Without
 them (a run started by hand) the module still works: SIGTERM, no notice record.
+
+One file, long on purpose: `up` ships it alone, so it cannot be split into modules that import
+each other; each part is one trainer's side of the same job (save when asked, resume exactly).
 """
 
 from __future__ import annotations

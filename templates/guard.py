@@ -21,6 +21,9 @@
 # notice.json. Copying the checkpoint off is not done here: see relaunch/steps/guard.py.
 # It exits then, and also when the training ends without a notice, or on SIGHUP/SIGINT
 # (`tmux kill-session`, which is how relaunch stops it).
+#
+# One file of one job (the notice), and long on purpose: it runs alone on the instance, with any
+# Python 3 there, beside nothing of relaunch.
 import calendar
 import email.utils
 import http.client

@@ -20,6 +20,9 @@ At the end the drill removes its notice file where it wrote it. The instances re
 rented are named; those that are sandbox instances (the drill had them rented) are destroyed
 unless --keep, after the training on them is saved and evacuated (`evacuate --stop`), so the
 store holds the newest step. Any other instance is left as it is, said, with how to end it.
+
+One job (the unattended rehearsal), a little over 500 lines: the two faults share the watch's
+child process, its output and the timeline, and would only pass them around if split.
 """
 
 from __future__ import annotations
