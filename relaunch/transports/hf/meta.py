@@ -4,9 +4,6 @@ commit (one commit, not four), read at the head, and compared and set against th
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 from ...errors import UsageError
 from ...manifest import MANIFEST, META_DIR
 from .commits import Commits
@@ -31,8 +28,7 @@ class MetaFiles(Commits):
         rel = f"{META_DIR}/{filename}"
         if rel not in self._snapshot(sha).files:
             return None
-        with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
-            return self._download(rel, sha, Path(tmp)).read_text(encoding="utf-8", errors="replace")
+        return self._read_text(rel, sha)
 
     swap_guarantee = "a compare-and-set: a commit against the head it compared with (parent_commit)"
 
@@ -47,10 +43,7 @@ class MetaFiles(Commits):
 
         def attempt() -> bool:
             snap = self._head_snapshot()
-            now: str | None = None
-            if rel in snap.files:
-                with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
-                    now = self._download(rel, snap.sha, Path(tmp)).read_text(encoding="utf-8", errors="replace")
+            now = self._read_text(rel, snap.sha) if rel in snap.files else None
             if now != expected:
                 return False
             self._commit([CommitOperationAdd(self._rp(rel), text.encode())], f"relaunch: {filename}", snap.sha,

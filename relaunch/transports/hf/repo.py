@@ -137,6 +137,11 @@ class HfRepo(Store):
         with self._hub(f"downloading {rel}"):
             return Path(self._api().hf_hub_download(self.repo_id, self._rp(rel), revision=sha, local_dir=folder))
 
+    def _read_text(self, rel: str, sha: str) -> str:
+        """A small file's text at commit `sha` (a metadata file, the manifest)."""
+        with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
+            return self._download(rel, sha, Path(tmp)).read_text(encoding="utf-8", errors="replace")
+
     def ensure_repo(self) -> None:
         """Create the repo (private) if it does not exist; relaunch never changes an existing one."""
         if self._repo_ready:
@@ -164,10 +169,8 @@ class HfRepo(Store):
     def _load_manifest(self, snap: Snapshot) -> StoreManifest | None:
         manifest_path = f"{META_DIR}/{MANIFEST}"
         if manifest_path in snap.files:
-            with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
-                text = self._download(manifest_path, snap.sha, Path(tmp)).read_text(encoding="utf-8",
-                                                                                    errors="replace")
-            return StoreManifest.from_json(text, f"{self.label}/{manifest_path}@{snap.sha[:12]}")
+            return StoreManifest.from_json(self._read_text(manifest_path, snap.sha),
+                                           f"{self.label}/{manifest_path}@{snap.sha[:12]}")
         if f"{TRAINER_LAST}/trainer_state.json" in snap.files:
             return self._trainer_manifest(snap)
         return None
@@ -209,6 +212,4 @@ class HfRepo(Store):
         path = f"{META_DIR}/{MANIFEST}"
         if path not in snap.files:
             return StoreManifest(recipe=self.recipe_name)
-        with tempfile.TemporaryDirectory(prefix="relaunch-hf-") as tmp:
-            text = self._download(path, snap.sha, Path(tmp)).read_text(encoding="utf-8", errors="replace")
-        return StoreManifest.from_json(text, f"{self.label}/{path}@{snap.sha[:12]}")
+        return StoreManifest.from_json(self._read_text(path, snap.sha), f"{self.label}/{path}@{snap.sha[:12]}")
