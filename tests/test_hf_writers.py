@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import host_side_address
-from test_hf_store import assert_no_secret, hf_recipe, hub_env, plant_file
 
+from conftest import host_side_address
 from e2e import run_cli
 from relaunch.errors import EvacuationError
 from relaunch.host.hashing import FileHash
 from relaunch.layouts.base import Checkpoint, Entry
 from relaunch.manifest import CheckpointRecord, FileRecord, StoreManifest, utc_now
+from test_hf_store import assert_no_secret, hf_recipe, hub_env, plant_file
 
 REPO = "acme/ckpts"
 SUB = "run1"
@@ -314,7 +314,7 @@ def test_a_record_whose_files_were_pruned_after_its_upload_is_refused(hub, tmp_p
 def test_retries_are_bounded_and_end_in_one_line(hub, tmp_path, monkeypatch):
     from relaunch.transports.hf import commits
 
-    monkeypatch.setattr(commits, "COMMIT_TRIES", 3, raising=False)
+    monkeypatch.setattr(commits, "COMMIT_TRIES", 3)
     a = writer(hub, tmp_path, "a")
     for i in range(3):          # someone commits before each of A's tries
         hub.before_commit("relaunch: manifest", lambda i=i: hub.seed(REPO, {f"{SUB}/notes-{i}.txt": b"busy"}))
