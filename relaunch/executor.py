@@ -14,20 +14,28 @@ import json
 import logging
 import re
 import threading
-from pathlib import Path
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Any
 
 from . import processes
-from .errors import CheckpointError, ConnectError, EnvError, EvacuationError, Interrupted, RelaunchError, \
-    remote_failure, shorten
+from .errors import (
+    CheckpointError,
+    ConnectError,
+    EnvError,
+    EvacuationError,
+    Interrupted,
+    RelaunchError,
+    remote_failure,
+    shorten,
+)
 from .host.hashing import parse_hashes
 from .host.remote import Remote
 from .plan import LOCAL, Action, Ref
 from .retry import retrying
-from .transports.base import Vanished
 from .transports import rsync
+from .transports.base import Vanished
 from .ui import UI, redact
 
 log = logging.getLogger("relaunch.executor")

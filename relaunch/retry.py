@@ -10,8 +10,14 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, \
-    wait_exponential
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from . import processes
 

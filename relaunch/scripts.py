@@ -21,7 +21,6 @@ from jinja2 import meta
 
 from .resources import templates_dir
 
-
 SHIPPED = "shipped"  # the prefix under which an override reaches the shipped scripts
 START_MARK = "=== relaunch: start "     # the line run.sh writes into the log at each start
 

@@ -7,22 +7,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cycle import connected, open_group, open_host
+from .errors import RelaunchError, shorten
 from .gather import gather, gather_group
 from .history import Interruption, read_history
 from .host.remote import Remote
-from .interval import badput_now
 from .host.spec import HostSpec
+from .interval import badput_now
 from .job import Lag, StoreState, drift
 from .recipe import Recipe
 from .savecosts import read_command, saves_of, summarize
 from .steps.checkpoint import instance_checkpoints
-from .steps.guard import LOOK_DEADLINE as GUARD_LOOK_DEADLINE, guard_session, look_command, parse_look, \
-    source_lines
+from .steps.guard import LOOK_DEADLINE as GUARD_LOOK_DEADLINE
+from .steps.guard import guard_session, look_command, parse_look, source_lines
 from .steps.launch import tail_command
 from .steps.notices import protection
 from .transports import open_store
 from .transports.base import Store
-from .errors import RelaunchError, shorten
 from .ui import UI, human
 from .watch.holder import read_state
 

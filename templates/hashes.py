@@ -10,7 +10,6 @@ import json
 import os
 import struct
 import sys
-
 import time
 
 algos = sys.argv[1:]

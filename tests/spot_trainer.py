@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-
 _BODY: dict[int, bytes] = {}
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import yaml
 
 from e2e import EXAMPLE, run_cli, wait_for
-
 from relaunch import sandbox as sb
 
 # A trainer that needs nothing but the standard library (the venv stays empty): prints a step

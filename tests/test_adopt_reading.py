@@ -20,8 +20,8 @@ import yaml
 
 from relaunch.adopt.candidates import candidates, on_gpus
 from relaunch.adopt.commandline import invocation
-from relaunch.adopt.facts import Detail, Scan
 from relaunch.adopt.environment import lock_lines
+from relaunch.adopt.facts import Detail, Scan
 from relaunch.adopt.places import plan_places, scanned_places
 from relaunch.adopt.reading import Context, read
 from relaunch.adopt.recipe_text import recipe_text

@@ -39,13 +39,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+
 from conftest import SSH, SandboxFactory
 from e2e import run_cli, wait_for
-from packaging.requirements import Requirement
+from relaunch import sandbox as sb
 from test_adopt import snapshot, unwrap
 from test_trainers import ARGS, EXAMPLE_LOCK, EXAMPLES, LOCKS, TOLERANCE, close, metrics
-
-from relaunch import sandbox as sb
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY, SLEEP = 40, 10, 0.1

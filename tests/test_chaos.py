@@ -39,15 +39,15 @@ from typing import Any
 
 import pytest
 import yaml
+
 from chaos_trainer import content
 from conftest import host_side_address
 from e2e import EXAMPLE, plain_recipe, wait_for
+from relaunch import sandbox as sb
 from test_faults import in_instance
 from test_guard import metadata_service, set_keys
 from test_watch import go_silent
 from test_watch_unattended import sandbox_env
-
-from relaunch import sandbox as sb
 
 SCHEDULES = int(os.environ.get("RELAUNCH_CHAOS_SCHEDULES", "4"))
 STEPS = int(os.environ.get("RELAUNCH_CHAOS_STEPS", "6"))

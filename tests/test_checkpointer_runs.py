@@ -29,10 +29,10 @@ import sys
 from pathlib import Path
 
 import yaml
-from e2e import run_cli, wait_for
-from test_guard import guard_file, watching
 
+from e2e import run_cli, wait_for
 from relaunch.layouts import LISTING_COMMAND, complete_checkpoints, parse_listing
+from test_guard import guard_file, watching
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "pytorch"

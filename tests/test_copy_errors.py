@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 from e2e import plain_recipe, start_cli, wait_for
-
 from relaunch.transports import rsync
 
 

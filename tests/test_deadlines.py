@@ -18,13 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e import plain_recipe, run_cli, start_cli, wait_for
-from test_faults import plant
 
+from e2e import plain_recipe, run_cli, start_cli, wait_for
 from relaunch import processes
 from relaunch import sandbox as sb
 from relaunch.errors import CheckpointError, Interrupted
 from relaunch.transports.hf import HfStore
+from test_faults import plant
 
 
 @pytest.fixture

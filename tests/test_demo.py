@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from e2e import run_cli
-
 from relaunch import sandbox as sb
 
 pytestmark = pytest.mark.sandbox  # the demo makes sandbox instances

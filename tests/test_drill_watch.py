@@ -15,15 +15,14 @@ from pathlib import Path
 import pytest
 
 from e2e import EXAMPLE, run_cli
-from spot_trainer import loss
-from test_guard import HISTORY, guard_file
-from test_watch_unattended import sandbox_env, spot_recipe
-
 from relaunch import sandbox as sb
 from relaunch.drill.follow import Line
 from relaunch.drill.timeline import Measured, measure
 from relaunch.history import Interruption
 from relaunch.recipe.model import Metrics
+from spot_trainer import loss
+from test_guard import HISTORY, guard_file
+from test_watch_unattended import sandbox_env, spot_recipe
 
 NOTICE_FILE = "~/.relaunch/{name}/drill-notice"
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from relaunch.resources import recipes_dir
 from e2e import REPO, run_cli
+from relaunch.resources import recipes_dir
 
 LOCAL = re.compile(r"127\.0\.0\.1|localhost|\[::1\]")
 SANDBOX_BASE = REPO / "recipes" / "providers" / "sandbox.yaml"

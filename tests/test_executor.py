@@ -9,9 +9,9 @@ import sys
 import threading
 
 import pytest
-from e2e import wait_for
 from rich.console import Console
 
+from e2e import wait_for
 from relaunch.errors import CheckpointError, RelaunchError
 from relaunch.executor import Executor
 from relaunch.plan import LOCAL, Action, Ref

@@ -18,8 +18,8 @@ from io import BytesIO
 from pathlib import Path
 
 import pytest
-from e2e import plain_recipe, run_cli, start_cli, wait_for
 
+from e2e import plain_recipe, run_cli, start_cli, wait_for
 from relaunch import sandbox as sb
 
 MANIFEST = Path(".relaunch") / "manifest.json"

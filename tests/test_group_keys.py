@@ -9,9 +9,8 @@ line is as it was and the user still gets in.
 from __future__ import annotations
 
 from e2e import plain_recipe, run_cli
-from test_faults import plant
-
 from relaunch import sandbox as sb
+from test_faults import plant
 
 
 def test_a_fanout_key_added_and_removed_leaves_a_user_line_without_final_newline_intact(

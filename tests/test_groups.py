@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e import run_cli, wait_for
 
+from e2e import run_cli, wait_for
 from relaunch import sandbox as sb
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pytorch"

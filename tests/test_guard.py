@@ -18,7 +18,6 @@ import pytest
 import yaml
 
 from e2e import example_recipe, plain_recipe, run_cli, wait_for
-
 from relaunch.sandbox import Instance
 from relaunch.sandbox.network import netns
 

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e import wait_for
 
+from e2e import wait_for
 from relaunch.host.hashing import local_hash_argv, parse_hashes, paths_stdin
 
 

@@ -17,9 +17,9 @@ import struct
 from pathlib import Path
 
 import yaml
+
 from conftest import host_side_address
 from e2e import example_recipe, local_final_hash, plain_recipe, run_cli, wait_for
-
 from relaunch import sandbox as sb
 
 REPO = "acme/ckpts"

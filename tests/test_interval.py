@@ -16,8 +16,8 @@ import pytest
 from e2e import plain_recipe, run_cli
 from relaunch.errors import CheckpointError, UsageError
 from relaunch.interval import (
-    best_interval,
     badput,
+    best_interval,
     compute,
     measure,
     parse_duration,

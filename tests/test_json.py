@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from e2e import plain_recipe, run_cli, wait_for
 from test_faults import plant
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from relaunch.errors import CheckpointError, UsageError
+from relaunch.host.hashing import hash_command, parse_hashes, paths_stdin
 from relaunch.layouts import (
     LAYOUTS,
     LISTING_COMMAND,
@@ -22,7 +23,6 @@ from relaunch.layouts import (
     layout_names,
     parse_listing,
 )
-from relaunch.host.hashing import hash_command, parse_hashes, paths_stdin
 
 FIXTURES = Path(__file__).parent / "fixtures" / "listings"
 FIXTURE_FILES = sorted(FIXTURES.glob("*.json"))

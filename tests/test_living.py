@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from e2e import example_recipe, plain_recipe, run_cli, wait_for
-
 from relaunch import sandbox as sb
 
 MANIFEST = Path(".relaunch") / "manifest.json"

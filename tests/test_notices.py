@@ -11,9 +11,8 @@ import json
 from pathlib import Path
 
 from e2e import plain_recipe, run_cli
-from test_guard import metadata_service
-
 from relaunch.steps.notices import Protection
+from test_guard import metadata_service
 
 
 def test_the_words_for_each_finding() -> None:

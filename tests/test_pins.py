@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e import plain_recipe, run_cli, wait_for
 
+from e2e import plain_recipe, run_cli, wait_for
 from relaunch import sandbox as sb
 
 MANIFEST = Path(".relaunch") / "manifest.json"

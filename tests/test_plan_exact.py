@@ -10,7 +10,6 @@ import shlex
 from collections import Counter
 
 from e2e import plain_recipe, run_cli
-
 from relaunch import sandbox as sb
 
 

@@ -537,8 +537,8 @@ def test_group_shape_keeps_the_global_batch_and_names_the_counts_that_would(stat
 
 def test_what_changed_and_a_zero_checkpoint_at_another_world_size(state: Path) -> None:
     from relaunch.errors import CheckpointError
-    from relaunch.steps.group import check_reshard, shape, what_changed
     from relaunch.manifest import CheckpointRecord, FileRecord
+    from relaunch.steps.group import check_reshard, shape, what_changed
 
     jobs, _ = group_jobs(state, 1, gpus=4, sets=("run.batch={global: 512, micro: 8}",))
     saved = {"world_size": 8, "grad_accum": 8, "nnodes": 2, "nproc_per_node": 4}

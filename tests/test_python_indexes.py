@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from e2e import plain_recipe, run_cli, wait_for
 
+from e2e import plain_recipe, run_cli, wait_for
 from relaunch.sandbox import network
 from relaunch.sandbox.index import _write_simple_index
 from relaunch.sandbox.pythons import build_mirror

@@ -8,9 +8,9 @@ import json
 import os
 
 import pytest
+
 from conftest import host_side_address
 from e2e import example_recipe, local_final_hash, plain_recipe, run_cli, start_cli, wait_for
-
 from relaunch import sandbox as sb
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from e2e import plain_recipe, run_cli, start_cli, wait_for
-
 from relaunch import sandbox as sb
 
 

@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from e2e import run_cli, wait_for
 
+from e2e import run_cli, wait_for
 from relaunch import sandbox as sb
 from relaunch.errors import UsageError
 from relaunch.sandbox import freezer, images, instance, network, pythons

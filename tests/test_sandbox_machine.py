@@ -16,8 +16,8 @@ from ipaddress import IPv4Network, ip_address
 from pathlib import Path
 
 import pytest
-from e2e import run_cli
 
+from e2e import run_cli
 from relaunch import sandbox as sb
 from relaunch.errors import UsageError
 from relaunch.sandbox import network, users

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from conftest import HubFactory, S3Remote, S3RemoteFactory, host_side_address, tool_path
 from e2e import wait_for
 from hubserver import start_hub

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from conftest import host_side_address
 from e2e import plain_recipe, run_cli, wait_for
-
 from relaunch.host.spec import Target
 from relaunch.host.ssh_argv import ssh_argv
 

@@ -10,12 +10,11 @@ import json
 import pytest
 
 from e2e import plain_recipe, run_cli, wait_for
-from test_adopt import adopt, bare_venv, has_checkpoint, start_in_tmux
-
 from relaunch.cycle import stop_training
 from relaunch.host.spec import HostSpec
 from relaunch.recipe import load_recipe
 from relaunch.ui import UI
+from test_adopt import adopt, bare_venv, has_checkpoint, start_in_tmux
 
 # saves only when asked to stop (SIGTERM): the checkpoint evacuate --stop must find is that one
 SAVES_ON_TERM = r'''

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from e2e import REPO, run_cli, wait_for
 from relaunch import scripts
 from relaunch.errors import RecipeError
 from relaunch.recipe import check_recipe, load_providers, load_recipe
 from relaunch.recipe.explain import explain
 from relaunch.recipe.providers import LAYOUTS, RECLAIM_NOTICES
 from relaunch.resources import recipes_dir
-from e2e import REPO, run_cli, wait_for
 
 TEAM = REPO / "examples" / "team"
 PROJECT = "name: p\nrun: {command: x}\ncheckpoint: {remote: s}\n"

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e import wait_for
 
+from e2e import wait_for
 from relaunch import train
 from relaunch.layouts import LISTING_COMMAND, complete_checkpoints, parse_listing
 from relaunch.train import COMPLETE_MARKER, GlobalBatchSampler, StopRequest

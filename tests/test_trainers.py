@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e import run_cli, wait_for
 
+from e2e import run_cli, wait_for
 from relaunch import sandbox as sb
 
 pytestmark = pytest.mark.sandbox  # trains with torch, transformers, lightning

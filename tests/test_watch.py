@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from e2e import EXAMPLE, example_recipe, plain_recipe, run_cli, wait_for
-from test_guard import HISTORY, MANIFEST, events, set_keys, step_lines, watching
-
 from relaunch import sandbox as sb
 from relaunch.sandbox.instance import RUN_DIR
 from relaunch.sandbox.network import netns, veths
+from test_guard import HISTORY, MANIFEST, events, set_keys, step_lines, watching
+
 
 def go_silent(inst: sb.Instance) -> None:
     """Every packet to and from the instance dropped without a word, as a powered-off machine does."""

@@ -22,16 +22,23 @@ from pathlib import Path
 import yaml
 
 from e2e import EXAMPLE, REPO, plain_recipe, run_cli, wait_for
-from test_guard import guard_file, metadata_service, set_keys, watch_document, watching
-from test_watch import go_silent
-from test_watch_unattended import _free_port, _serve_s3, _stop, err_of, events, history, manifest, sandbox_env, \
-    spot_recipe
-
 from relaunch import sandbox as sb
 from relaunch.recipe import load_recipe
 from relaunch.transports import open_store
 from relaunch.ui import UI
-
+from test_guard import guard_file, metadata_service, set_keys, watch_document, watching
+from test_watch import go_silent
+from test_watch_unattended import (
+    _free_port,
+    _serve_s3,
+    _stop,
+    err_of,
+    events,
+    history,
+    manifest,
+    sandbox_env,
+    spot_recipe,
+)
 
 
 def test_a_watch_started_in_a_folder_holding_a_relaunch_tree_copies_with_the_installed_package(

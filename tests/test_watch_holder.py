@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from e2e import plain_recipe
 from relaunch import processes
 from relaunch.errors import UsageError
 from relaunch.recipe.loader import load_recipe
@@ -24,8 +25,6 @@ from relaunch.transports.local import LocalPathStore
 from relaunch.transports.rclone import RcloneStore
 from relaunch.ui import UI
 from relaunch.watch.holder import Holder
-
-from e2e import plain_recipe
 
 
 @pytest.fixture()

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from e2e import plain_recipe
-
 from relaunch.host.spec import HostSpec
 from relaunch.recipe.loader import load_recipe
 from relaunch.ui import UI

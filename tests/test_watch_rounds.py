@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from e2e import plain_recipe, wait_for
-
 from relaunch import processes
 from relaunch.errors import RelaunchError
 from relaunch.host.spec import HostSpec

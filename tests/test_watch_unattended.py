@@ -19,16 +19,15 @@ import time
 from pathlib import Path
 
 from e2e import EXAMPLE, plain_recipe, run_cli, wait_for
-from spot_trainer import content
-from test_guard import HISTORY, MANIFEST, guard_file, metadata_service, watching
-from test_guard import events as lines
-from test_watch import go_silent
-
 from relaunch import sandbox as sb
 from relaunch.manifest import CheckpointRecord, FileRecord, StoreManifest, utc_now
 from relaunch.sandbox.instance import RUN_DIR
 from relaunch.sandbox.network import netns, veths
 from relaunch.transports.folder import LocalStore
+from spot_trainer import content
+from test_guard import HISTORY, MANIFEST, guard_file, metadata_service, watching
+from test_guard import events as lines
+from test_watch import go_silent
 
 HERE = Path(__file__).parent
 TRAINER = HERE / "spot_trainer.py"
@@ -569,7 +568,6 @@ def test_a_group_that_loses_a_node_trains_on_the_one_left_and_grows_back_with_a_
     records both changes of shape. Every resumed step's loss matches the uninterrupted run's within the
     tolerance of tests/test_groups.py."""
     from test_groups import close, dist_recipe, losses, reference
-
     from test_guard import set_keys
 
     home = tmp_path / "state"
@@ -638,7 +636,6 @@ def test_a_notice_on_one_node_saves_the_whole_group_and_a_replacement_brings_it_
     recover.shrink a replacement is rented for node 1 and the group comes back at full size on node 0
     and the replacement, resumed from that save: no step lost."""
     from test_groups import dist_recipe
-
     from test_guard import set_keys
 
     home = tmp_path / "state"

@@ -12,6 +12,7 @@ import json
 import signal
 
 import pytest
+
 from conftest import host_side_address
 from e2e import plain_recipe, run_cli, start_cli, wait_for
 from test_faults import plant, records

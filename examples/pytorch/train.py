@@ -35,8 +35,8 @@ import signal
 import sys
 import time
 import warnings
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .commandline import Invocation, flag_value, normal_flag, options
-from .facts import MARK, Detail
 from .environment import is_relaunch_train
+from .facts import MARK, Detail
 from .words import CKPT_OPTIONS, CODE_SUFFIXES, RESUME_OPTIONS, absolute
 
 

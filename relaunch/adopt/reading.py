@@ -25,8 +25,23 @@ from .facts import MARK, Detail, Scan
 from .places import Place, choose_place, examine
 from .program import layout_in_source, pattern_in_source, program_files, source_flags
 from .provider import guess_provider
-from .words import (CKPT, ML_PREFIXES, MULTI_GPU, NPROC, RESUME, RESUME_OPTIONS, SYSTEM_PREFIXES, SYSTEM_VARS, WORLD,
-                    env_value, local_name, secrets_in, shell_word, shown, tilde)
+from .words import (
+    CKPT,
+    ML_PREFIXES,
+    MULTI_GPU,
+    NPROC,
+    RESUME,
+    RESUME_OPTIONS,
+    SYSTEM_PREFIXES,
+    SYSTEM_VARS,
+    WORLD,
+    env_value,
+    local_name,
+    secrets_in,
+    shell_word,
+    shown,
+    tilde,
+)
 
 
 @dataclass

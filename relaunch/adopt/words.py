@@ -10,7 +10,6 @@ import shlex
 
 from .facts import MARK
 
-
 # options that name where checkpoints go (their normal names, see commandline.normal_flag)
 CKPT_OPTIONS = ("output_dir", "out_dir", "outdir", "out", "output", "ckpt_dir", "ckpt", "ckpts", "checkpoint_dir",
                 "checkpoints_dir", "checkpoints", "save_dir", "save_path", "save", "dirpath", "default_root_dir",

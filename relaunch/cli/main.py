@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 import sys
+import threading
 
 import click
 
@@ -14,7 +14,7 @@ from .. import processes
 from ..errors import EvacuationError, Interrupted, RelaunchError
 from ..paths import debug_log_file
 from ..ui import redact, setup_logging
-from .common import document, print_document, cli
+from .common import cli, document, print_document
 
 log = logging.getLogger("relaunch")
 

@@ -32,7 +32,8 @@ def adopt(host: str, output: str, name: str | None, session: str | None, accept_
     (secrets by name only), SSH user; the program's files are copied beside the recipe. Every fact is
     printed with its evidence, every guess marked. Read-only on the instance. --set values go into the
     recipe (e.g. --set ssh.key=KEY, --set checkpoint.remote=rclone:...)."""
-    from ..adopt import adopt as adopt_run, render
+    from ..adopt import adopt as adopt_run
+    from ..adopt import render
 
     ui = UI(verbose=verbose)
     chooser = ask_which if sys.stdin.isatty() and not yes else None
@@ -62,7 +63,8 @@ def ask_which(lines: list[str]) -> int:
 def check(recipe: str, explain: bool, overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
     """Validate a recipe (extends resolved, templates rendered) without touching any host."""
     from ..recipe import check_recipe
-    from ..recipe.explain import explain as explained, explain_text
+    from ..recipe.explain import explain as explained
+    from ..recipe.explain import explain_text
     from ..recipe.render import disk_findings
 
     r = load(recipe, overrides)

@@ -180,7 +180,8 @@ def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str
     """Is training alive, its last log lines, GPUs, newest checkpoint on the instance vs newest
     verified in the store (the lag), free disk, env drift. Exit 0 alive, 4 not, 3 unreachable."""
     from ..errors import EnvError
-    from ..status import group_status, render, render_group, status as get_status
+    from ..status import group_status, render, render_group
+    from ..status import status as get_status
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
@@ -215,8 +216,15 @@ def freeze(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: b
     """Write the instance venv's `pip freeze` into the recipe's lock file, and the package indexes
     its pip and uv use into the recipe (env.index_url, env.extra_index_urls), showing the diffs first."""
     from .. import cycle
-    from ..freeze import (index_change, instance_freeze, local_version_warning, lock_diff, lock_path, write_lock,
-                         write_text)
+    from ..freeze import (
+        index_change,
+        instance_freeze,
+        local_version_warning,
+        lock_diff,
+        lock_path,
+        write_lock,
+        write_text,
+    )
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)

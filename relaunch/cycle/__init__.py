@@ -20,8 +20,16 @@ from ..recipe import Recipe
 from ..ui import UI
 from .evacuation import evacuate, evacuate_jobs, parts_of, relist
 from .handlers import GroupCopyKey, StepOutputs, executor_for
-from .hosts import (connected, group_known_hosts, last_host, last_hosts, make_target, open_group, open_host,
-                    remember_host)
+from .hosts import (
+    connected,
+    group_known_hosts,
+    last_host,
+    last_hosts,
+    make_target,
+    open_group,
+    open_host,
+    remember_host,
+)
 from .node_group import plan_group_up, unsaved_group_checkpoint, up_group
 from .one_host import plan_up, prepare, up_one
 from .starting import UpResult

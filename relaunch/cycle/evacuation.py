@@ -20,11 +20,11 @@ from ..layouts import Checkpoint, Entry
 from ..manifest import CheckpointRecord
 from ..plan import LOCAL, Action
 from ..recipe import Recipe
-from ..steps.checkpoint import instance_checkpoints
-from ..steps.group import tag
-from ..steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan_copy, plan_meta, plan_unpin
-from ..steps.guard import newest_logged_step
 from ..scripts import this_run
+from ..steps.checkpoint import instance_checkpoints
+from ..steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan_copy, plan_meta, plan_unpin
+from ..steps.group import tag
+from ..steps.guard import newest_logged_step
 from ..steps.launch import tail_command
 from ..transports import Damaged, Mismatch, Store, Vanished, open_store
 from ..transports.base import store_deadline

@@ -12,12 +12,11 @@ from ..executor import Executor
 from ..host.remote import Remote
 from ..job import Job, drift
 from ..recipe import Recipe
-from ..steps.group import MARK
 from ..steps.evacuate import Unpinned
+from ..steps.group import MARK
 from ..transports import Store
 from ..transports.tools import indexes_searched
 from ..ui import UI, redact
-
 
 # the lines of pip's or uv's output that name what could not be installed, best first
 _INSTALL_ERRORS = (re.compile(r"Because (.+?)(?:, we can conclude.*)?$", re.M),            # uv

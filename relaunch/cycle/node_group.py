@@ -16,8 +16,8 @@ from ..layouts import Checkpoint
 from ..plan import Action, Plan
 from ..recipe import Recipe
 from ..steps.checkpoint import choose, instance_checkpoints, on_every_node, plan_restore
-from ..steps.group import barrier, check_reshard, plan_fanout, shape, shaped, tag, what_changed
 from ..steps.env import plan_env
+from ..steps.group import barrier, check_reshard, plan_fanout, shape, shaped, tag, what_changed
 from ..steps.launch import plan_launch
 from ..steps.preflight import plan_preflight
 from ..transports import Store, open_store

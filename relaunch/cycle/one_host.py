@@ -13,8 +13,8 @@ from ..job import Job
 from ..plan import Action, Plan
 from ..recipe import Recipe
 from ..steps.checkpoint import choose, plan_restore
-from ..steps.group import check_reshard, shape, shaped, what_changed
 from ..steps.env import plan_env
+from ..steps.group import check_reshard, shape, shaped, what_changed
 from ..steps.launch import plan_launch
 from ..steps.preflight import plan_preflight
 from ..transports import Store, open_store

@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from relaunch.errors import RecipeError
-from relaunch.recipe.model import recipe_keys_of, REMOTE_PREFIXES, Origin, Recipe, _scalar_text
+from relaunch.recipe.model import REMOTE_PREFIXES, Origin, Recipe, _scalar_text, recipe_keys_of
 from relaunch.recipe.providers import did_you_mean
 from relaunch.resources import recipes_dir
 

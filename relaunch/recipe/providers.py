@@ -18,7 +18,6 @@ import yaml
 from relaunch.errors import UsageError
 from relaunch.resources import recipes_dir
 
-
 # The reclaim notices the on-instance guard knows how to watch; "none": documented to give none.
 RECLAIM_NOTICES = ("aws", "gcp", "azure", "sigterm", "none")
 FATES = ("kept", "wiped")

@@ -39,13 +39,13 @@ Every decision on names, slots, ranges and "the last one" is taken under one mac
 so several processes may create and destroy instances at once.
 """
 
+from .console import commands, release_key, run_in, set_link, set_silent
 from .images import PROFILES
 from .index import build_index
-from .console import commands, release_key, run_in, set_link, set_silent
 from .instance import INDEX_PORT, create, destroy
+from .power import pause, resume, start, stop
 from .processes import pid1
 from .records import RUN_DIR, Instance, default_key, get, list_instances, state
-from .power import pause, resume, start, stop
 
 __all__ = [
     "INDEX_PORT",

@@ -43,7 +43,6 @@ from .processes import cmdline, kill_recorded, log_tail, netns_pids, process_sta
 from .records import RUN_DIR, Instance, check_name, default_key, folder_of, require_root, save_meta
 from .users import HOMES
 
-
 DISK_RE = re.compile(r"[1-9][0-9]*[kKmMgG]?")
 INDEX_PORT = 8765
 VOLUME_SIZE = "8G"  # an image's disk besides home (/workspace ...), unless create() is given another

@@ -10,7 +10,6 @@ import signal
 import subprocess
 from pathlib import Path
 
-
 from . import network
 from .network import netns_exists
 from .records import folder_of

@@ -12,8 +12,8 @@ from ..host.remote import upload_command
 from ..job import Job, drift
 from ..plan import LOCAL, Action, Ref
 from ..recipe import render_shell_at
-from ..transports import rsync
 from ..scripts import export_lines
+from ..transports import rsync
 from ..transports.tools import index_exports, indexes_searched, tool_action
 
 LANE = "env"

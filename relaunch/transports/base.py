@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from .. import processes
 from ..errors import EvacuationError
+from ..host.hashing import FileHash
 from ..layouts import Checkpoint
+from ..manifest import EXTRA_HASHES, CheckpointRecord, FileRecord, Seen, StoreManifest, utc_now
 from ..paths import state_dir
 from ..plan import LOCAL, Action, Ref
-from ..host.hashing import FileHash
-from ..manifest import Seen, EXTRA_HASHES, CheckpointRecord, FileRecord, StoreManifest, utc_now
 from ..ui import UI
 
 if TYPE_CHECKING:

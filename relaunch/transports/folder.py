@@ -25,11 +25,11 @@ import shutil
 import stat
 import tempfile
 import time
-from datetime import datetime, UTC
+from datetime import UTC, datetime
 from pathlib import Path
 
 from ..errors import CheckpointError, EvacuationError, UsageError
-from ..manifest import META_DIR, MANIFEST, Seen, CheckpointRecord, FileRecord, StoreManifest, check_relpath
+from ..manifest import MANIFEST, META_DIR, CheckpointRecord, FileRecord, Seen, StoreManifest, check_relpath
 
 SWAP_WAIT = 30.0        # seconds a compare-and-set of a metadata file waits for another one (held for milliseconds)
 PARTIAL = "partial"

@@ -19,14 +19,13 @@ from ..errors import EvacuationError, Interrupted
 from ..host.hashing import FileHash, hash_deadline, local_hash_argv, parse_hashes, paths_stdin
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
-from ..manifest import Seen, CheckpointRecord, StoreManifest
+from ..manifest import CheckpointRecord, Seen, StoreManifest
 from ..paths import known_hosts_file
 from ..plan import LOCAL, Action, Ref
 from ..ui import human
 from . import rsync
 from .base import Hashes, Mismatch, Store, expected_record, incoming_ready
 from .folder import LocalStore
-
 
 COPY_LANE, FOLLOW_LANE = "copy", "hash-here"
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 import re
 import shlex
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from ..errors import CheckpointError, ConnectError, EvacuationError, RelaunchErr
 from ..host.hashing import FileHash, paths_stdin
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
-from ..manifest import Seen, META_DIR, MANIFEST, CheckpointRecord, FileRecord, StoreManifest
+from ..manifest import MANIFEST, META_DIR, CheckpointRecord, FileRecord, Seen, StoreManifest
 from ..plan import LOCAL, Action
 from ..recipe import Recipe
 from ..retry import retrying

@@ -19,7 +19,7 @@ from typing import Any
 from ..host.hashing import FileHash
 from ..job import Job, StoreState
 from ..layouts import Checkpoint
-from ..manifest import Seen, EXTRA_HASHES, CheckpointRecord, StoreManifest
+from ..manifest import EXTRA_HASHES, CheckpointRecord, Seen, StoreManifest
 from ..plan import LOCAL, Action, Ref
 from ..ui import UI, human
 from .base import Hashes, Mismatch, Store, cp_bytes, expected_record, hash_ref_names, store_deadline
@@ -27,7 +27,6 @@ from .folder import LocalStore
 from .hf import HfStore
 from .local import StagingCalls, pull_actions, push_actions
 from .rclone import RcloneStore
-
 
 UPLOAD_LANE = "upload"
 

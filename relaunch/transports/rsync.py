@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..host.ssh_argv import rsync_rsh
 from ..host.spec import Target
+from ..host.ssh_argv import rsync_rsh
 from .folder import RSYNC_PARTIAL
 
 # Exit codes worth another try: stream/timeout errors and ssh dropping out. 24: files vanished

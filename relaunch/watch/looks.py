@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, replace
 
 from .. import processes
-from ..scripts import this_run
 from ..cycle import make_target
 from ..errors import ConnectError, HostKeyError, RelaunchError
 from ..host.connection import connect
@@ -22,6 +21,7 @@ from ..host.spec import HostSpec
 from ..job import Facts, Job, Node
 from ..layouts import complete_checkpoints
 from ..recipe import Recipe
+from ..scripts import this_run
 from ..steps.guard import LOOK_DEADLINE, Look, look_command, newest_logged_step, parse_look
 from ..ui import redact
 

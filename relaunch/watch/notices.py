@@ -15,10 +15,9 @@ from ..errors import EvacuationError, Interrupted, RelaunchError, UsageError
 from ..steps.evacuate import Report
 from ..steps.guard import record_command
 from .failures import first_line
-from .state import WatchBase, WatchEnd
 from .looks import View
 from .rounds import clock
-
+from .state import WatchBase, WatchEnd
 
 SAVE_SLACK = 10.0          # seconds beyond run.stop.timeout to wait for the guard's save
 WRITE_BACK_DEADLINE = 15.0

@@ -16,9 +16,8 @@ from ..host.spec import HostSpec
 from ..retry import retrying
 from . import recover as rent
 from .failures import first_line, recoverable
-from .state import WatchBase
 from .looks import Looker
-
+from .state import WatchBase
 
 REPLACED_LOOKS = 5            # a replaced instance is looked at every REPLACED_LOOKS x guard.every seconds
 
