@@ -147,13 +147,12 @@ def sleep(seconds: float, also: threading.Event | None = None) -> None:
     raise Interrupted("interrupted")
 
 
-@dataclass
-class Completed:
-    argv: Sequence[str]
-    status: int | None          # None: killed at its deadline or on cancel
+class Finished:
+    """What a finished command left, here (`Completed`) or on the instance (`remote.ExecResult`)."""
+
+    status: int | None
     stdout: bytes
     stderr: bytes
-    timed_out: bool = False
 
     @property
     def ok(self) -> bool:
@@ -166,6 +165,19 @@ class Completed:
     @property
     def err(self) -> str:
         return self.stderr.decode(errors="replace")
+
+    @property
+    def output(self) -> str:
+        return (self.stdout + b"\n" + self.stderr).decode(errors="replace")
+
+
+@dataclass
+class Completed(Finished):
+    argv: Sequence[str]
+    status: int | None          # None: killed at its deadline or on cancel
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
 
 
 def end_group(proc: subprocess.Popen[bytes], grace: float = GRACE) -> None:

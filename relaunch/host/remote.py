@@ -41,24 +41,12 @@ PGID_LINE = re.compile(rb"relaunch-pgid (\d+)\n")
 
 
 @dataclass
-class ExecResult:
+class ExecResult(processes.Finished):
     command: str
     status: int | None              # None: no exit status (connection lost, deadline, cancelled)
     stdout: bytes
     stderr: bytes
     timed_out: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 0
-
-    @property
-    def text(self) -> str:
-        return self.stdout.decode(errors="replace")
-
-    @property
-    def output(self) -> str:
-        return (self.stdout + b"\n" + self.stderr).decode(errors="replace")
 
 
 def wire(command: str, stdin: bool = True) -> str:
