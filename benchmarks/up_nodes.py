@@ -35,12 +35,12 @@ import yaml
 
 from relaunch import sandbox as sb
 from relaunch.manifest import CheckpointRecord, FileRecord, StoreManifest, utc_now
-from relaunch.transports.folder import LocalStore
+from relaunch.transports.folder import StoreFolder
 
 
 def make_store(folder: Path, size_mb: int) -> Path:
     """A local store holding ckpt-00000100.pt (SIZE MB of random bytes), verified in its manifest."""
-    store = LocalStore(folder / "store")
+    store = StoreFolder(folder / "store")
     name = "ckpt-00000100.pt"
     staged = store.staging(name) / name
     digest = hashlib.sha256()

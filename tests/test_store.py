@@ -16,7 +16,7 @@ from relaunch.manifest import (
     StoreManifest,
     utc_now,
 )
-from relaunch.transports.folder import LocalStore
+from relaunch.transports.folder import StoreFolder
 
 
 def sha(data: bytes) -> str:
@@ -33,7 +33,7 @@ def record_for(name: str, step: int, files: dict[str, bytes]) -> CheckpointRecor
     )
 
 
-def stage(store: LocalStore, name: str, files: dict[str, bytes]) -> CheckpointRecord:
+def stage(store: StoreFolder, name: str, files: dict[str, bytes]) -> CheckpointRecord:
     """Put files where a transfer would: staging(name) / <store path>."""
     base = store.staging(name)
     for path, data in files.items():
@@ -42,7 +42,7 @@ def stage(store: LocalStore, name: str, files: dict[str, bytes]) -> CheckpointRe
     return record_for(name, int(name.rsplit("-", 1)[1].split(".")[0]), files)
 
 
-def evacuate(store: LocalStore, manifest: StoreManifest, name: str, files: dict[str, bytes]) -> None:
+def evacuate(store: StoreFolder, manifest: StoreManifest, name: str, files: dict[str, bytes]) -> None:
     record = stage(store, name, files)
     assert store.verify_staged(name, record.files) == []
     store.commit(record)
@@ -57,7 +57,7 @@ HF_500 = {"checkpoint-500/model.pt": b"weights" * 1000, "checkpoint-500/trainer_
 
 
 def test_manifest_round_trip_and_numeric_order(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path / "store")
+    store = StoreFolder(tmp_path / "store")
     assert store.load_manifest() is None
     m = StoreManifest(recipe="llama-ft")
     for step in (1000, 999, 20):
@@ -73,7 +73,7 @@ def test_manifest_round_trip_and_numeric_order(tmp_path: Path) -> None:
 
 
 def test_manifest_write_is_atomic_when_the_write_fails_midway(tmp_path: Path, monkeypatch) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     old = StoreManifest(recipe="r")
     old.add(record_for("ckpt-1.pt", 1, {"ckpt-1.pt": b"a"}))
     store.save_manifest(old)
@@ -110,7 +110,7 @@ def test_manifest_write_is_atomic_when_the_write_fails_midway(tmp_path: Path, mo
 
 
 def test_manifest_write_is_atomic_when_fsync_fails(tmp_path: Path, monkeypatch) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     old = StoreManifest(recipe="r")
     store.save_manifest(old)
 
@@ -175,7 +175,7 @@ GOOD = {
     ],
 )
 def test_corrupt_manifest_is_a_checkpoint_error(tmp_path: Path, text: str) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     store.meta.mkdir()
     store.manifest_path.write_text(text)
     with pytest.raises(CheckpointError, match="corrupt store manifest") as info:
@@ -184,7 +184,7 @@ def test_corrupt_manifest_is_a_checkpoint_error(tmp_path: Path, text: str) -> No
 
 
 def test_manifest_that_is_not_utf8(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     store.meta.mkdir()
     store.manifest_path.write_bytes(b"\xff\xfe{")
     with pytest.raises(CheckpointError, match="corrupt store manifest"):
@@ -195,7 +195,7 @@ def test_manifest_that_is_not_utf8(tmp_path: Path) -> None:
 
 
 def test_is_empty(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path / "store")
+    store = StoreFolder(tmp_path / "store")
     assert store.is_empty()  # missing
     store.root.mkdir()
     assert store.is_empty()
@@ -205,14 +205,14 @@ def test_is_empty(tmp_path: Path) -> None:
     store.write_meta("freeze.txt", "torch==2.13\n")
     store.save_manifest(StoreManifest(recipe="r"))
     assert store.is_empty()  # a copy round before the first save wrote metadata only: still no checkpoint
-    other = LocalStore(tmp_path / "other")
+    other = StoreFolder(tmp_path / "other")
     other.root.mkdir()
     (other.root / "ckpt-1.pt").write_bytes(b"x")
     assert not other.is_empty()
 
 
 def test_write_meta(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     store.write_meta("log-tail.txt", "step 500 loss 1.2\n")
     store.write_meta("log-tail.txt", "step 600 loss 1.1\n")
     assert (store.meta / "log-tail.txt").read_text() == "step 600 loss 1.1\n"
@@ -224,21 +224,21 @@ def test_write_meta(tmp_path: Path) -> None:
 def test_hash_file_streams_large_files(tmp_path: Path) -> None:
     data = os.urandom(3 * (1 << 20) + 17)  # spans several read chunks
     (tmp_path / "big").write_bytes(data)
-    assert LocalStore.hash_file(tmp_path / "big") == sha(data)
+    assert StoreFolder.hash_file(tmp_path / "big") == sha(data)
 
 
 # -- verify_staged -------------------------------------------------------------------------------
 
 
 def test_verify_staged_accepts_a_good_copy(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     record = stage(store, "checkpoint-500", HF_500)
     assert store.staging("checkpoint-500") == tmp_path / ".relaunch" / "partial" / "checkpoint-500"
     assert store.verify_staged("checkpoint-500", record.files) == []
 
 
 def test_verify_staged_catches_a_flipped_byte(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     record = stage(store, "checkpoint-500", HF_500)
     staged = store.staging("checkpoint-500") / "checkpoint-500/model.pt"
     data = bytearray(staged.read_bytes())
@@ -249,7 +249,7 @@ def test_verify_staged_catches_a_flipped_byte(tmp_path: Path) -> None:
 
 
 def test_verify_staged_catches_truncated_missing_and_unexpected(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     record = stage(store, "checkpoint-500", HF_500)
     base = store.staging("checkpoint-500")
     with open(base / "checkpoint-500/model.pt", "r+b") as f:
@@ -267,7 +267,7 @@ def test_verify_staged_catches_truncated_missing_and_unexpected(tmp_path: Path) 
 
 
 def test_verify_staged_refuses_a_symlink_in_place_of_a_file(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     outside = tmp_path / "outside.pt"
     outside.write_bytes(b"a")
     base = store.staging("ckpt-1.pt")
@@ -280,7 +280,7 @@ def test_verify_staged_refuses_a_symlink_in_place_of_a_file(tmp_path: Path) -> N
 
 
 def test_commit_moves_files_into_place_then_manifest_last(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     record = stage(store, "checkpoint-500", HF_500)
     store.commit(record)
     for path, data in HF_500.items():
@@ -290,7 +290,7 @@ def test_commit_moves_files_into_place_then_manifest_last(tmp_path: Path) -> Non
 
 
 def test_commit_accepts_identical_bytes_already_in_the_store(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     store.commit(stage(store, "checkpoint-500", HF_500))
     record = stage(store, "checkpoint-500", HF_500)  # an interrupted run transferred it again
     store.commit(record)
@@ -299,7 +299,7 @@ def test_commit_accepts_identical_bytes_already_in_the_store(tmp_path: Path) -> 
 
 
 def test_commit_refuses_to_overwrite_different_bytes(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     store.commit(stage(store, "checkpoint-500", HF_500))
     changed = dict(HF_500)
     changed["checkpoint-500/trainer_state.json"] = b"{}\n"  # rewritten by the instance
@@ -312,7 +312,7 @@ def test_commit_refuses_to_overwrite_different_bytes(tmp_path: Path) -> None:
 
 
 def test_commit_same_size_different_bytes_is_refused(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     store.commit(stage(store, "ckpt-1.pt", {"ckpt-1.pt": b"aaaa"}))
     with pytest.raises(EvacuationError, match="different bytes"):
         store.commit(stage(store, "ckpt-1.pt", {"ckpt-1.pt": b"aaab"}))
@@ -320,7 +320,7 @@ def test_commit_same_size_different_bytes_is_refused(tmp_path: Path) -> None:
 
 
 def test_commit_refuses_unstaged_and_escaping_records(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     with pytest.raises(EvacuationError, match="not staged"):
         store.commit(record_for("ckpt-1.pt", 1, {"ckpt-1.pt": b"a"}))
     with pytest.raises(EvacuationError, match="not inside checkpoint"):
@@ -330,7 +330,7 @@ def test_commit_refuses_unstaged_and_escaping_records(tmp_path: Path) -> None:
 
 
 def test_commit_will_not_write_through_a_symlinked_folder(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path / "store")
+    store = StoreFolder(tmp_path / "store")
     store.root.mkdir()
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -343,8 +343,8 @@ def test_commit_will_not_write_through_a_symlinked_folder(tmp_path: Path) -> Non
 # -- prune --------------------------------------------------------------------------------------
 
 
-def three_checkpoints(tmp_path: Path) -> tuple[LocalStore, StoreManifest]:
-    store = LocalStore(tmp_path)
+def three_checkpoints(tmp_path: Path) -> tuple[StoreFolder, StoreManifest]:
+    store = StoreFolder(tmp_path)
     m = StoreManifest(recipe="r")
     for step in (1000, 999, 10):
         n = f"checkpoint-{step}"
@@ -361,7 +361,7 @@ def test_prune_keeps_the_newest_and_deletes_only_after_the_manifest_dropped_them
 
     def checked_unlink(self: Path, missing_ok: bool = False) -> None:
         # at the moment a file goes, the manifest ON DISK must no longer list it
-        on_disk = LocalStore(tmp_path).load_manifest()
+        on_disk = StoreFolder(tmp_path).load_manifest()
         listed = {p for r in on_disk.checkpoints.values() for p in r.files}
         rel = self.relative_to(tmp_path).as_posix()
         assert rel not in listed
@@ -400,7 +400,7 @@ def test_prune_leaves_files_it_did_not_record(tmp_path: Path) -> None:
 def test_a_checkpoint_name_with_a_folder_stages_and_commits(tmp_path: Path) -> None:
     """The accelerate layout names checkpoints by their path (`checkpoints/checkpoint_3`): staging,
     the copy-over marker beside it, and the commit work with such a name too."""
-    store = LocalStore(tmp_path)
+    store = StoreFolder(tmp_path)
     name = "checkpoints/checkpoint_3"
     files = {f"{name}/model.safetensors": b"weights", f"{name}/relaunch-complete.json": b'{"step": 13}\n'}
     for path, data in files.items():

@@ -23,7 +23,7 @@ from relaunch import sandbox as sb
 from relaunch.manifest import CheckpointRecord, FileRecord, StoreManifest, utc_now
 from relaunch.sandbox.instance import RUN_DIR
 from relaunch.sandbox.network import netns, veths
-from relaunch.transports.folder import LocalStore
+from relaunch.transports.folder import StoreFolder
 from spot_trainer import content
 from test_guard import HISTORY, MANIFEST, guard_file, metadata_service, watching
 from test_guard import events as lines
@@ -368,7 +368,7 @@ def test_steps_lost_are_counted_from_this_runs_log_when_it_is_ahead_of_the_check
     data = content(verified, size)
     store.mkdir()
     (store / saved).write_bytes(data)
-    LocalStore(store).save_manifest(StoreManifest(name, {saved: CheckpointRecord(
+    StoreFolder(store).save_manifest(StoreManifest(name, {saved: CheckpointRecord(
         saved, verified, {saved: FileRecord(size, hashlib.sha256(data).hexdigest())}, utc_now(),
         "root@192.0.2.1:22")}))
     earlier = ["=== relaunch: start 2026-12-01T10:00:00Z on vm (checkpoint: none)", "fresh start",

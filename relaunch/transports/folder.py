@@ -1,4 +1,4 @@
-"""A store folder on this machine, as `LocalStore` keeps it: the manifest and metadata files
+"""A store folder on this machine, as `StoreFolder` keeps it: the manifest and metadata files
 written atomically, staging, verifying and committing a checkpoint, pruning. A path
 `checkpoint.remote` is one (local.py runs the transfers), and so is the relay's cache. The
 records and the layout of a store root are in relaunch/manifest.py; this module adds:
@@ -65,7 +65,7 @@ def _atomic_write(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-class LocalStore:
+class StoreFolder:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.meta = self.root / META_DIR

@@ -25,12 +25,12 @@ from ..plan import LOCAL, Action, Ref
 from ..ui import human
 from . import rsync
 from .base import Hashes, Mismatch, Store, expected_record, incoming_ready
-from .folder import LocalStore
+from .folder import StoreFolder
 
 COPY_LANE, FOLLOW_LANE = "copy", "hash-here"
 
 
-def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: LocalStore, cp: Checkpoint, every_byte: bool,
+def pull_actions(parts: list[tuple[Job, Checkpoint]], fs: StoreFolder, cp: Checkpoint, every_byte: bool,
                  room: str, follow: bool = True, streams: int | None = None) -> list[Action]:
     """rsync exactly cp's listed files into the staging folder of `fs` (never trusted there),
     each part from the node that holds it, a checkpoint of several large files in up to
@@ -107,9 +107,9 @@ def push_actions(job: Job, source: Path, name: str, incoming: str, files: dict[s
 
 
 class StagingCalls:
-    """The in-process operations on a LocalStore's staging that plans call (`staging.*`)."""
+    """The in-process operations on a StoreFolder's staging that plans call (`staging.*`)."""
 
-    def __init__(self, fs: LocalStore) -> None:
+    def __init__(self, fs: StoreFolder) -> None:
         self.fs = fs
 
     def prepare(self, name: str, files: list[str]) -> None:
@@ -195,7 +195,7 @@ class StagingCalls:
 
 class LocalPathStore(Store):
     def __init__(self, root: Path, recipe_name: str) -> None:
-        self.fs = LocalStore(root)
+        self.fs = StoreFolder(root)
         self.label = str(root)
         self.recipe_name = recipe_name
         self.staging = StagingCalls(self.fs)

@@ -38,7 +38,7 @@ from ..retry import retrying
 from ..ui import UI, human, redact
 from . import rsync
 from .base import Hashes, Store, expected_record, merged, store_wait
-from .folder import LocalStore
+from .folder import StoreFolder
 from .tools import credentials_stdin, tool_action, tool_path
 
 AUTH = re.compile(r"AccessDenied|SignatureDoesNotMatch|InvalidAccessKeyId|403 Forbidden|401 Unauthorized|"
@@ -352,7 +352,7 @@ class RcloneStore(Store):
         """The upload from `staged` against the remote; what was compared, in words."""
         landed = landed or {}
         md5 = {p: landed[p].hashes["md5"] if p in landed and "md5" in landed[p].hashes
-               else LocalStore.hash_file(staged / p, "md5") for p in record.files}
+               else StoreFolder.hash_file(staged / p, "md5") for p in record.files}
         problems, compared = self.check_remote(record.files, md5)
         if problems:
             raise EvacuationError(f"{self.label}: {record.name} did not verify on the remote: {problems[0]}")

@@ -23,7 +23,7 @@ from ..manifest import EXTRA_HASHES, CheckpointRecord, Seen, StoreManifest
 from ..plan import LOCAL, Action, Ref
 from ..ui import UI, human
 from .base import Hashes, Mismatch, Store, cp_bytes, expected_record, hash_ref_names, store_deadline
-from .folder import LocalStore
+from .folder import StoreFolder
 from .hf import HfStore
 from .local import StagingCalls, pull_actions, push_actions
 from .rclone import RcloneStore
@@ -36,7 +36,7 @@ class Relay(Store):
 
     def __init__(self, remote: RcloneStore | HfStore, cache_root: Path) -> None:
         self.remote = remote
-        self.cache = LocalStore(cache_root)
+        self.cache = StoreFolder(cache_root)
         self.staging = StagingCalls(self.cache)
         self.label = remote.label
         self.recipe_name = remote.recipe_name

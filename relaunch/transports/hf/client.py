@@ -16,7 +16,7 @@ from ... import processes
 from ...errors import shorten
 from ...ui import redact
 from ..base import store_wait
-from ..folder import LocalStore
+from ..folder import StoreFolder
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -42,7 +42,7 @@ def git_blob_id(path: Path) -> str:
 
 
 def sha256_of(path: Path) -> str:
-    return LocalStore.hash_file(path)
+    return StoreFolder.hash_file(path)
 
 
 def last_line(text: str) -> str:
