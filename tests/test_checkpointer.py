@@ -215,6 +215,7 @@ KILLED = textwrap.dedent("""
     original = FileSystemWriter.write_data
     def write_data(self, plan, planner):
         if "00000020" in str(self.path):
+            print("writing", flush=True)       # in the write itself: its folder is there
             time.sleep(600)                    # never finishes: killed meanwhile
         return original(self, plan, planner)
     FileSystemWriter.write_data = write_data
@@ -225,7 +226,6 @@ KILLED = textwrap.dedent("""
     ckpt.save(10)
     ckpt.wait()
     ckpt.save(20)
-    print("writing", flush=True)
     time.sleep(600)
 """)
 
