@@ -39,13 +39,40 @@ Every decision on names, slots, ranges and "the last one" is taken under one mac
 so several processes may create and destroy instances at once.
 """
 
-from .console import commands, release_key, run_in, set_link, set_silent
-from .images import PROFILES
-from .index import build_index
-from .instance import INDEX_PORT, create, destroy
-from .power import pause, resume, start, stop
-from .processes import pid1
-from .records import RUN_DIR, Instance, default_key, get, list_instances, state
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .console import commands, release_key, run_in, set_link, set_silent
+    from .images import PROFILES
+    from .index import build_index
+    from .instance import INDEX_PORT, create, destroy
+    from .power import pause, resume, start, stop
+    from .processes import pid1
+    from .records import RUN_DIR, Instance, default_key, get, list_instances, state
+
+# Loaded on first use: every `relaunch` command builds its `sandbox --image` choices from
+# images.py, and importing the whole sandbox (namespaces, locks, boot scripts) for that made
+# `import relaunch.cli` take 137 ms instead of 93 (measured here, quiet).
+_FROM = {
+    "commands": "console", "release_key": "console", "run_in": "console", "set_link": "console",
+    "set_silent": "console", "PROFILES": "images", "build_index": "index", "INDEX_PORT": "instance",
+    "create": "instance", "destroy": "instance", "pause": "power", "resume": "power", "start": "power",
+    "stop": "power", "pid1": "processes", "RUN_DIR": "records", "Instance": "records",
+    "default_key": "records", "get": "records", "list_instances": "records", "state": "records",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _FROM.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "INDEX_PORT",
