@@ -138,3 +138,21 @@ def test_every_package_of_the_source_is_in_the_wheel() -> None:
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(path.parent.relative_to(PACKAGE.parent).parts) for path in PACKAGE.rglob("__init__.py")}
     assert found <= listed, f"add to pyproject's packages: {sorted(found - listed)}"
+
+
+def test_a_command_start_loads_no_more_of_the_sandbox_than_its_image_names() -> None:
+    """Every `relaunch` command builds `sandbox create --image`'s choices; the sandbox's other rooms
+    (namespaces, locks, boot scripts) load when a name of the package is first used, and every name
+    it exports resolves then."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, relaunch.cli\n"
+             "print(sorted(m for m in sys.modules if m.startswith('relaunch.sandbox.')))\n"
+             "from relaunch import sandbox as sb\n"
+             "resolved = all(getattr(sb, name) is not None for name in sb.__all__)\n"
+             "print(resolved, 'relaunch.sandbox.instance' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    loaded, resolved = out.stdout.splitlines()
+    assert loaded == "['relaunch.sandbox.images']", out.stdout
+    assert resolved == "True True", out.stdout
