@@ -74,11 +74,16 @@ COMPLETE_MARKER = "relaunch-complete.json"   # the accelerate layout reads it (r
 NOTICE_LOOK_EVERY = 1.0                      # seconds between looks at the notice record
 
 
+def _line(stream: Any, text: str) -> None:
+    """One write of the whole line: print() writes the text and its newline apart, and on a
+    write-through stream (stderr; stdout under PYTHONUNBUFFERED) the ranks' lines then splice
+    mid-line in a shared log."""
+    stream.write(text + "\n")
+    stream.flush()
+
+
 def _say(message: str) -> None:
-    # one write of the whole line: print() writes the text and its newline apart, and on stderr
-    # (write-through) the ranks' lines then interleave mid-line in a shared log
-    sys.stderr.write(f"relaunch.train: {message}\n")
-    sys.stderr.flush()
+    _line(sys.stderr, f"relaunch.train: {message}")
 
 
 def parse_signal(name: str | int) -> signal.Signals:
@@ -800,12 +805,9 @@ class Checkpointer:
         self.costs.append(cost)
         if self.rank == 0:
             step_s = "-" if cost["step_s"] is None else f"{cost['step_s']:.6f}"
-            # one write: with PYTHONUNBUFFERED print() writes the newline apart, and another
-            # rank's line could land inside this one (interval reads it)
-            sys.stdout.write(f"{CHECKPOINT_METRIC} step={cost['step']} name={cost['name']} "
-                             f"blocking_s={cost['blocking_s']:.6f} write_s={cost['write_s']:.6f} step_s={step_s} "
-                             f"bytes={cost['bytes']} world_size={self.world_size}\n")
-            sys.stdout.flush()
+            _line(sys.stdout, f"{CHECKPOINT_METRIC} step={cost['step']} name={cost['name']} "
+                              f"blocking_s={cost['blocking_s']:.6f} write_s={cost['write_s']:.6f} step_s={step_s} "
+                              f"bytes={cost['bytes']} world_size={self.world_size}")   # interval reads it
 
     def stop_requested(self) -> bool:
         """Has relaunch asked this training to save and exit (a signal or the guard's notice, seen
