@@ -156,3 +156,16 @@ def test_a_command_start_loads_no_more_of_the_sandbox_than_its_image_names() -> 
     loaded, resolved = out.stdout.splitlines()
     assert loaded == "['relaunch.sandbox.images']", out.stdout
     assert resolved == "True True", out.stdout
+
+
+def test_the_sandbox_loads_each_name_from_the_room_mypy_reads_it_from() -> None:
+    """relaunch/sandbox/__init__.py names each export twice: imported under TYPE_CHECKING (what mypy
+    checks callers against) and in _FROM (where the first use loads it from). They must agree."""
+    import importlib
+
+    sandbox = importlib.import_module("relaunch.sandbox")
+    tree = ast.parse((PACKAGE / "sandbox" / "__init__.py").read_text())
+    typed = {alias.name: node.module for block in tree.body if isinstance(block, ast.If)
+             for node in block.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert typed == sandbox._FROM
+    assert sorted(typed) == sorted(sandbox.__all__)
