@@ -335,8 +335,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 _REGISTRY = pytest.StashKey[Path]()
 
-# The modules whose tests take minutes each (`--durations`), started first, then the other sandbox
-# tests, then the quick ones: with -n, a long test that starts last keeps one worker busy alone.
+# The modules whose tests take minutes each (`--durations`) first in the order, then the other
+# sandbox tests, then the quick ones. `--dist worksteal` hands each worker a contiguous share, so
+# the long tests start on the first workers at once, and the others, done with their quick shares,
+# steal from those queues: no long test is left to start alone at the end.
 LONGEST_FIRST = ("test_watch_unattended", "test_chaos", "test_checkpointer_runs", "test_groups", "test_team_recipes",
                  "test_demo", "test_adopt", "test_adopt_trainers", "test_hf_store", "test_watch_faults", "test_cycle",
                  "test_profiles", "test_trainers", "test_living")
