@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
+import threading
 import uuid
 from ipaddress import IPv4Network, ip_address
 from pathlib import Path
@@ -182,3 +184,49 @@ def test_own_sandbox_dir_avoids_a_range_in_use_and_goes_without_a_trace(tmp_path
             run_cli("sandbox", "destroy", name, home=home, env={"RELAUNCH_SANDBOX_DIR": str(world)})
         subprocess.run(["ip", "link", "del", dummy], capture_output=True)
         shutil.rmtree(world, ignore_errors=True)
+
+
+def test_create_returns_once_sshd_has_written_the_pid_file_a_console_command_enters_by(tmp_path: Path) -> None:
+    """sshd accepts connections a moment before it writes its pid file, and run_in() enters the
+    instance by that pid: a console command right after create() found an empty file (CI: an
+    IndexError). The wait for sshd goes on until the file names it. Here a listener stands for sshd
+    and the file is written only after the wait has come back to connect twice more."""
+    from relaunch.sandbox import instance
+    from relaunch.sandbox.processes import sshd_pid
+
+    folder = tmp_path / "inst"
+    folder.mkdir()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stand_in = subprocess.Popen(["sh", "-c", "sleep 600", f"{folder}/sshd"])   # its cmdline names the folder
+    returned = threading.Event()
+
+    def wait() -> None:
+        instance._wait_for_sshd("t0", "127.0.0.1", port, stand_in, folder / "sshd.log", timeout=120,
+                                pid_folder=folder)
+        returned.set()
+
+    def connected() -> None:
+        try:
+            listener.accept()[0].close()
+        except TimeoutError:
+            pytest.fail(f"the wait for sshd stopped connecting (returned: {returned.is_set()}) before the pid file "
+                        "named sshd")
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    try:
+        waiter.start()
+        listener.settimeout(60)
+        for _ in range(3):                                  # it connected, and came back: not returned yet
+            connected()
+        assert not returned.is_set() and sshd_pid(folder) is None
+        (folder / "sshd.pid").write_text("")                # being written: still not
+        connected()
+        assert not returned.is_set()
+        (folder / "sshd.pid").write_text(f"{stand_in.pid}\n")
+        assert returned.wait(timeout=60), "the wait for sshd did not end once its pid file named it"
+        assert sshd_pid(folder) == stand_in.pid
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+        listener.close()

@@ -14,7 +14,7 @@ from relaunch.errors import RelaunchError, UsageError
 
 from . import network, sshd
 from .boot import DEFAULT_PATH
-from .processes import cmdline, pid1
+from .processes import pid1, sshd_pid
 from .records import folder_of, get, meta_of
 
 
@@ -26,10 +26,9 @@ def anchor_pid(name: str) -> int:
         if pid is not None:
             return pid
     else:
-        with contextlib.suppress(OSError, ValueError):
-            pid = int((folder / "sshd.pid").read_text().split()[0])
-            if f"{folder}/".encode() in cmdline(pid):
-                return pid
+        pid = sshd_pid(folder)
+        if pid is not None:
+            return pid
     raise UsageError(f"sandbox {name!r} is not running (sshd not started yet, stopped, or gone)")
 
 

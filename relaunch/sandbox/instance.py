@@ -39,7 +39,17 @@ from relaunch.errors import RelaunchError, UsageError
 
 from . import boot, freezer, images, network, sshd, users
 from .network import TOOLS, TOOLS_COMMAND_LOG, netns_exists, require_tools, run, veths
-from .processes import cmdline, kill_recorded, log_tail, netns_pids, process_state, reap, spawn, start_time
+from .processes import (
+    cmdline,
+    kill_recorded,
+    log_tail,
+    netns_pids,
+    process_state,
+    reap,
+    spawn,
+    sshd_pid,
+    start_time,
+)
 from .records import RUN_DIR, Instance, check_name, default_key, folder_of, require_root, save_meta
 from .users import HOMES
 
@@ -259,7 +269,8 @@ def _boot_sshd(name: str, meta: dict[str, Any], boot_delay: float = 0.0) -> None
         spawn(name, "boot", ["sh", "-c", delayed], folder / "sshd.log")
     else:
         proc = spawn(name, "boot", sshd_argv, folder / "sshd.log")
-        _wait_for_sshd(name, meta["address"], int(meta["port"]), proc, folder / "sshd.log")
+        _wait_for_sshd(name, meta["address"], int(meta["port"]), proc, folder / "sshd.log",
+                       pid_folder=None if image.own_pid_namespace else folder)
 
 
 def _serve_index(name: str, meta: dict[str, Any]) -> str | None:
@@ -285,8 +296,11 @@ def _in_cgroup(cgroup: freezer.Cgroup | None, argv: list[str]) -> list[str]:
 
 
 def _wait_for_sshd(
-    name: str, address: str, port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 20
+    name: str, address: str, port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 20,
+    pid_folder: Path | None = None,
 ) -> None:
+    """Until sshd accepts TCP and, when it writes a pid file (pid_folder), has written it: a console
+    command (run_in) right after create() enters the instance by that pid."""
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -295,7 +309,8 @@ def _wait_for_sshd(
             )
         with contextlib.suppress(OSError):
             socket.create_connection((address, port), timeout=0.5).close()
-            return
+            if pid_folder is None or sshd_pid(pid_folder) is not None:
+                return
         if time.monotonic() > deadline:
             raise RelaunchError(
                 f"sandbox {name}: sshd did not accept connections within {timeout:g}s\n{log_tail(log)}"

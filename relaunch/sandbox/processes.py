@@ -111,6 +111,16 @@ def recorded_pid(folder: Path, role: str) -> int | None:
     return None
 
 
+def sshd_pid(folder: Path) -> int | None:
+    """The sshd that <folder>/sshd.pid names, if that is still this instance's sshd (sshd writes the
+    file itself, without a start time, a moment after it starts to accept connections)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        pid = int((folder / "sshd.pid").read_text().split()[0])
+        if f"{folder}/".encode() in cmdline(pid):
+            return pid
+    return None
+
+
 def pid1(name: str) -> int | None:
     """This machine's PID of the instance's PID 1 (an image with a PID namespace of its own), or
     None while it is not running: the only child of the boot process (`unshare -f`)."""
