@@ -312,9 +312,8 @@ def _wait_for_sshd(
             if pid_folder is None or sshd_pid(pid_folder) is not None:
                 return
         if time.monotonic() > deadline:
-            raise RelaunchError(
-                f"sandbox {name}: sshd did not accept connections within {timeout:g}s\n{log_tail(log)}"
-            )
+            what = "accept connections" if pid_folder is None else "accept connections and write its pid file"
+            raise RelaunchError(f"sandbox {name}: sshd did not {what} within {timeout:g}s\n{log_tail(log)}")
         time.sleep(0.05)
 
 

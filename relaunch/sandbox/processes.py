@@ -59,15 +59,9 @@ def log_tail(path: Path, lines: int = 10) -> str:
 def kill_recorded(folder: Path) -> None:
     """Kill the processes recorded in <state>/*.pid (delayed starters live outside the netns)."""
     for pid_file in folder.glob("*.pid"):
-        try:
-            fields = pid_file.read_text().split()
-            pid = int(fields[0])
-        except (OSError, ValueError, IndexError):
-            continue
-        # only the process we started (same pid *and* start time), never a later reuse of the pid
-        if pid_file.name != "sshd.pid" and (len(fields) < 2 or start_time(pid) != fields[1]):
-            continue
-        if pid_file.name == "sshd.pid" and f"{folder}/".encode() not in cmdline(pid):
+        # only the process we started, never a later reuse of the pid
+        pid = sshd_pid(folder) if pid_file.stem == "sshd" else recorded_pid(folder, pid_file.stem)
+        if pid is None:
             continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if os.getpgid(pid) == pid:
