@@ -178,37 +178,39 @@ def run_drill(recipe: Recipe, specs: list[HostSpec], ui: UI, resume_on: list[Hos
     # what it saved, the log is read again. A save that lands between a look and the kill would
     # otherwise leave no step run both before and after (nothing to compare).
     until = time.monotonic() + deadline
-    while True:
-        if time.monotonic() > until:
-            raise CheckpointError(f"drill: training was never seen {past} steps past a copied checkpoint while paused, "
-                                  f"within {deadline:g}s",
-                                  "a save every step leaves no step to lose (raise the interval, or lower --past); "
-                                  "the training goes on: `relaunch status` shows it")
-        sync_round(recipe, specs, UI(quiet=True))
-        before = watch.until("a checkpoint and a few steps after it", lambda f: bool(f), deadline)
-        if saved_then_more(before):
-            _signal(recipe, specs, "STOP", ui)
-            try:
+    held = False                   # from the STOP's sending to the training's end (the kill) or its CONT
+    try:
+        while True:
+            if time.monotonic() > until:
+                raise CheckpointError(f"drill: training was never seen {past} steps past a copied checkpoint while "
+                                      f"paused, within {deadline:g}s",
+                                      "a save every step leaves no step to lose (raise the interval, or lower "
+                                      "--past); the training goes on: `relaunch status` shows it")
+            sync_round(recipe, specs, UI(quiet=True))
+            before = watch.until("a checkpoint and a few steps after it", lambda f: bool(f), deadline)
+            if saved_then_more(before):
+                held = True
+                _signal(recipe, specs, "STOP", ui)
                 sync_round(recipe, specs, UI(quiet=True))
                 before = watch.until("the log of the paused training", lambda f: True, deadline)
-                paused_past = saved_then_more(before)
-            except BaseException:
-                with processes.despite_cancel(60):          # never leave training paused (Ctrl-C, a failure)
-                    _signal(recipe, specs, "CONT", ui)
-                raise
-            if paused_past:
-                break
-            _signal(recipe, specs, "CONT", ui)
-        processes.sleep(LOOK_EVERY)
-    drill.interrupted_at = max(before)
-    drill.throughput_before = watch.rate(min(before), max(before))
-    costs = summarize(saves_of(watch.text))
-    if costs is not None:
-        drill.blocking_save, drill.saves = costs.blocking, costs.saves
+                if saved_then_more(before):
+                    break
+                _signal(recipe, specs, "CONT", ui)
+                held = False
+            processes.sleep(LOOK_EVERY)
+        drill.interrupted_at = max(before)
+        drill.throughput_before = watch.rate(min(before), max(before))
+        costs = summarize(saves_of(watch.text))
+        if costs is not None:
+            drill.blocking_save, drill.saves = costs.blocking, costs.saves
 
-    ui.say(f"# drill 2/5: interrupting at step {drill.interrupted_at} ({interrupt})")
-    interrupted = time.monotonic()
-    survivors = _interrupt(recipe, specs, interrupt, ui)
+        ui.say(f"# drill 2/5: interrupting at step {drill.interrupted_at} ({interrupt})")
+        interrupted = time.monotonic()
+        survivors = _interrupt(recipe, specs, interrupt, ui)
+    except BaseException:
+        if held:                   # a Ctrl-C or a failure never leaves the training paused
+            _let_run(recipe, specs, ui)
+        raise
 
     ui.say(f"# drill 3/5: evacuating {' '.join(map(str, survivors))}")
     try:
@@ -261,6 +263,19 @@ def _signal(recipe: Recipe, specs: list[HostSpec], signal: str, ui: UI) -> None:
             group = group_script_for(recipe.run.session, pgid_file(state_folder(remote.home, recipe.name)))
             remote.exec(f'{group}; [ -n "$pg" ] && {{ {tree}; kill -{signal} {targets}; }} 2>/dev/null; true',
                         deadline=30)
+
+
+def _let_run(recipe: Recipe, specs: list[HostSpec], ui: UI) -> None:
+    """CONT on every node the drill may have paused, each on its own, though the drill was
+    interrupted (a Ctrl-C ended every other wait): a node gone (destroyed, silent) is said and the
+    others still run on. A node whose training was already killed gets a CONT that finds nothing."""
+    with processes.despite_cancel(60):
+        for spec in specs:
+            try:
+                _signal(recipe, [spec], "CONT", ui)
+            except Exception as exc:                 # the drill's own error or Ctrl-C is what propagates
+                ui.warn(f"{spec}: could not let the paused training run on ({exc}); "
+                        f"`relaunch status` shows it, `relaunch up` resumes it")
 
 
 def _destroyable(specs: list[HostSpec]) -> str:
