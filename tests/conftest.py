@@ -50,13 +50,17 @@ class SandboxFactory:
     """`sandbox(user=None, **create_kwargs) -> Instance` (user None: the image's, root for the default
     image); every instance made is destroyed at teardown."""
 
-    def __init__(self, key: Path) -> None:
+    def __init__(self, key: Path, index: Path) -> None:
         self.key = key
+        self.index = index
         self.names: list[str] = []
 
     def __call__(self, user: str | None = None, **kw: object) -> Instance:
         name = f"t{uuid.uuid4().hex[:8]}"
         kw.setdefault("authorized_key", Path(f"{self.key}.pub"))
+        # every instance serves the package index, as every rented one reaches PyPI: uv makes each
+        # venv (`index_dir=None`: an instance that reaches no index)
+        kw.setdefault("index_dir", self.index)
         self.names.append(name)
         _register(name)
         return sandbox_mod.create(name, user=user, **kw)  # type: ignore[arg-type]
@@ -96,8 +100,8 @@ def _reap(registry: Path) -> None:
 
 
 @pytest.fixture
-def sandbox(ssh_key: Path) -> Iterator[SandboxFactory]:
-    factory = SandboxFactory(ssh_key)
+def sandbox(ssh_key: Path, package_index: Path) -> Iterator[SandboxFactory]:
+    factory = SandboxFactory(ssh_key, package_index)
     try:
         yield factory
     finally:

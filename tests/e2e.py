@@ -13,7 +13,11 @@ from typing import Any
 
 import yaml
 
+from relaunch.sandbox import INDEX_PORT
+
 REPO = Path(__file__).resolve().parents[1]
+# the package index a sandbox instance serves itself (the `sandbox` fixture gives each one), as it sees it
+INDEX_URL = f"http://127.0.0.1:{INDEX_PORT}/simple/"
 EXAMPLE = REPO / "examples" / "pytorch"
 
 
@@ -88,11 +92,12 @@ def local_final_hash(tmp: Path, layout: str, steps: int, save_every: int) -> str
 
 
 def plain_recipe(folder: Path, *, name: str, key: Path, command: str = "sleep 600", **sections: Any) -> Path:
-    """A recipe with no lock (the venv is created, nothing installed): for tests that need no torch."""
+    """A recipe with no lock (uv makes the venv from the instance's index, nothing installed): for
+    tests that need no torch."""
     data: dict[str, Any] = {
         "name": name,
         "ssh": {"key": str(key), "wait": 20},
-        "env": {"python": "3.11", "venv": "~/venvs/plain"},
+        "env": {"python": "3.11", "venv": "~/venvs/plain", "index_url": INDEX_URL},
         "checkpoint": {"dir": "~/ckpt", "layout": "files", "pattern": "ckpt-*.pt", "keep": 2,
                        "remote": str(folder / "store")},
         # a command that is still alive after a few seconds has started (up waits that long)
