@@ -488,7 +488,20 @@ def test_a_refused_key_is_named_quickly_and_not_blamed_on_ssh_wait(tmp_path, san
     assert "ssh.wait" not in err.split("Error:")[1]
 
 
-def test_uv_missing_from_the_index_falls_back_to_pip(tmp_path, sandbox, ssh, ssh_key, package_index):
+def test_without_a_lock_uv_makes_the_venv_and_puts_pip_in_it(tmp_path, sandbox, ssh, ssh_key):
+    """No lock, installer uv (the default): uv makes the venv, as it does with a lock, and pip is in
+    it, as `python -m venv` would leave it (for a package added by hand, then `relaunch freeze`)."""
+    inst = sandbox()
+    recipe = plain_recipe(tmp_path, name="nolock", key=ssh_key)
+    up = run_cli("up", str(recipe), inst.host, home=tmp_path / "state")
+    assert up.returncode == 0, up.stderr
+    assert "uv = " in ssh(inst, "cat ~/venvs/plain/pyvenv.cfg").stdout          # written by uv, not by venv
+    pip = ssh(inst, "~/venvs/plain/bin/python -m pip --version").stdout
+    assert "/root/venvs/plain/" in pip, pip
+
+
+@pytest.mark.parametrize("lock", [True, False], ids=["lock", "no-lock"])
+def test_uv_missing_from_the_index_falls_back_to_pip(tmp_path, sandbox, ssh, ssh_key, package_index, lock):
     """uv is the default installer; an index without it (a mirror of only the lock's packages)
     must still give a working venv, with pip, and say so."""
     index = tmp_path / "index"
@@ -498,11 +511,18 @@ def test_uv_missing_from_the_index_falls_back_to_pip(tmp_path, sandbox, ssh, ssh
     for wheel in (package_index / "files").glob("mpmath-*"):
         shutil.copy(wheel, index / "files")
     inst = sandbox(index_dir=index)
-    lock = tmp_path / "requirements.lock"
-    lock.write_text("mpmath==1.3.0\n")
-    recipe = plain_recipe(tmp_path, name="nouv", key=ssh_key, env={"lock": str(lock), "index_url": inst.index_url})
+    env = {"index_url": inst.index_url}
+    if lock:
+        (tmp_path / "requirements.lock").write_text("mpmath==1.3.0\n")
+        env["lock"] = str(tmp_path / "requirements.lock")
+    recipe = plain_recipe(tmp_path, name="nouv", key=ssh_key, env=env)
     up = run_cli("up", str(recipe), inst.host, "-v", home=tmp_path / "state")
     assert up.returncode == 0, up.stderr
+    assert "uv = " not in ssh(inst, "cat ~/venvs/plain/pyvenv.cfg").stdout
+    assert "/root/venvs/plain/" in ssh(inst, "~/venvs/plain/bin/python -m pip --version").stdout
+    if not lock:
+        assert "uv is not on the package index; making the venv with python -m venv instead" in up.stderr
+        return
     assert "uv is not on the package index; installing with pip instead" in up.stderr
     assert ssh(inst, "~/venvs/plain/bin/python -c 'import mpmath; print(mpmath.__version__)'").stdout.strip() == "1.3.0"
     assert "pip freeze matches the lock" in up.stderr

@@ -118,8 +118,9 @@ class Env(_Section):
                                      "or file; a token in it is handled as in index_url.",
                                      "https://mirror.example.com/python-build-standalone", None)
     venv: str = _key("Where the venv lives on the instance.", "~/venvs/llama-ft", "", shown_default="~/venvs/NAME")
-    installer: Literal["pip", "uv"] = _key("What installs the lock into the venv: uv (several times faster; "
-                                           "pip takes over when the package index has no uv), or pip.",
+    installer: Literal["pip", "uv"] = _key("What makes the venv and installs the lock into it: uv (several times "
+                                           "faster, and needs no pythonX.Y-venv package; `python -m venv` and pip "
+                                           "take over when the package index has no uv), or pip.",
                                            "pip", "uv")
     lock: Path | None = _key("A pinned `pip freeze` (relative to the recipe file); `relaunch freeze` writes it.",
                              "requirements.lock", None)
