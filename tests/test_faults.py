@@ -488,16 +488,22 @@ def test_a_refused_key_is_named_quickly_and_not_blamed_on_ssh_wait(tmp_path, san
     assert "ssh.wait" not in err.split("Error:")[1]
 
 
-def test_without_a_lock_uv_makes_the_venv_and_puts_pip_in_it(tmp_path, sandbox, ssh, ssh_key):
-    """No lock, installer uv (the default): uv makes the venv, as it does with a lock, and pip is in
-    it, as `python -m venv` would leave it (for a package added by hand, then `relaunch freeze`)."""
-    inst = sandbox()
-    recipe = plain_recipe(tmp_path, name="nolock", key=ssh_key)
-    up = run_cli("up", str(recipe), inst.host, home=tmp_path / "state")
+@pytest.mark.parametrize("index", [True, False], ids=["index", "no-index"])
+def test_without_a_lock_uv_makes_the_venv_where_the_recipe_names_an_index(tmp_path, sandbox, ssh, ssh_key, index):
+    """No lock, installer uv (the default): with env.index_url, uv makes the venv, as it does with a
+    lock, and pip is in it as `python -m venv` would leave it (for a package added by hand, then
+    `relaunch freeze`). With no index named, `python -m venv` makes it and nothing is fetched from
+    any index: an instance that reaches none (this one) spends no time on uv and pip's retries."""
+    inst = sandbox() if index else sandbox(index_dir=None)
+    recipe = plain_recipe(tmp_path, name="nolock", key=ssh_key, **({} if index else {"env": {"index_url": None}}))
+    up = run_cli("up", str(recipe), inst.host, "-v", home=tmp_path / "state")
     assert up.returncode == 0, up.stderr
-    assert "uv = " in ssh(inst, "cat ~/venvs/plain/pyvenv.cfg").stdout          # written by uv, not by venv
+    made_by_uv = "uv = " in ssh(inst, "cat ~/venvs/plain/pyvenv.cfg").stdout
+    assert made_by_uv == index
     pip = ssh(inst, "~/venvs/plain/bin/python -m pip --version").stdout
     assert "/root/venvs/plain/" in pip, pip
+    assert (ssh(inst, "test -e ~/.relaunch/tools", check=False).returncode == 0) == index
+    assert "pypi.org" not in up.stderr and "Retrying" not in up.stderr
 
 
 @pytest.mark.parametrize("lock", [True, False], ids=["lock", "no-lock"])

@@ -120,7 +120,8 @@ class Env(_Section):
     venv: str = _key("Where the venv lives on the instance.", "~/venvs/llama-ft", "", shown_default="~/venvs/NAME")
     installer: Literal["pip", "uv"] = _key("What makes the venv and installs the lock into it: uv (several times "
                                            "faster, and needs no pythonX.Y-venv package; `python -m venv` and pip "
-                                           "take over when the package index has no uv), or pip.",
+                                           "take over when the package index has no uv), or pip. With no lock and "
+                                           "no index_url, `python -m venv` makes the venv and nothing is fetched.",
                                            "pip", "uv")
     lock: Path | None = _key("A pinned `pip freeze` (relative to the recipe file); `relaunch freeze` writes it.",
                              "requirements.lock", None)

@@ -51,11 +51,14 @@ def provides_python(job: Job) -> bool:
 
 
 def uv_makes_venv(job: Job) -> bool:
-    """uv (not `python -m venv`) makes the venv, with a lock or without: a venv in a fraction of a
-    second, and none of the image's `pythonX.Y-venv` needed (stock Ubuntu images lack it, and its
-    apt install is the slowest part of a fresh `up`). `python -m venv` is the fallback where the
-    package index has no uv."""
-    return job.recipe.env.installer == "uv"
+    """uv (not `python -m venv`) makes the venv: it has a lock to install, a Python to provide, or,
+    with neither, the recipe names the index uv comes from. uv makes a venv in a fraction of a
+    second where `python -m venv` spends seconds of CPU in ensurepip, and needs no `pythonX.Y-venv`.
+    A recipe with no lock and no index fetches nothing from any index (an image that reaches none
+    would first spend seconds on uv and on pip's retries, for a venv that installs nothing).
+    `python -m venv` is also the fallback where the index has no uv."""
+    env = job.recipe.env
+    return env.installer == "uv" and (bool(job.facts.lock) or provides_python(job) or bool(env.index_url))
 
 
 def venv_works(job: Job) -> bool:
