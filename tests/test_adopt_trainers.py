@@ -134,7 +134,7 @@ def boxes(ssh_key: Path, ssh: SSH, tmp_path_factory: pytest.TempPathFactory) -> 
     # built while the instances boot and the user's uv is installed
     build = subprocess.Popen([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                               str(wheels), str(src)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    factory = SandboxFactory(ssh_key)
+    factory = SandboxFactory(ssh_key, index)
     try:
         first = factory(index_dir=index, command_log=True, disk="6G")
         second = factory(user="ubuntu", index_dir=index, disk="6G")
