@@ -3,8 +3,9 @@ stopped within a second when relaunch is interrupted.
 
 A Ctrl-C in a terminal reaches every process of the foreground group, but a `kill -INT` or a
 SIGTERM from a supervisor reaches relaunch alone; so children run in groups of their own and
-relaunch ends them itself. `CANCEL` is set once by the CLI's signal handler; every wait in
-relaunch (here, remote commands, retry sleeps) looks at it.
+relaunch ends them itself. `CANCEL` is set once on SIGINT or SIGTERM (by the CLI's signal
+handler, else by the relay thread of `relay_signals`); every wait in relaunch (here, remote
+commands, retry sleeps) looks at it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,49 @@ GRACE = 3.0            # seconds between SIGTERM and SIGKILL when ending a proce
 # too (the kernel's parent-death signal), so no copy keeps writing into a store nobody holds.
 _DIE_WITH_US = (["setpriv", "--pdeathsig", "TERM", "--"]
                 if sys.platform.startswith("linux") and shutil.which("setpriv") else [])
+
+
+_relaying = False
+
+
+def relay_signals() -> None:
+    """Set CANCEL from a thread of its own on SIGINT and SIGTERM: the C-level handler writes the
+    signal's number to a pipe (`signal.set_wakeup_fd`) that this thread reads. The Python handler
+    runs in the main thread wherever that thread is, maybe inside `CANCEL.wait()` with CANCEL's lock
+    held, where its own `CANCEL.set()` would wait for itself forever (the CLI's handler leaves it to
+    this thread there). Main thread only; once per process."""
+    global _relaying
+    if _relaying:
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    _relaying = True
+    wanted = {int(signal.SIGINT), int(signal.SIGTERM)}
+
+    def relay() -> None:
+        while True:
+            got = os.read(read, 64)
+            if not got:
+                return
+            if wanted.intersection(got):
+                CANCEL.set()
+
+    threading.Thread(target=relay, name="signals", daemon=True).start()
+
+
+def wait(event: threading.Event, seconds: float) -> bool:
+    """`event.wait(seconds)` that a Ctrl-C ends within 0.2 s (Interrupted). A Ctrl-C that lands while
+    the main thread waits on an event sets only CANCEL (see the CLI's handler), which a plain
+    `event.wait` does not see."""
+    end = time.monotonic() + max(seconds, 0)
+    while True:
+        check_cancel()
+        left = end - time.monotonic()
+        if event.wait(min(max(left, 0), 0.2)):
+            return True
+        if left <= 0:
+            return False
 
 
 def interrupted() -> bool:

@@ -581,6 +581,18 @@ def unsaved(world: World, rng: random.Random) -> None:
     world.ssh(world.inst, "rm -f ~/hold-saves", timeout=30)
 
 
+def stacks_of(proc: subprocess.Popen, err: Path) -> str:
+    """Where each thread of a relaunch that does not end is (`kill -USR1`: it prints them on stderr)."""
+    proc.send_signal(signal.SIGUSR1)
+    try:
+        wait_for("its threads' stacks", lambda: "most recent call first" in err.read_text(errors="replace"),
+                 timeout=10)
+    except AssertionError:
+        return "(no stacks printed after SIGUSR1)"
+    text = err.read_text(errors="replace")
+    return text[text.index("Thread 0x") if "Thread 0x" in text else 0:][-6000:]
+
+
 def watch_for_a_while(world: World, rng: random.Random, args: list[str], fault: str) -> Outcome:
     """`watch` until its first round, then Ctrl-C: it must end at once, with 0 or 130, and one JSON document."""
     err, out = world.tmp / "watch.err", world.tmp / "watch.out"
@@ -601,7 +613,7 @@ def watch_for_a_while(world: World, rng: random.Random, args: list[str], fault: 
         try:
             status = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            world.fail("watch still running 60s after Ctrl-C")
+            world.fail("watch still running 60s after Ctrl-C\n" + stacks_of(proc, err))
     finally:
         sb.set_link(world.inst.name, True)
         if proc.poll() is None:

@@ -3,10 +3,12 @@ the same failure as the document's fields); Ctrl-C and SIGTERM unwind once."""
 
 from __future__ import annotations
 
+import faulthandler
+import io
 import logging
 import signal
 import sys
-import threading
+from types import FrameType
 
 import click
 
@@ -19,17 +21,49 @@ from .common import cli, document, print_document
 log = logging.getLogger("relaunch")
 
 
-_unwinding = threading.Event()
+_unwinding = False          # the one Ctrl-C (or SIGTERM) that unwinds was seen, or the command is over
 
 
-def _interrupt(signum: int, frame: object) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
     """Ctrl-C or a SIGTERM: every wait in relaunch ends (CANCEL), then the main thread unwinds.
     Only once: a second Ctrl-C must not cut short the cleanup (credentials removed, the exit code
-    and its message) that the first one started."""
-    processes.CANCEL.set()
-    if not _unwinding.is_set():
-        _unwinding.set()
-        raise KeyboardInterrupt
+    and its message) that the first one started.
+
+    This runs in the main thread between two bytecodes, wherever it is. Inside `threading`'s own
+    code it neither sets CANCEL nor raises: a lock may be held there (`CANCEL.wait()` holds
+    CANCEL's, and `CANCEL.set()` would wait for itself forever) or half released (a
+    KeyboardInterrupt there leaves it broken: "release unlocked lock"). The relay thread sets
+    CANCEL (`processes.relay_signals`), and the wait the main thread is in ends on it with
+    Interrupted, as a Ctrl-C ends every other thread's waits."""
+    global _unwinding
+    if _unwinding:
+        return
+    _unwinding = True
+    if _inside_threading(frame):
+        return
+    processes.CANCEL.set()              # CANCEL's lock is only ever held inside threading's code
+    raise KeyboardInterrupt
+
+
+def _inside_threading(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "threading":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def install_signal_handlers() -> None:
+    global _unwinding
+    _unwinding = False
+    processes.relay_signals()
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        # a relaunch that seems hung: `kill -USR1 PID` prints where each of its threads is, on stderr
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        pass                            # a stderr with no file behind it (relaunch called in-process)
 
 
 def wants_json(argv: list[str]) -> bool:
@@ -61,18 +95,17 @@ def fail(as_json: bool, message: str, hint: str | None, code: int, refused: bool
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _unwinding
     try:
         setup_logging(str(debug_log_file()))
     except OSError:
         pass
-    _unwinding.clear()
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    install_signal_handlers()
     try:
         return _main(argv)
     finally:
         # the work and its exit code are decided: a Ctrl-C now must not turn them into a kill by signal
-        _unwinding.set()
+        _unwinding = True
 
 
 def _main(argv: list[str] | None) -> int:

@@ -73,7 +73,7 @@ class Watch(NoticeHandling, Replacing):
                                     if recover.command else
                                     "none (recover.command unset): wait for the instance to come back"))
         while True:
-            self.wake.wait(self.every)
+            processes.wait(self.wake, self.every)
             self.wake.clear()
             processes.check_cancel()
             self.drain()

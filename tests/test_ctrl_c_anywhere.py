@@ -1,0 +1,108 @@
+"""A Ctrl-C lands wherever the main thread is, between any two bytecodes: inside `CANCEL.wait()`
+with CANCEL's lock held, half way through a Condition's wait, between a wait and the check after
+it. Wherever it lands, relaunch ends: the wait it lands in, or the next one, ends with
+KeyboardInterrupt or Interrupted. Before, a Ctrl-C inside `CANCEL.wait()` made the handler wait
+for CANCEL's lock, which its own thread held: the process hung for good (a `watch` in a CI run
+under load); one landing half way through a wait raised "release unlocked lock" (exit 1).
+
+The landing points are searched, not guessed: a trace function raises SIGINT at the k-th line the
+main thread runs in `threading` and `relaunch.processes`, for every k until the wait runs out of
+lines. Each k runs in one child process with the CLI's own handlers (`install_signal_handlers`)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from e2e import plain_recipe, start_cli, wait_for
+
+CHILD = r"""
+import importlib, signal, sys, threading
+from relaunch import processes
+main = importlib.import_module("relaunch.cli.main")
+
+how = sys.argv[1]
+event = threading.Event()
+# short: the landing points after the block are reached only once the wait has run out
+waits = {"sleep": lambda: processes.sleep(0.05), "wait": lambda: processes.wait(event, 0.05)}
+
+
+def landing_at(k):
+    seen = [0]
+
+    def tracer(frame, kind, arg):
+        if frame.f_globals.get("__name__") not in ("threading", "relaunch.processes"):
+            return None
+        if kind == "line":
+            seen[0] += 1
+            if seen[0] == k:
+                signal.raise_signal(signal.SIGINT)
+        return tracer
+    return tracer, seen
+
+
+for k in range(1, 200):
+    main.install_signal_handlers()
+    processes.CANCEL.clear()
+    tracer, seen = landing_at(k)
+    sys.settrace(tracer)
+    try:
+        waits[how]()
+        ended = "wait returned"
+    except (KeyboardInterrupt, processes.Interrupted) as exc:
+        ended = type(exc).__name__
+    finally:
+        sys.settrace(None)
+    if seen[0] < k:
+        print("past the last line", k, flush=True)
+        break
+    if ended == "wait returned":       # landed after the wait had ended: the next wait ends with it
+        try:
+            processes.sleep(30)
+            print("LOST", k, flush=True)
+            sys.exit(1)
+        except processes.Interrupted:
+            ended = "the next wait: Interrupted"
+    print(k, ended, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["sleep", "wait"])
+def test_a_ctrl_c_anywhere_in_a_wait_of_the_main_thread_ends_it(how: str) -> None:
+    # a hang (the old handler) ends at the timeout, with what the child had printed by then
+    try:
+        child = subprocess.run([sys.executable, "-c", CHILD, how], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        printed = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        pytest.fail(f"a Ctrl-C hung relaunch: the landing point after the last line here never ended\n{printed}")
+    lines = child.stdout.splitlines()
+    assert child.returncode == 0 and lines and lines[-1].startswith("past the last line"), \
+        child.stdout + child.stderr
+    assert len(lines) > 10, lines                         # the search went through the wait's own lines
+    assert "Traceback" not in child.stderr, child.stderr
+
+
+def test_a_command_that_waits_prints_its_threads_on_sigusr1_and_ends_on_ctrl_c(tmp_path) -> None:
+    """`kill -USR1` on a relaunch that seems hung prints where each of its threads is and changes
+    nothing else; a Ctrl-C then ends it with 130. The command: `up` to an address nobody answers at,
+    waiting for it to boot (ssh.wait)."""
+    recipe = plain_recipe(tmp_path, name="usr1", key=tmp_path / "none", ssh={"wait": 120})
+    err = tmp_path / "err"
+    proc = start_cli("up", str(recipe), "203.0.113.9", "--set", "ssh.key=", home=tmp_path / "state", err=err)
+    try:
+        wait_for("up waiting for the host", lambda: "waiting up to 120s" in err.read_text(), timeout=60)
+        proc.send_signal(signal.SIGUSR1)
+        wait_for("the threads' stacks", lambda: "most recent call first" in err.read_text(), timeout=30)
+        text = err.read_text()
+        assert "Current thread" in text or "Thread 0x" in text, text
+        assert "relaunch" in text and proc.poll() is None, text        # its own frames; and it goes on
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "interrupted" in err.read_text()
