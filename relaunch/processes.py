@@ -182,13 +182,8 @@ def sleep(seconds: float, also: threading.Event | None = None) -> None:
         if CANCEL.wait(max(seconds, 0)):
             raise Interrupted("interrupted")
         return
-    end = time.monotonic() + max(seconds, 0)
-    while not (CANCEL.is_set() or also.is_set()):
-        left = end - time.monotonic()
-        if left <= 0:
-            return
-        also.wait(min(left, 0.2))
-    raise Interrupted("interrupted")
+    if wait(also, seconds):
+        raise Interrupted("interrupted")
 
 
 class Finished:
