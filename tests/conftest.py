@@ -58,8 +58,8 @@ class SandboxFactory:
     def __call__(self, user: str | None = None, **kw: object) -> Instance:
         name = f"t{uuid.uuid4().hex[:8]}"
         kw.setdefault("authorized_key", Path(f"{self.key}.pub"))
-        # every instance serves the package index, as every rented one reaches PyPI: uv makes each
-        # venv (`index_dir=None`: an instance that reaches no index)
+        # every instance serves the package index, as every rented one reaches PyPI; plain_recipe
+        # names it, so uv makes its venvs (`index_dir=None`: an instance that reaches no index)
         kw.setdefault("index_dir", self.index)
         self.names.append(name)
         _register(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,20 +22,38 @@ INDEX_URL = f"http://127.0.0.1:{INDEX_PORT}/simple/"
 EXAMPLE = REPO / "examples" / "pytorch"
 
 
+def cli_env(home: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment `relaunch` runs in here: its own state folder (known_hosts, debug log)."""
+    return {**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200", **(env or {})}
+
+
 def run_cli(*args: str, home: Path, timeout: float = 900, env: dict[str, str] | None = None,
-            input: str | None = None) -> subprocess.CompletedProcess[str]:
-    """`relaunch ARGS` as a user runs it (its own state folder: known_hosts, debug log)."""
-    environ = {**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "relaunch.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=environ, input=input)
+            input: str | None = None, script: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`relaunch ARGS` as a user runs it; `script`: Python run with `-c` instead, which calls
+    `relaunch.cli.main.main(ARGS)` itself after changing what the test needs (a fault at a moment)."""
+    program = ["-c", script] if script is not None else ["-m", "relaunch.cli"]
+    return subprocess.run([sys.executable, *program, *args], capture_output=True, text=True, timeout=timeout,
+                          env=cli_env(home, env), input=input)
 
 
 def start_cli(*args: str, home: Path, env: dict[str, str] | None = None, err: Path) -> subprocess.Popen[str]:
     """`relaunch ARGS` started in the background, its stderr into the file `err`."""
     with open(err, "w") as handle:
         return subprocess.Popen([sys.executable, "-m", "relaunch.cli", *args], stdout=subprocess.DEVNULL,
-                                stderr=handle, text=True,
-                                env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200", **(env or {})})
+                                stderr=handle, text=True, env=cli_env(home, env))
+
+
+def stacks(proc: subprocess.Popen[str], err: Path, timeout: float) -> str:
+    """Where each thread of a running relaunch is: `kill -USR1` makes it print them on its stderr
+    (the file `err`), and it goes on. What it printed, or "" when nothing came within `timeout`."""
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while "most recent call first" not in err.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            return ""
+        time.sleep(0.2)
+    text = err.read_text(errors="replace")
+    return text[text.find("Thread 0x"):] if "Thread 0x" in text else text
 
 
 def write_recipe(folder: Path, data: dict[str, Any], name: str = "recipe.yaml") -> Path:

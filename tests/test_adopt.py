@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from e2e import EXAMPLE, run_cli, wait_for
+from e2e import EXAMPLE, cli_env, run_cli, wait_for
 from relaunch import sandbox as sb
 
 # A trainer that needs nothing but the standard library (the venv stays empty): prints a step
@@ -207,7 +207,7 @@ def run_on_a_terminal(args: list[str], home: Path, answer: str | None) -> tuple[
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "relaunch.cli", *args], stdin=slave, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200"})
+                            env=cli_env(home))
     os.close(slave)
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)

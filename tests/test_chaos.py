@@ -42,7 +42,7 @@ import yaml
 
 from chaos_trainer import content
 from conftest import host_side_address
-from e2e import EXAMPLE, plain_recipe, wait_for
+from e2e import EXAMPLE, cli_env, plain_recipe, stacks, wait_for
 from relaunch import sandbox as sb
 from test_faults import in_instance
 from test_guard import metadata_service, set_keys
@@ -287,7 +287,7 @@ def run(world: World, rng: random.Random, args: list[str], fault: str) -> Outcom
         subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=200"], capture_output=True)
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "relaunch.cli", *args], stdout=stdout, stderr=stderr,
-                                env={**os.environ, "RELAUNCH_HOME": str(world.home), "COLUMNS": "200", **world.env})
+                                env=cli_env(world.home, world.env))
     at = rng.uniform(0.2, 4.0)
     killed = interrupted = False
     timers = []
@@ -581,24 +581,12 @@ def unsaved(world: World, rng: random.Random) -> None:
     world.ssh(world.inst, "rm -f ~/hold-saves", timeout=30)
 
 
-def stacks_of(proc: subprocess.Popen, err: Path) -> str:
-    """Where each thread of a relaunch that does not end is (`kill -USR1`: it prints them on stderr)."""
-    proc.send_signal(signal.SIGUSR1)
-    try:
-        wait_for("its threads' stacks", lambda: "most recent call first" in err.read_text(errors="replace"),
-                 timeout=10)
-    except AssertionError:
-        return "(no stacks printed after SIGUSR1)"
-    text = err.read_text(errors="replace")
-    return text[text.index("Thread 0x") if "Thread 0x" in text else 0:][-6000:]
-
-
 def watch_for_a_while(world: World, rng: random.Random, args: list[str], fault: str) -> Outcome:
     """`watch` until its first round, then Ctrl-C: it must end at once, with 0 or 130, and one JSON document."""
     err, out = world.tmp / "watch.err", world.tmp / "watch.out"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "relaunch.cli", *args], stdout=stdout, stderr=stderr,
-                                env={**os.environ, "RELAUNCH_HOME": str(world.home), "COLUMNS": "200", **world.env})
+                                env=cli_env(world.home, world.env))
     try:
         wait_for("the watch's first round", lambda: proc.poll() is not None or "round" in kinds(err), timeout=DEADLINE)
         if fault.startswith("silent"):
@@ -613,7 +601,8 @@ def watch_for_a_while(world: World, rng: random.Random, args: list[str], fault: 
         try:
             status = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            world.fail("watch still running 60s after Ctrl-C\n" + stacks_of(proc, err))
+            world.fail("watch still running 60s after Ctrl-C\n"
+                       + (stacks(proc, err, 10)[-6000:] or "(no stacks printed after SIGUSR1)"))
     finally:
         sb.set_link(world.inst.name, True)
         if proc.poll() is None:
@@ -751,8 +740,7 @@ def watch_schedule(world: World, rng: random.Random, scenario: str, ssh_key: Pat
         with open(out, "w") as stdout, open(err, "w") as stderr:
             watch = subprocess.Popen([sys.executable, "-m", "relaunch.cli", "watch", str(world.recipe),
                                       *[n.host for n in nodes], "--json"], stdout=stdout, stderr=stderr,
-                                     cwd=world.tmp, env={**os.environ, "RELAUNCH_HOME": str(world.home),
-                                                         "COLUMNS": "200", **env})
+                                     cwd=world.tmp, env=cli_env(world.home, env))
         try:
             def until(what: str, predicate: Any, timeout: float = DEADLINE) -> Any:
                 got = wait_for(what, lambda: predicate() or (watch.poll() is not None and "ended"), timeout=timeout)

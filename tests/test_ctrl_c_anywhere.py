@@ -7,7 +7,8 @@ under load); one landing half way through a wait raised "release unlocked lock" 
 
 The landing points are searched, not guessed: a trace function raises SIGINT at the k-th line the
 main thread runs in `threading` and `relaunch.processes`, for every k until the wait runs out of
-lines. Each k runs in one child process with the CLI's own handlers (`install_signal_handlers`)."""
+lines. One child process per wait tries every k, with the CLI's own handlers
+(`install_signal_handlers`); a hang ends at the test's timeout."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 
 import pytest
 
-from e2e import plain_recipe, start_cli, wait_for
+from e2e import plain_recipe, stacks, start_cli, wait_for
 
 CHILD = r"""
 import importlib, signal, sys, threading
@@ -94,9 +95,8 @@ def test_a_command_that_waits_prints_its_threads_on_sigusr1_and_ends_on_ctrl_c(t
     proc = start_cli("up", str(recipe), "203.0.113.9", "--set", "ssh.key=", home=tmp_path / "state", err=err)
     try:
         wait_for("up waiting for the host", lambda: "waiting up to 120s" in err.read_text(), timeout=60)
-        proc.send_signal(signal.SIGUSR1)
-        wait_for("the threads' stacks", lambda: "most recent call first" in err.read_text(), timeout=30)
-        text = err.read_text()
+        text = stacks(proc, err, 30)
+        assert "most recent call first" in text, err.read_text()
         assert "Current thread" in text or "Thread 0x" in text, text
         assert "relaunch" in text and proc.poll() is None, text        # its own frames; and it goes on
         proc.send_signal(signal.SIGINT)

@@ -8,10 +8,7 @@ kills by the process tree."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from e2e import plain_recipe, run_cli, wait_for
@@ -68,9 +65,8 @@ sys.exit(main(sys.argv[1:]))
 def test_ctrl_c_while_the_drill_holds_training_paused_lets_it_train_on(tmp_path, sandbox, ssh, ssh_key):
     home, inst = tmp_path / "state", sandbox()
     recipe = often_saving_recipe(tmp_path, "held", ssh_key)
-    drill = subprocess.run([sys.executable, "-c", CTRL_C_AS_THE_PAUSE_LANDS, "drill", str(recipe), inst.host,
-                            "--past", "3"], capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200"})
+    drill = run_cli("drill", str(recipe), inst.host, "--past", "3", home=home, timeout=600,
+                    script=CTRL_C_AS_THE_PAUSE_LANDS)
     assert drill.returncode == 130, drill.stderr
     assert "drill 2/5" not in drill.stdout + drill.stderr, drill.stdout + drill.stderr
     steps = int(ssh(inst, "grep -c '^step ' ~/held.log").stdout)

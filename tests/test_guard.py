@@ -6,7 +6,6 @@ instance's own network namespace (tests/metadata_server.py), the example trainer
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e import example_recipe, plain_recipe, run_cli, wait_for
+from e2e import cli_env, example_recipe, plain_recipe, run_cli, wait_for
 from relaunch.sandbox import Instance
 from relaunch.sandbox.network import netns
 
@@ -98,7 +97,7 @@ def watching(recipe: Path, home: Path, folder: Path, *args: str,
     """`relaunch watch RECIPE --json` in the background, its output in folder/watch.out and .err."""
     with (folder / "watch.out").open("w") as out, (folder / "watch.err").open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "relaunch.cli", "watch", str(recipe), *args, "--json"],
-                                env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200", **(env or {})},
+                                env=cli_env(home, env),
                                 stdout=out, stderr=err, text=True)
     try:
         yield proc

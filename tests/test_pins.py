@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import plain_recipe, run_cli, wait_for
+from e2e import cli_env, plain_recipe, run_cli, wait_for
 from relaunch import sandbox as sb
 
 MANIFEST = Path(".relaunch") / "manifest.json"
@@ -56,7 +55,7 @@ def start(tmp_path: Path, *args: str, home: Path) -> tuple[subprocess.Popen[str]
     out, err = tmp_path / f"{args[0]}.out", tmp_path / f"{args[0]}.err"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen([sys.executable, "-m", "relaunch.cli", *args], stdout=o, stderr=e, text=True,
-                                env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200"})
+                                env=cli_env(home))
     return proc, out, err
 
 

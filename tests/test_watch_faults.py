@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from e2e import EXAMPLE, REPO, plain_recipe, run_cli, wait_for
+from e2e import EXAMPLE, REPO, cli_env, plain_recipe, run_cli, wait_for
 from relaunch import sandbox as sb
 from relaunch.recipe import load_recipe
 from relaunch.transports import open_store
@@ -57,7 +56,7 @@ def test_a_watch_started_in_a_folder_holding_a_relaunch_tree_copies_with_the_ins
     entry = Path(sys.executable).parent / "relaunch"          # the installed command, as a user runs it
     with (tmp_path / "watch.out").open("w") as out, (tmp_path / "watch.err").open("w") as err:
         watch = subprocess.Popen([str(entry), "watch", str(recipe), "--json"], cwd=clone, stdout=out, stderr=err,
-                                 env={**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200"})
+                                 env=cli_env(home))
     try:
         wait_for("a sync round that worked", lambda: any(e["event"] == "round" for e in events(tmp_path))
                  or watch.poll() is not None, timeout=120)
