@@ -148,3 +148,40 @@ def test_without_recover_command_the_watch_waits_and_restarts_training_where_it_
     assert entry["cause"] == "lost" and entry["host"] == entry["resumed_host"] == inst.host
     assert entry["time_to_resume"] > 0
     assert ssh(inst, "tmux has-session -t =paused", check=False).returncode == 0     # Ctrl-C left training alone
+
+
+def test_a_look_sent_before_the_outage_that_answers_after_it_does_not_count_as_the_instance_now(
+        tmp_path, sandbox, ssh, ssh_key):
+    """A look under way when the link went down answers once it is back, with what it saw before:
+    training running. The instance restarted meanwhile; the watch must `up` there, not take the old
+    answer for "training is still running". The look is held at its read of the log (a fifo whose
+    writer the test holds open) after it printed the training's state, so the old answer is there
+    every time, not only when the race goes that way."""
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path, name="held", key=ssh_key, command="sleep 600", ssh={"wait": 5},
+                          guard={"every": 1}, recover={"lost_after": 3})
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    with watching(recipe, home, tmp_path) as watch:
+        wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+        # training's tee keeps writing the old log file; the path becomes a fifo the next look's tail waits on
+        ssh(inst, "rm ~/held.log && mkfifo ~/held.log && { nohup bash -c 'exec 3>\"$HOME/held.log\"; "
+                  "echo $$ > \"$HOME/look-held\"; exec sleep 600' >/dev/null 2>&1 </dev/null & }")
+        wait_for("a look held at the log, its training state already printed",
+                 lambda: ssh(inst, "test -s ~/look-held", check=False).returncode == 0, timeout=60)
+        sb.set_link(inst.name, up=False)
+        sb.run_in(inst.name, ["tmux", "kill-server"], capture_output=True, timeout=30)   # the restart
+        wait_for("the watch to wait for the instance", lambda: "waiting for it to answer again" in
+                 (tmp_path / "watch.err").read_text(), timeout=120)
+        sb.set_link(inst.name, up=True)
+        # the held look answers now, with what it saw before the outage
+        ssh(inst, "rm ~/held.log && kill $(cat ~/look-held)")
+        wait_for("training to run there again", lambda: any(e["event"] == "up" for e in events(tmp_path)),
+                 timeout=180)
+        watch.send_signal(signal.SIGINT)
+        watch.wait(timeout=60)
+    err = (tmp_path / "watch.err").read_text()
+    assert watch.returncode == 130, err
+    assert "back, and training is still running there" not in err, err
+    assert "back; training is not running: `up` there" in err, err
+    entry = json.loads((tmp_path / "store" / HISTORY).read_text().splitlines()[-1])
+    assert entry["cause"] == "lost" and entry["host"] == entry["resumed_host"] == inst.host

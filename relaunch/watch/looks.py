@@ -37,6 +37,7 @@ class View:
     look: Look | None = None          # the last look that answered (None: none yet)
     looked_at: float = 0.0            # monotonic time of the last attempt, answered or not
     answered_at: float = 0.0          # monotonic time of the last answer
+    sent_at: float = 0.0              # monotonic time that answer's look was sent: it saw the node after then
     answered_epoch: float = 0.0
     silent_since: float | None = None  # monotonic time the node stopped answering; None: it answers
     why: str = ""                     # why the last attempt had no answer
@@ -137,7 +138,8 @@ class Looker:
             self._remote = remote
             self._job = Job(self.recipe, Node(target), Facts(host=HostFacts(home=remote.home)))
         assert self._remote is not None and self._job is not None
-        listing = time.monotonic() >= self._next_listing
+        sent = time.monotonic()
+        listing = sent >= self._next_listing
         result = self._remote.exec(look_command(self._job, listing), deadline=LOOK_DEADLINE,
                                    cancelled=lambda: self._stop.is_set() or processes.CANCEL.is_set())
         if result.status is None:
@@ -160,5 +162,5 @@ class Looker:
                     seen = max(found[-1].step, seen or 0)
             now = time.monotonic()
             self._view = replace(v, look=look, looked_at=now, answered_at=now, answered_epoch=time.time(),
-                                 silent_since=None, why="", newest_seen=seen, newest_complete=complete,
+                                 sent_at=sent, silent_since=None, why="", newest_seen=seen, newest_complete=complete,
                                  looks=v.looks + 1)

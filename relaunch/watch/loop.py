@@ -134,7 +134,9 @@ class Watch(NoticeHandling, Replacing):
             self.on_rebalance(view)
         self.say_silences(views, now)
         if self.waiting is not None:
-            if all(v.silent_since is None and v.looks > self.waiting_looks.get(v.host, 0) for v in views):
+            # only a look sent after the wait began: one sent before the silence can answer once the
+            # link is back with what it saw then (its answer waited in the dead link), training included
+            if all(v.silent_since is None and v.sent_at > self.waiting_since for v in views):
                 self.came_back(views)
             return None
         silent = [v for v in views if v.silent_for(now, self.hang_after) >= self.recipe.recover.lost_after]
@@ -218,7 +220,7 @@ class Watch(NoticeHandling, Replacing):
             self.say(f"{names}: no recover.command: waiting for {'it' if len(gone) == 1 else 'them'} to answer again "
                      "(Ctrl-C to stop)")
             self.waiting = entry
-            self.waiting_looks = {v.host: v.looks for v in self.views()}
+            self.waiting_since = time.monotonic()
 
     def came_back(self, views: list[View]) -> None:
         entry = self.waiting

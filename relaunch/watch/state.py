@@ -74,7 +74,7 @@ class WatchBase:
         self.rebalanced: set[Any] = set()
         self.ending_seen: dict[str, int] | None = None          # training gone: the looks when first seen
         self.waiting: history.Interruption | None = None       # lost, no recover.command: back?
-        self.waiting_looks: dict[str, int] = {}
+        self.waiting_since = 0.0                                # ... since when (monotonic)
         self.next_round = 0.0
         self.round_asked: float | None = None   # a round wanted at once (monotonic): owed until one begins after it
         self.said_silent: set[str] = set()
