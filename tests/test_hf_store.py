@@ -13,9 +13,11 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import struct
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import host_side_address
@@ -129,6 +131,37 @@ def test_via_instance_evacuate_then_up_elsewhere(tmp_path, sandbox, ssh, ssh_key
     resumed = ssh(second, "for i in $(seq 50); do [ -s ~/resumed.txt ] && break; sleep 0.2; done; cat ~/resumed.txt")
     assert resumed.stdout.strip() == "resume=/home/ubuntu/ckpt/checkpoint-10 step=10"
     assert_no_secret(home, [evac, again, up], hub.token)
+
+
+@pytest.mark.parametrize("case", ["no-venv-module", "no-uv-on-the-index"])
+def test_hf_reaches_the_tools_folder_on_an_image_without_a_venv_module_and_from_an_index_without_uv(
+        tmp_path, sandbox, ssh, ssh_key, package_index, hf_hub, case):
+    """hf is a Python package in relaunch's tools venv. uv makes that venv: Ubuntu 24.04's stock
+    python3 has no venv module (no python3-venv), so `python3 -m venv` cannot. Where the index has
+    no uv, `python -m venv` and pip make it, as they always did."""
+    if case == "no-venv-module":
+        inst = sandbox(image="ubuntu-24.04", index_dir=package_index)
+        assert ssh(inst, "python3 -m venv /tmp/probe", check=False).returncode != 0   # the image as rented
+    else:
+        index = tmp_path / "index"            # the same index without uv (hard links: torch is 190 MB)
+        shutil.copytree(package_index, index, copy_function=os.link,
+                        ignore=lambda folder, names: [n for n in names if n == "uv" or n.startswith("uv-")])
+        inst = sandbox(index_dir=index)
+    hub = hf_hub(bind=host_side_address(inst))
+    home = tmp_path / "state"
+    recipe = hf_recipe(tmp_path, "hftools", ssh_key, inst, f"hf:{REPO}/{SUB}", layout="files")
+    planted = plant_file(ssh, inst, 5)
+
+    evac = run_cli("evacuate", str(recipe), inst.host, home=home, env=hub_env(hub, tmp_path))
+    assert evac.returncode == 0, evac.stderr
+    assert "safe to destroy" in evac.stderr
+    assert {p: h for p, h in repo_hashes(hub, REPO, f"{SUB}/").items() if p in planted} == planted
+    ssh(inst, f"test -x {TOOLS_HF}")
+    made_by = ssh(inst, "cat ~/.relaunch/tools/pyvenv.cfg").stdout
+    assert ("uv = " in made_by) == (case == "no-venv-module"), made_by
+    if case == "no-uv-on-the-index":
+        assert ssh(inst, "~/.relaunch/tools/bin/python -m pip --version").returncode == 0
+        ssh(inst, "test ! -e ~/.relaunch/tools/bin/uv")
 
 
 def test_via_local_round_trip_with_pruning(tmp_path, sandbox, ssh, ssh_key, package_index, hf_hub):

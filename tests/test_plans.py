@@ -256,6 +256,11 @@ def _(got: list[dict[str, Any]]) -> None:
     assert download["stdin"] == "<secret>" and "read -r -d ''" in download["command"]    # the token on stdin
     assert at(got, "hf in relaunch's tools folder") < at(got, "the instance downloads")
     assert one(got, "remove /root/ckpt/.relaunch-hf-download")["always"]
+    # uv makes hf's venv (no venv module needed); pip only in the branch where there is no uv
+    tools = one(got, "hf in relaunch's tools folder")["stdin"]
+    by_uv, _, by_pip = tools.partition("; else ")
+    assert "/root/.relaunch/tools/bin/uv venv --quiet --allow-existing --no-python-downloads" in by_uv
+    assert "-m venv" not in by_uv and "-m pip" not in by_uv and "-m venv" in by_pip
 
 
 @promise("case-up-newer-on-instance")

