@@ -86,6 +86,17 @@ def _say(message: str) -> None:
     _line(sys.stderr, f"relaunch.train: {message}")
 
 
+def _say_in_a_handler(message: str) -> None:
+    """_say for a signal handler: one write(2) to fd 2, past sys.stderr's buffer. The signal can
+    come while the main thread is inside a write to sys.stderr (a notice's line, a trainer's
+    progress bar); a second write there raises RuntimeError ("reentrant call"), which ended the
+    training instead of saving it."""
+    try:
+        os.write(2, f"relaunch.train: {message}\n".encode())
+    except OSError:
+        pass
+
+
 def parse_signal(name: str | int) -> signal.Signals:
     """`TERM`, `SIGTERM`, `term` or `15` -> signal.SIGTERM. ValueError for anything else."""
     if isinstance(name, int) or str(name).strip().isdigit():
@@ -161,7 +172,7 @@ class StopRequest:
         first = self.signalled is None
         self.signalled = signal.Signals(signum)
         if first:
-            _say(f"got {self.signalled.name}: training is asked to save and exit")
+            _say_in_a_handler(f"got {self.signalled.name}: training is asked to save and exit")
         number = signal.Signals(signum)
         previous = self._previous.get(number) if self._chained.get(number, True) else None
         # chained: transformers' JIT checkpoint, say; never Python's default SIGINT handler (a

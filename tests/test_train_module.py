@@ -176,6 +176,40 @@ def test_installing_again_with_chain_false_stops_passing_the_signal_on(usr1) -> 
     assert calls == [signal.SIGUSR1]
 
 
+def test_the_stop_signal_during_a_write_to_stderr_is_said_and_training_goes_on() -> None:
+    """The signal lands while the main thread is inside a write to sys.stderr, holding its buffer's
+    lock (a notice's line, a progress bar): the handler's own line must not go through that buffer
+    again (RuntimeError "reentrant call", which ended a Lightning training in a CI run instead of
+    saving it). The child's stderr sends its bytes on through Python code that sends the signal,
+    so the handler runs inside that write every time."""
+    code = """
+import io, os, signal, sys
+from relaunch import train
+
+class Raw(io.RawIOBase):
+    landed = False
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        if not Raw.landed:
+            Raw.landed = True
+            os.kill(os.getpid(), signal.SIGUSR1)     # handled before the next line: inside this write
+        return os.write(2, bytes(data))
+
+sys.stderr = io.TextIOWrapper(io.BufferedWriter(Raw()), line_buffering=True)
+stop = train.StopRequest(signals=["USR1"], notice_file="", started=0.0).install()
+train._line(sys.stderr, "a line the signal interrupts")
+print("requested" if stop.requested() else "not requested", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
+    assert proc.stdout == b"requested\n"
+    assert sorted(proc.stderr.decode().splitlines()) == [
+        "a line the signal interrupts", "relaunch.train: got SIGUSR1: training is asked to save and exit"]
+
+
 def test_the_guards_notice_record_counts_only_for_this_run(tmp_path: Path) -> None:
     record = tmp_path / "notice.json"
     stop = StopRequest(signals=["USR2"], notice_file=str(record), started=1000.0)
