@@ -53,9 +53,11 @@ READ_TIMEOUT = 3.0 if PROBE else 5.0
 AZURE_FIRST_READ = READ_TIMEOUT if PROBE else 120.0   # Azure documents up to two minutes for the first call
 TRIES = 3                     # looks without a proper answer before a source is switched off
 
-lock = threading.RLock()       # reentrant: the SIGTERM handler runs in the main thread
+lock = threading.RLock()
 noticed = threading.Event()
 leaving = []                  # why the guard stops without a notice (a signal from relaunch)
+terms = []                    # SIGTERMs got, for the main loop to turn into the sigterm notice
+TICK = 0.1                    # seconds between the main loop's looks at what the handlers recorded
 notice = {}
 sources_state = {}
 
@@ -333,9 +335,12 @@ def watch_source(name, source):
         noticed.wait(EVERY)
 
 
+# The handlers only record: a handler runs in the main thread between two of its bytecodes, and
+# notify() sets `noticed`, whose lock the main thread holds for a moment at each entry to and exit
+# from noticed.wait(): a SIGTERM landing there would hang the guard for good.
 def on_term(signum, frame):
     if "sigterm" in CONFIG["sources"]:
-        notify("sigterm", {"kind": "sigterm", "detail": "the guard got SIGTERM (a shutdown)", "deadline": None})
+        terms.append(time.time())
     else:
         leaving.append("SIGTERM (sigterm is not one of guard.sources)")
 
@@ -432,12 +437,18 @@ def main():
         if source is not None:
             threading.Thread(target=watch_source, args=(name, source), daemon=True).start()
     log("started: sources {}, every {:g}s".format(", ".join(CONFIG["sources"]), EVERY))
-    gone = 0
-    while not noticed.wait(min(EVERY, 1.0)):
+    gone, next_look = 0, time.monotonic() + min(EVERY, 1.0)
+    while not noticed.wait(TICK):
+        if terms:
+            notify("sigterm", {"kind": "sigterm", "detail": "the guard got SIGTERM (a shutdown)", "deadline": None})
+            continue
         if leaving:
             save_state(stopped=leaving[0])
             log(f"stopped: {leaving[0]}")
             return 0
+        if time.monotonic() < next_look:
+            continue
+        next_look = time.monotonic() + min(EVERY, 1.0)
         gone = 0 if session_alive(CONFIG["session"]) else gone + 1
         if gone >= 2:
             save_state(stopped="the training ended without a notice")

@@ -267,6 +267,54 @@ def test_a_record_written_by_the_real_guard_stops_a_training_that_got_no_signal(
     assert out.startswith("stopped at step ") and f"notice from file:{source}: {source} appeared" in out, out
 
 
+def test_a_sigterm_landing_inside_the_guards_wait_is_recorded_as_the_notice(tmp_path: Path) -> None:
+    """templates/guard.py with the `sigterm` source (a shutdown sends every process SIGTERM). The
+    SIGTERM lands at the one moment its handler could hang on: the main thread inside
+    `noticed.wait()` holding that Event's lock. A trace function sends it there, so that moment
+    comes every time; the guard must still record the notice and end."""
+    folder = tmp_path / "guard"
+    session = f"relaunch-test-guard-{os.getpid()}"
+    config = {"name": "t", "host": "root@test", "folder": str(folder), "session": session,
+              "pgid_file": str(tmp_path / "pgid"), "status_file": str(tmp_path / "status"),
+              "sources": ["sigterm"], "every": 0.2, "signal": "TERM", "stop_timeout": 2, "windows": {}}
+    (tmp_path / "guard.json").write_text(json.dumps(config))
+    env = {**os.environ, "TMUX_TMPDIR": str(tmp_path)}
+    wrapper = f"""
+import inspect, os, runpy, signal, sys, threading
+
+lines, first = inspect.getsourcelines(threading.Event.wait)
+held = first + next(i for i, line in enumerate(lines) if "signaled = self._flag" in line)   # the lock is held
+sent = []
+
+def at_line(frame, event, arg):
+    caller = frame.f_back
+    if (event == "line" and frame.f_lineno == held and not sent and caller is not None
+            and caller.f_code.co_name == "main" and caller.f_code.co_filename == {str(GUARD)!r}):
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return at_line
+
+sys.settrace(lambda frame, event, arg: at_line if frame.f_code is threading.Event.wait.__code__ else None)
+sys.argv = [{str(GUARD)!r}, {str(tmp_path / "guard.json")!r}]
+runpy.run_path({str(GUARD)!r}, run_name="__main__")
+"""
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "sleep 600"], env=env, check=True, timeout=30)
+    guard = subprocess.Popen([sys.executable, "-c", wrapper], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = guard.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        guard.kill()
+        out, err = guard.communicate()
+        pytest.fail("the guard hung after a SIGTERM inside its wait: no notice recorded in 60 s")
+    finally:
+        subprocess.run(["tmux", "kill-server"], env=env, capture_output=True, timeout=30)
+    assert guard.returncode == 0, err
+    record = json.loads((folder / "notice.json").read_text())
+    assert record["source"] == "sigterm" and record["kind"] == "sigterm", record
+    assert "notice from sigterm handled" in (folder / "guard.log").read_text()
+
+
 def test_marked_folders_are_complete_for_the_accelerate_layout(tmp_path: Path) -> None:
     """The marker as written, read back through the real listing command and the layout."""
     ckpt = tmp_path / "ckpt"
