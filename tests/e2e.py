@@ -47,11 +47,11 @@ def stacks(proc: subprocess.Popen[str], err: Path, timeout: float) -> str:
     """Where each thread of a running relaunch is: `kill -USR1` makes it print them on its stderr
     (the file `err`), and it goes on. What it printed, or "" when nothing came within `timeout`."""
     proc.send_signal(signal.SIGUSR1)
-    deadline = time.monotonic() + timeout
-    while "most recent call first" not in err.read_text(errors="replace"):
-        if time.monotonic() > deadline:
-            return ""
-        time.sleep(0.2)
+    try:
+        wait_for("the stacks", lambda: "most recent call first" in err.read_text(errors="replace"),
+                 timeout=timeout, every=0.2)
+    except AssertionError:
+        return ""
     text = err.read_text(errors="replace")
     return text[text.find("Thread 0x"):] if "Thread 0x" in text else text
 

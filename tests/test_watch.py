@@ -120,19 +120,28 @@ def test_a_recover_command_that_fails_ends_the_watch_with_one_line(tmp_path, san
     assert [(h["cause"], h["host"], h["resumed_host"]) for h in history] == [("lost", inst.host, None)]
 
 
+def waiting_recipe(tmp_path: Path, ssh_key: Path, name: str) -> Path:
+    """No recover.command: a lost instance is waited for (a look every second, lost after 3 s)."""
+    return plain_recipe(tmp_path, name=name, key=ssh_key, command="sleep 600", ssh={"wait": 5},
+                        guard={"every": 1}, recover={"lost_after": 3})
+
+
+def wait_for_the_wait(tmp_path: Path) -> None:
+    wait_for("the watch to wait for the instance", lambda: "waiting for it to answer again" in
+             (tmp_path / "watch.err").read_text(), timeout=120)
+
+
 def test_without_recover_command_the_watch_waits_and_restarts_training_where_it_comes_back(tmp_path, sandbox,
                                                                                            ssh, ssh_key):
     """A paused instance (Vast.ai outbid) that comes back after a reboot: no recover.command, so the
     watch waits for the same host and runs `up` there once it answers without training."""
     home, inst = tmp_path / "state", sandbox()
-    recipe = plain_recipe(tmp_path, name="paused", key=ssh_key, command="sleep 600", ssh={"wait": 5},
-                          guard={"every": 1}, recover={"lost_after": 3})
+    recipe = waiting_recipe(tmp_path, ssh_key, "paused")
     assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
     with watching(recipe, home, tmp_path) as watch:
         wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
         sb.set_link(inst.name, up=False)
-        wait_for("the watch to wait for the instance", lambda: "waiting for it to answer again" in
-                 (tmp_path / "watch.err").read_text(), timeout=120)
+        wait_for_the_wait(tmp_path)
         # meanwhile the instance restarted: its tmux server and training are gone, no exit status written
         sb.run_in(inst.name, ["tmux", "kill-server"], capture_output=True, timeout=30)
         sb.set_link(inst.name, up=True)
@@ -158,8 +167,7 @@ def test_a_look_sent_before_the_outage_that_answers_after_it_does_not_count_as_t
     writer the test holds open) after it printed the training's state, so the old answer is there
     every time, not only when the race goes that way."""
     home, inst = tmp_path / "state", sandbox()
-    recipe = plain_recipe(tmp_path, name="held", key=ssh_key, command="sleep 600", ssh={"wait": 5},
-                          guard={"every": 1}, recover={"lost_after": 3})
+    recipe = waiting_recipe(tmp_path, ssh_key, "held")
     assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
     with watching(recipe, home, tmp_path) as watch:
         wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
@@ -170,8 +178,7 @@ def test_a_look_sent_before_the_outage_that_answers_after_it_does_not_count_as_t
                  lambda: ssh(inst, "test -s ~/look-held", check=False).returncode == 0, timeout=60)
         sb.set_link(inst.name, up=False)
         sb.run_in(inst.name, ["tmux", "kill-server"], capture_output=True, timeout=30)   # the restart
-        wait_for("the watch to wait for the instance", lambda: "waiting for it to answer again" in
-                 (tmp_path / "watch.err").read_text(), timeout=120)
+        wait_for_the_wait(tmp_path)
         sb.set_link(inst.name, up=True)
         # the held look answers now, with what it saw before the outage
         ssh(inst, "rm ~/held.log && kill $(cat ~/look-held)")
