@@ -92,11 +92,13 @@ def guard_file(ssh, inst: Instance, name: str, recipe_name: str) -> dict | None:
 
 
 @contextmanager
-def watching(recipe: Path, home: Path, folder: Path, *args: str,
-             env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """`relaunch watch RECIPE --json` in the background, its output in folder/watch.out and .err."""
+def watching(recipe: Path, home: Path, folder: Path, *args: str, env: dict[str, str] | None = None,
+             script: str | None = None) -> Iterator[subprocess.Popen]:
+    """`relaunch watch RECIPE --json` in the background, its output in folder/watch.out and .err;
+    `script` as in e2e.run_cli."""
+    program = ["-c", script] if script is not None else ["-m", "relaunch.cli"]
     with (folder / "watch.out").open("w") as out, (folder / "watch.err").open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "relaunch.cli", "watch", str(recipe), *args, "--json"],
+        proc = subprocess.Popen([sys.executable, *program, "watch", str(recipe), *args, "--json"],
                                 env=cli_env(home, env),
                                 stdout=out, stderr=err, text=True)
     try:

@@ -131,26 +131,43 @@ def wait_for_the_wait(tmp_path: Path) -> None:
              (tmp_path / "watch.err").read_text(), timeout=120)
 
 
+# `relaunch watch ARGS` whose Ctrl-C (a real SIGINT to itself) lands the moment it has said that
+# training runs again (its `up` event): the user, or a script reading --json, acts on that line.
+CTRL_C_AS_TRAINING_RUNS_AGAIN = """
+import os, signal, sys
+from relaunch.cli.main import main
+from relaunch.watch.state import WatchBase
+
+emit = WatchBase.emit
+
+def emit_then_ctrl_c(self, event, **data):
+    emit(self, event, **data)
+    if event == "up":
+        os.kill(os.getpid(), signal.SIGINT)
+
+WatchBase.emit = emit_then_ctrl_c
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_without_recover_command_the_watch_waits_and_restarts_training_where_it_comes_back(tmp_path, sandbox,
                                                                                            ssh, ssh_key):
     """A paused instance (Vast.ai outbid) that comes back after a reboot: no recover.command, so the
-    watch waits for the same host and runs `up` there once it answers without training."""
+    watch waits for the same host and runs `up` there once it answers without training. A Ctrl-C
+    the moment it says so finds the resumption in the history already."""
     home, inst = tmp_path / "state", sandbox()
     recipe = waiting_recipe(tmp_path, ssh_key, "paused")
     assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
-    with watching(recipe, home, tmp_path) as watch:
+    with watching(recipe, home, tmp_path, script=CTRL_C_AS_TRAINING_RUNS_AGAIN) as watch:
         wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
         sb.set_link(inst.name, up=False)
         wait_for_the_wait(tmp_path)
         # meanwhile the instance restarted: its tmux server and training are gone, no exit status written
         sb.run_in(inst.name, ["tmux", "kill-server"], capture_output=True, timeout=30)
         sb.set_link(inst.name, up=True)
-        wait_for("training to run there again", lambda: any(e["event"] == "up" for e in events(tmp_path)),
-                 timeout=180)
-        assert ssh(inst, "tmux has-session -t =paused", check=False).returncode == 0
-        watch.send_signal(signal.SIGINT)
-        watch.wait(timeout=60)
+        watch.wait(timeout=180)
     err = (tmp_path / "watch.err").read_text()
+    assert any(e["event"] == "up" for e in events(tmp_path)), err
     assert watch.returncode == 130, err
     assert "back; training is not running: `up` there" in err and "recover.command" in err
     entry = json.loads((tmp_path / "store" / HISTORY).read_text().splitlines()[-1])

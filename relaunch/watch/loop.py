@@ -229,12 +229,13 @@ class Watch(NoticeHandling, Replacing):
         if all(v.look is not None and v.look.training for v in views):
             self.say(f"{self.host}: back, and training is still running there")
             entry.resumed(self.host, time.time())
+            self.record(entry)
         else:
             self.say(f"{self.host}: back; training is not running: `up` there")
             if self.group:
                 cycle.stop_training(self.current(), self.specs, self.inner)
             self.up_here(entry)
-        self.record(entry)
+            self.tell(entry)
 
     def maybe_ended(self, views: list[View]) -> WatchEnd | None:
         """Training gone on node 0: decided once every node was looked at again after it was first
@@ -259,7 +260,7 @@ class Watch(NoticeHandling, Replacing):
             if self.group:
                 cycle.stop_training(self.current(), self.specs, self.inner)
             self.up_here(entry)
-            self.record(entry)
+            self.tell(entry)
             return None
         self.rounds.abort()
         problem = self.last_round()
@@ -307,6 +308,7 @@ class Watch(NoticeHandling, Replacing):
         results = retrying(up, transient=recoverable, attempts=self.recipe.recover.attempts, first=5.0, most=60.0,
                            on_retry=again)
         entry.resumed(self.host, time.time())
+        self.write_down(entry)
         result = results[0]
         resumed = f" (resumed from {result.checkpoint}, step {result.step})" if result.checkpoint else ""
         self.ok(f"{self.host}: training {result.status} again{resumed}")

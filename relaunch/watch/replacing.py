@@ -56,12 +56,13 @@ class Replacing(WatchBase):
         self.retire([s for s in gone])
         entry.resumed(self.host, time.time())
         entry.nodes_after = len(self.specs)
+        self.write_down(entry)
         first = results[0]
         resumed = f"resumed from {first.checkpoint} (step {first.step})" if first.checkpoint else "fresh start"
         self.ok(f"recovered: training {first.status} on {self.host} ({resumed}), "
                 f"{entry.time_to_resume:g}s after {old} stopped; watching {self.host} now")
         self.emit("up", **first.as_dict(), nodes=[str(s) for s in self.specs])
-        self.record(entry)
+        self.tell(entry)
 
     def rent_many(self, entry: history.Interruption, count: int,
                   already: list[rent.Rented] | None = None) -> list[rent.Rented]:
@@ -273,11 +274,12 @@ class Replacing(WatchBase):
         results = self.bring_up(self.specs + [r.spec for r in spares], new=spares)
         entry.resumed(self.host, time.time())
         entry.nodes_after = len(self.specs)
+        self.write_down(entry)
         first = results[0]
         self.ok(f"grown back: training {first.status} on {self.host} ({len(self.specs)} nodes, resumed from "
                 f"{first.checkpoint or 'nothing'}), {entry.time_to_resume:g}s without training")
         self.emit("up", **first.as_dict(), nodes=[str(s) for s in self.specs])
-        self.record(entry)
+        self.tell(entry)
 
     # -- replaced instances --------------------------------------------------------------------
     def retire(self, specs: list[HostSpec]) -> None:

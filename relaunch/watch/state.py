@@ -178,12 +178,20 @@ class WatchBase:
         return newest.step if newest else None
 
     def record(self, entry: history.Interruption) -> None:
+        self.write_down(entry)
+        self.tell(entry)
+
+    def write_down(self, entry: history.Interruption) -> None:
+        """Into the store's history. Before "training running again" is said: whoever acts on that
+        line (a Ctrl-C, a script reading `--json`) finds the resumption on record already."""
         try:
             history.record(open_store(self.recipe), entry, self.inner)
         except (Interrupted, UsageError):
             raise
         except RelaunchError as exc:
             self.warn(f"could not write the history of interruptions: {first_line(exc)}")
+
+    def tell(self, entry: history.Interruption) -> None:
         self.say(f"{'recorded' if entry.cause == 'rebalance' else 'interruption recorded'}: {entry.line()}")
         self.emit("interruption", **entry.as_dict())
 
