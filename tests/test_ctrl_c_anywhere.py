@@ -3,7 +3,8 @@ with CANCEL's lock held, half way through a Condition's wait, between a wait and
 it. Wherever it lands, relaunch ends: the wait it lands in, or the next one, ends with
 KeyboardInterrupt or Interrupted. Before, a Ctrl-C inside `CANCEL.wait()` made the handler wait
 for CANCEL's lock, which its own thread held: the process hung for good (a `watch` in a CI run
-under load); one landing half way through a wait raised "release unlocked lock" (exit 1).
+under load); one landing half way through a wait raised "release unlocked lock" (exit 1); one landing in
+paramiko's read right after it took its lock left that lock held, and the next close hung.
 
 The landing points are searched, not guessed: a trace function raises SIGINT at the k-th line the
 main thread runs in `threading` and `relaunch.processes`, for every k until the wait runs out of
@@ -83,6 +84,74 @@ def test_a_ctrl_c_anywhere_in_a_wait_of_the_main_thread_ends_it(how: str) -> Non
     assert child.returncode == 0 and lines and lines[-1].startswith("past the last line"), \
         child.stdout + child.stderr
     assert len(lines) > 10, lines                         # the search went through the wait's own lines
+    assert "Traceback" not in child.stderr, child.stderr
+
+
+# paramiko's pipes take their lock with `acquire()` and only then enter `try`: a KeyboardInterrupt
+# between the two leaves it held, and paramiko's transport thread, closing the pipe as the channel
+# ends, waits for it forever while holding the channel's lock, which relaunch's own `chan.close()`
+# then waits for (an `evacuate` that hung after its Ctrl-C in a CI run under load)
+PIPE_CHILD = r"""
+import importlib, signal, sys, threading
+from paramiko.buffered_pipe import BufferedPipe
+from relaunch import processes
+main = importlib.import_module("relaunch.cli.main")
+
+
+def landing_at(k):
+    seen = [0]
+
+    def tracer(frame, kind, arg):
+        if not str(frame.f_globals.get("__name__")).startswith("paramiko"):
+            return None
+        if kind == "line":
+            seen[0] += 1
+            if seen[0] == k:
+                signal.raise_signal(signal.SIGINT)
+        return tracer
+    return tracer, seen
+
+
+for k in range(1, 200):
+    main.install_signal_handlers()
+    processes.CANCEL.clear()
+    pipe = BufferedPipe()
+    pipe.feed(b"output")                 # what remote.exec reads once recv_ready() said so
+    tracer, seen = landing_at(k)
+    sys.settrace(tracer)
+    try:
+        pipe.read(65536, timeout=1)
+        ended = "read returned"
+    except (KeyboardInterrupt, processes.Interrupted) as exc:
+        ended = type(exc).__name__
+    finally:
+        sys.settrace(None)
+    if seen[0] < k:
+        print("past the last line", k, flush=True)
+        break
+    closer = threading.Thread(target=pipe.close, daemon=True)     # paramiko's transport, as the channel ends
+    closer.start()
+    closer.join(10)
+    if closer.is_alive():
+        print("HUNG", k, ended, flush=True)
+        sys.exit(1)
+    if ended == "read returned":       # remote.exec's loop looks at CANCEL next
+        try:
+            processes.sleep(30)
+            print("LOST", k, flush=True)
+            sys.exit(1)
+        except processes.Interrupted:
+            ended = "the next wait: Interrupted"
+    print(k, ended, flush=True)
+"""
+
+
+def test_a_ctrl_c_anywhere_in_a_read_of_paramiko_leaves_its_lock_free_and_ends_relaunch() -> None:
+    child = subprocess.run([sys.executable, "-c", PIPE_CHILD], capture_output=True, text=True, timeout=120)
+    lines = child.stdout.splitlines()
+    assert child.returncode == 0 and lines and lines[-1].startswith("past the last line"), \
+        child.stdout + child.stderr
+    assert len(lines) > 5, lines                          # the search went through the read's own lines
     assert "Traceback" not in child.stderr, child.stderr
 
 

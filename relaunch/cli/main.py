@@ -29,25 +29,33 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     Only once: a second Ctrl-C must not cut short the cleanup (credentials removed, the exit code
     and its message) that the first one started.
 
-    This runs in the main thread between two bytecodes, wherever it is. Inside `threading`'s own
-    code it neither sets CANCEL nor raises: a lock may be held there (`CANCEL.wait()` holds
-    CANCEL's, and `CANCEL.set()` would wait for itself forever) or half released (a
-    KeyboardInterrupt there leaves it broken: "release unlocked lock"). The relay thread sets
-    CANCEL (`processes.relay_signals`), and the wait the main thread is in ends on it with
-    Interrupted, as a Ctrl-C ends every other thread's waits."""
+    This runs in the main thread between two bytecodes, wherever it is. Inside the code of a
+    module that holds locks by hand it neither sets CANCEL nor raises: a lock may be held there
+    (`CANCEL.wait()` holds CANCEL's, and `CANCEL.set()` would wait for itself forever) or half
+    released (a KeyboardInterrupt there leaves it broken: "release unlocked lock"), or just
+    acquired before its `try` (paramiko's pipes, logging's handlers: a KeyboardInterrupt there
+    leaves it held for good, and the next thread to take it, paramiko's transport closing the
+    channel, waits forever while holding the channel's lock that relaunch's own close then waits
+    for). The relay thread sets CANCEL (`processes.relay_signals`), and the wait the main thread
+    is in ends on it with Interrupted, as a Ctrl-C ends every other thread's waits: relaunch calls
+    paramiko only from loops that look at CANCEL."""
     global _unwinding
     if _unwinding:
         return
     _unwinding = True
-    if _inside_threading(frame):
+    if _inside_lock_holders(frame):
         return
     processes.CANCEL.set()              # CANCEL's lock is only ever held inside threading's code
     raise KeyboardInterrupt
 
 
-def _inside_threading(frame: FrameType | None) -> bool:
+_LOCK_HOLDERS = ("threading", "paramiko", "logging")
+
+
+def _inside_lock_holders(frame: FrameType | None) -> bool:
     while frame is not None:
-        if frame.f_globals.get("__name__") == "threading":
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.split(".", 1)[0] in _LOCK_HOLDERS:
             return True
         frame = frame.f_back
     return False
