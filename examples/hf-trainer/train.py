@@ -108,12 +108,17 @@ def main() -> int:
     trainer.train(resume_from_checkpoint=resume or None)
     if stop.requested() or relaunch_callback.stopping:   # the signal here, or on another rank
         say(f"stopped at step {trainer.state.global_step}")
-        return 0
-    if args.final:
-        weights = trainer.model.state_dict()
-        digest = hashlib.sha256(b"".join(weights[k].detach().cpu().numpy().tobytes() for k in sorted(weights)))
-        Path(args.final).expanduser().write_text(digest.hexdigest() + "\n")
-    say(f"done step {trainer.state.global_step}")
+    else:
+        if args.final:
+            weights = trainer.model.state_dict()
+            digest = hashlib.sha256(b"".join(weights[k].detach().cpu().numpy().tobytes() for k in sorted(weights)))
+            Path(args.final).expanduser().write_text(digest.hexdigest() + "\n")
+        say(f"done step {trainer.state.global_step}")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # under torchrun the Trainer leaves its process group up; gloo's threads still running when
+        # Python shuts down abort the process ("terminate called without an active exception"),
+        # and torchrun then reports the run failed although it saved and stopped
+        torch.distributed.destroy_process_group()
     return 0
 
 
