@@ -311,8 +311,10 @@ def run(world: World, rng: random.Random, args: list[str], fault: str) -> Outcom
         try:
             status = proc.wait(timeout=DEADLINE)
         except subprocess.TimeoutExpired:
+            where = stacks(proc, err, 10)[-6000:] or "(no stacks printed after SIGUSR1)"
             proc.kill()
-            world.fail(f"`relaunch {' '.join(args[:1])}` still running after {DEADLINE}s ({fault})")
+            world.fail(f"`relaunch {' '.join(args[:1])}` still running after {DEADLINE}s ({fault}); where its "
+                       f"threads were:\n{where}")
     finally:
         for t in timers:
             t.join()
