@@ -115,9 +115,8 @@ def main() -> int:
             Path(args.final).expanduser().write_text(digest.hexdigest() + "\n")
         say(f"done step {trainer.state.global_step}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # under torchrun the Trainer leaves its process group up; gloo's threads still running when
-        # Python shuts down abort the process ("terminate called without an active exception"),
-        # and torchrun then reports the run failed although it saved and stopped
+        # under torchrun the Trainer leaves its process group up; PyTorch asks every process to
+        # end it (gloo's threads left running as Python shuts down can abort the process)
         torch.distributed.destroy_process_group()
     return 0
 
