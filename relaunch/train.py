@@ -166,6 +166,19 @@ class StopRequest:
                 signal.signal(number, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
+    def let_go(self, done: Any) -> None:
+        """Stop chaining to the handlers `done(handler)` picks, and to any handler of a signal
+        this one no longer handles (a library replaced it: it can never be called from here).
+
+        A chained bound method keeps its object alive, and through it whatever that holds: a
+        trainer's, the whole training (its model, its process group's threads).
+        """
+        for number, previous in list(self._previous.items()):
+            if getattr(signal.getsignal(number), "__self__", None) is not self:
+                del self._previous[number]
+            elif done(previous):
+                self._previous[number] = None      # uninstall() puts back the default
+
     def _handle(self, signum: int, frame: Any) -> None:
         if self._handling:          # a chain that leads back here (a library composing handlers)
             return
@@ -990,6 +1003,14 @@ def trainer_callback() -> type:
             control.should_save = True
             control.should_training_stop = True
             _say(f"{stop.reason or 'stop requested'}: saving checkpoint-{state.global_step}, then stopping")
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            # transformers' JIT handler, chained under this one, holds the Trainer: kept, it would
+            # keep the DDP model and its process group alive into Python's shutdown, where a gloo
+            # thread letting go of a tensor aborts the process after a good save
+            if self.stop is not None:
+                self.stop.let_go(lambda handler: type(getattr(handler, "__self__", None)).__module__
+                                 .startswith("transformers."))
 
     _CLASSES["trainer"] = RelaunchTrainerCallback
     return RelaunchTrainerCallback

@@ -8,6 +8,7 @@ batch kept) trains every step on exactly the multiset of samples the uninterrupt
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,6 +163,44 @@ def test_the_stop_signal_is_seen_and_the_handler_before_it_still_runs(usr1) -> N
     assert not stop.requested() and stop.reason == ""
     os.kill(os.getpid(), signal.SIGUSR1)
     assert stop.requested() and stop.reason == "signal SIGUSR1" and calls == [signal.SIGUSR1]
+
+
+def test_letting_go_of_chained_handlers_frees_their_owners_and_the_stop_still_counts(usr1) -> None:
+    """The HF callback lets go of transformers' JIT handler as training ends: chained, that bound
+    method kept the Trainer alive (its DDP model, its process group's gloo threads) into Python's
+    shutdown. A handler of a signal a library took over since can never be chained to: let go too."""
+    stop, calls = usr1
+
+    class Owner:
+        def handle(self, signum: int, frame: object) -> None:
+            calls.append(-signum)
+
+    owner = Owner()
+    signal.signal(signal.SIGUSR1, owner.handle)
+    stop.install()
+    chained = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert chained() is not None                      # chained: alive
+    stop.let_go(lambda handler: False)
+    assert chained() is not None                      # not picked, still on top: still chained
+    stop.let_go(lambda handler: type(getattr(handler, "__self__", None)) is Owner)
+    gc.collect()
+    assert chained() is None
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert stop.requested() and calls == []          # seen, passed on to nobody
+    stop.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+    other = Owner()
+    signal.signal(signal.SIGUSR1, other.handle)
+    stop.install()
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)   # a library takes the signal over
+    chained = weakref.ref(other)
+    del other
+    stop.let_go(lambda handler: False)
+    gc.collect()
+    assert chained() is None
 
 
 def test_installing_again_with_chain_false_stops_passing_the_signal_on(usr1) -> None:

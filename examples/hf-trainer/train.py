@@ -23,6 +23,7 @@ Dropout is off, so a resumed run repeats the uninterrupted one's losses.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import sys
 import time
@@ -62,6 +63,8 @@ def main() -> int:
 
     from relaunch import train as relaunch_train
 
+    if torch.distributed.is_available():
+        import torch.distributed.nn  # noqa: F401  (before the Trainer starts a process group: see the end)
     transformers.logging.set_verbosity_warning()
     transformers.utils.logging.disable_progress_bar()
     # what the JIT checkpoint does ("Saving JIT checkpoint at step N") goes to the log
@@ -115,9 +118,21 @@ def main() -> int:
             Path(args.final).expanduser().write_text(digest.hexdigest() + "\n")
         say(f"done step {trainer.state.global_step}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # under torchrun the Trainer leaves its process group up; PyTorch asks every process to
-        # end it (gloo's threads left running as Python shuts down can abort the process)
+        # Under torchrun the Trainer leaves its process group up, and gloo's worker threads with
+        # it. One of them letting go of the last collective's tensors once Python has begun to shut
+        # down aborts the process ("terminate called without an active exception") after a good
+        # save, and torchrun reports the run failed. So the group goes before the script returns:
+        # - torch.distributed.nn is imported at the top, before the group starts (imported later,
+        #   by DDP, it holds the group in its functions' default arguments for good);
+        # - the trainer goes (its DDP model holds the group), while `group` still holds it: the
+        #   model's last hold would end the group with the interpreter's lock held, and a worker
+        #   thread waiting for that lock deadlocks with it;
+        # - `del group`, the last hold, ends the group without that lock and joins its threads.
+        group = torch.distributed.group.WORLD
         torch.distributed.destroy_process_group()
+        del trainer, model
+        gc.collect()
+        del group
     return 0
 
 
