@@ -149,7 +149,7 @@ class StopRequest:
             return self
         for number in self.signals:
             current = signal.getsignal(number)
-            if getattr(current, "__self__", None) is self:
+            if self._on_top(number):
                 self._chained[number] = chain      # already on top: only whether to chain changes
                 continue
             self._previous[number] = current
@@ -162,7 +162,7 @@ class StopRequest:
         if threading.current_thread() is not threading.main_thread():
             return
         for number, previous in self._previous.items():
-            if getattr(signal.getsignal(number), "__self__", None) is self:
+            if self._on_top(number):
                 signal.signal(number, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
@@ -174,10 +174,14 @@ class StopRequest:
         trainer's, the whole training (its model, its process group's threads).
         """
         for number, previous in list(self._previous.items()):
-            if getattr(signal.getsignal(number), "__self__", None) is not self:
+            if not self._on_top(number):
                 del self._previous[number]
             elif done(previous):
                 self._previous[number] = None      # uninstall() puts back the default
+
+    def _on_top(self, number: signal.Signals) -> bool:
+        """Is this request's handler the one the signal calls now?"""
+        return getattr(signal.getsignal(number), "__self__", None) is self
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self._handling:          # a chain that leads back here (a library composing handlers)
