@@ -15,7 +15,7 @@ from ..ui import UI, redact
 from .common import cli, common, complete_providers, emit, load
 
 
-@cli.command()
+@cli.command(short_help="Write a recipe for a run started by hand; read-only there")
 @click.argument("host")
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default="recipe.yaml", show_default=True,
               help="Where to write the recipe; the lock and the program's files go beside it (never over other bytes).")
@@ -54,7 +54,7 @@ def ask_which(lines: list[str]) -> int:
     return int(click.prompt(f"which one? [1-{len(lines)}]", type=click.IntRange(1, len(lines)), err=True)) - 1
 
 
-@cli.command()
+@cli.command(short_help="Validate a recipe: every value, where it came from, every guess")
 @click.argument("recipe")
 @click.option("--explain", is_flag=True,
               help="Print the merged recipe with, for every value, where it came from (file:line, preset, "
@@ -84,7 +84,7 @@ def check(recipe: str, explain: bool, overrides: tuple[str, ...], as_json: bool,
     emit(as_json, result)
 
 
-@cli.command()
+@cli.command(short_help="Write a commented starter recipe")
 @click.argument("path", required=False, type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--provider", default=None, shell_complete=complete_providers,
               help="Preset for the SSH user and port (see `relaunch providers`).")
@@ -129,7 +129,7 @@ def init(path: str | None, provider: str | None, layout: str | None, remote: str
     emit(as_json, {"wrote": str(out)})
 
 
-@cli.command()
+@cli.command(short_help="List the provider presets and their base recipes")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def providers(as_json: bool) -> None:
     """List the provider presets: SSH user and port, whether the disk survives a stop, which disks a
@@ -154,7 +154,7 @@ def providers(as_json: bool) -> None:
     click.echo("? = not known from a source (recipes/providers.yaml says where each value comes from)")
 
 
-@cli.command()
+@cli.command(short_help="The checkpoint interval that keeps Badput under a budget")
 @click.argument("recipe", required=False)
 @click.argument("host", required=False)
 @click.option("--step-time", metavar="T", help="One training step, e.g. 1.2s (else measured on RECIPE HOST).")
