@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from e2e import REPO, run_cli, wait_for
 from relaunch import scripts
+from relaunch.adopt.recipe_text import recipe_text
 from relaunch.errors import RecipeError
 from relaunch.recipe import check_recipe, load_providers, load_recipe
 from relaunch.recipe.explain import explain
@@ -143,6 +145,89 @@ def test_every_value_of_a_recipe_is_explained(tmp_path: Path) -> None:
     assert got["templates"] == f"{base}:{line_of(base, 'templates:')}"
     assert got["run.workdir"] == "--set"
     assert got["ssh.user"] == "preset sandbox" and got["run.session"] == "default"
+
+
+# --- plain check: the values a recipe sets, and the guesses its files mark -------------------------
+
+def adopted_style(path: Path, data: dict, guesses: dict[str, str]) -> Path:
+    """A recipe as `relaunch adopt` writes it (its own writer): a comment above every key, `GUESS:` on
+    the ones in `guesses`."""
+    notes = {key: (guesses.get(key, f"read {key}"), key in guesses) for key in [*_dotted(data), *guesses]}
+    return write(path, recipe_text(data, notes, "Adopted by `relaunch adopt` (a test)"))
+
+
+def _dotted(data: dict, prefix: str = "") -> list[str]:
+    return [k for key, value in data.items()
+            for k in (_dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
+
+
+def check_lines(*args: str, home: Path) -> tuple[dict[str, str], str]:
+    """`relaunch check ARGS`: {dotted key: its line} of the values it lists, and what follows them."""
+    out = run_cli("check", *args, home=home)
+    assert out.returncode == 0, out.stderr
+    head, _, rest = out.stdout.partition("  (")      # the values, then "(N more keys keep their defaults ...)"
+    lines = head.splitlines()
+    assert lines[0] == f"{args[0]}: ok (recipe {lines[0].rsplit(' ', 1)[1]}"
+    return {line.split(":")[0].strip(): line for line in lines[1:]}, rest
+
+
+def test_check_lists_every_value_set_with_its_source_and_adopts_guesses_until_confirmed(tmp_path: Path) -> None:
+    data = {"name": "llama", "provider": "lambda", "env": {"python": "3.11", "vars": {"WANDB_MODE": "offline"}},
+            "checkpoint": {"dir": "~/ckpt", "remote": "./store/llama"},
+            "run": {"command": "python train.py --resume \"{{ checkpoint }}\"", "ready": "step \\d+"}}
+    recipe = adopted_style(tmp_path / "recipe.yaml", data, {
+        "run.command": "train.py:111 defines --resume; added so that `up` resumes",
+        "run.ready": "its last output lines say 'step 377 loss 0.002271'", "env.vars": "the training's environment"})
+    home, text = tmp_path / "home", recipe.read_text()
+    at = {key: line_of(recipe, key.split(".")[-1] + ":") for key in ("run.command", "run.ready", "env.python")}
+    got, rest = check_lines(str(recipe), home=home)
+    assert got["run.command"].endswith(f"# {recipe}:{at['run.command']}, GUESS")
+    assert got["run.ready"].endswith(f"# {recipe}:{at['run.ready']}, GUESS")
+    assert got["env.vars.WANDB_MODE"].endswith(", GUESS")                 # a guessed mapping: each entry
+    assert got["env.python"].endswith(f"# {recipe}:{at['env.python']}")    # read, not guessed
+    assert got["ssh.user"].endswith("# preset lambda") and got["ssh.user"].split("#")[0].strip() == "ssh.user: ubuntu"
+    assert "checkpoint.keep" not in got and rest.startswith(f"{len(explain(load_recipe(recipe))) - len(got)} more "
+                                                            "keys keep their defaults")
+    guesses = rest.split("\n", 1)[1]
+    assert guesses.startswith("3 guess(es) left: check each, then delete `GUESS:` from the comment above its key\n")
+    assert re.search(rf"\n  run.ready \({re.escape(str(recipe))}:{at['run.ready']}\) +its last output lines say "
+                     r"'step 377 loss 0.002271'\n", guesses)
+
+    data_out = json.loads(run_cli("check", str(recipe), "--json", home=home).stdout)
+    assert {g["key"]: g["guess"] for g in data_out["guesses"]} == {
+        "env.vars.WANDB_MODE": "the training's environment",
+        "run.command": "train.py:111 defines --resume; added so that `up` resumes",
+        "run.ready": "its last output lines say 'step 377 loss 0.002271'"}
+    assert {v["key"]: v["from"] for v in data_out["values"]}["run.ready"] == f"{recipe}:{at['run.ready']}"
+
+    # --set gives another value: no longer the guess; --explain marks the guesses in its fuller view
+    explained = run_cli("check", str(recipe), "--explain", "--set", "run.ready=^step ", home=home)
+    assert [line.split(":")[0].strip() for line in explained.stdout.splitlines() if line.endswith(", GUESS")] == \
+        ["WANDB_MODE", "command"]
+    assert "2 guess(es) left" in explained.stderr
+
+    # the user confirms a guess by deleting its mark
+    recipe.write_text(text.replace("# GUESS: its last output lines", "# its last output lines"))
+    got, rest = check_lines(str(recipe), home=home)
+    assert not got["run.ready"].endswith("GUESS") and got["run.command"].endswith("GUESS")
+    assert "2 guess(es) left" in rest and "run.ready" not in rest
+    recipe.write_text(text.replace("GUESS: ", ""))
+    done = run_cli("check", str(recipe), home=home)
+    assert "GUESS" not in done.stdout and "guess(es)" not in done.stdout
+
+
+def test_check_names_each_values_file_line_through_extends_and_a_guess_a_later_file_replaced(tmp_path: Path) -> None:
+    base = write(tmp_path / "team" / "base.yaml", "extends: [providers/runpod]\nenv:\n  # GUESS: the team's usual\n"
+                 "  python: '3.10'\ncheckpoint:\n  # GUESS: picked by hand\n  keep: 4\n")
+    top = write(tmp_path / "proj" / "recipe.yaml", PROJECT + "extends: [team/base]\nenv: {python: '3.11'}\n")
+    got, rest = check_lines(str(top), "--set", "run.workdir=~/w", home=tmp_path / "home")
+    assert got["env.python"].endswith(f"# {top}:5")                      # this file wins: its value, no guess
+    assert got["checkpoint.keep"].endswith(f"# {base}:7, GUESS")        # the base's guess stands
+    assert got["checkpoint.dir"].startswith("  checkpoint.dir: /workspace/ckpt/{{ name }} ")   # runpod's base
+    assert "# " + str(recipes_dir() / "providers" / "runpod.yaml") + ":" in got["checkpoint.dir"]
+    assert got["ssh.port"].endswith("# preset runpod") and got["run.workdir"].endswith("# --set")
+    assert got["run.command"].endswith(f"# {top}:2")
+    assert "\n1 guess(es) left" in rest and f"checkpoint.keep ({base}:7)  picked by hand" in rest
 
 
 # --- templates a team overrides -------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -57,14 +56,17 @@ def ask_which(lines: list[str]) -> int:
 @cli.command(short_help="Validate a recipe: every value, where it came from, every guess")
 @click.argument("recipe")
 @click.option("--explain", is_flag=True,
-              help="Print the merged recipe with, for every value, where it came from (file:line, preset, "
-                   "default, --set).")
+              help="Print the merged recipe with every value, defaults included, and where each came from (file:line, "
+                   "preset, default, --set).")
 @common
 def check(recipe: str, explain: bool, overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
-    """Validate a recipe (extends resolved, templates rendered) without touching any host."""
+    """Validate a recipe (extends resolved, templates rendered) without touching any host, and show the
+    values it sets, each with where it came from (file:line, preset, --set), and the guesses its files
+    still mark: a comment starting `GUESS:` above a key, as `relaunch adopt` writes them (check the
+    value, then delete `GUESS:` to confirm it). --explain shows every value, defaults included."""
     from ..recipe import check_recipe
     from ..recipe.explain import explain as explained
-    from ..recipe.explain import explain_text
+    from ..recipe.explain import explain_text, guesses_text, values_text
     from ..recipe.render import disk_findings
 
     r = load(recipe, overrides)
@@ -75,13 +77,16 @@ def check(recipe: str, explain: bool, overrides: tuple[str, ...], as_json: bool,
         click.echo(f"warning: {warning}", err=True)
     for note in notes:
         click.echo(f"note: {note}", err=True)
+    report = as_json or explain          # the listing is stdout's: the report goes to stderr
     if explain and not as_json:
         click.echo(redact(explain_text(r)), nl=False)
-    click.echo(f"{recipe}: ok (recipe {r.name})", err=as_json or explain)
-    result: dict[str, Any] = {"ok": True, "name": r.name, "notes": notes, "warnings": warnings}
-    if explain:
-        result |= {"files": r.files, "values": [e.as_dict() for e in explained(r)]}
-    emit(as_json, result)
+    click.echo(f"{recipe}: ok (recipe {r.name})", err=report)
+    if not report:
+        click.echo(redact(values_text(r, recipe)), nl=False)
+    click.echo(redact(guesses_text(r)), nl=False, err=report)
+    entries = explained(r)
+    emit(as_json, {"ok": True, "name": r.name, "notes": notes, "warnings": warnings, "files": r.files,
+                   "values": [e.as_dict() for e in entries], "guesses": [e.guess_dict() for e in entries if e.guess]})
 
 
 @cli.command(short_help="Write a commented starter recipe")
