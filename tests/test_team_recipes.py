@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from e2e import REPO, run_cli, wait_for
 from relaunch import scripts
@@ -310,6 +311,59 @@ def test_init_default_path_refuses_to_overwrite_and_keeps_old_spellings(tmp_path
     assert printed.returncode == 0 and printed.stdout.startswith("# A relaunch recipe.")
     bad = run_cli("init", str(tmp_path / "x.yaml"), "--remote", "hf:nope", home=home)
     assert bad.returncode == 2 and not (tmp_path / "x.yaml").exists()
+
+
+STEPS = """import time
+# a trainer with no ready line in its recipe: a line per step, as most print them
+for step in range(1, 10**6):
+    time.sleep(0.2)
+    print(f"step {step} loss {1 / step:.4f}", flush=True)
+"""
+DIES = """import time
+print("loading the model; resuming at step 40", flush=True)   # a step number once: no step ran
+time.sleep(8)
+raise SystemExit("RuntimeError: CUDA out of memory")
+"""
+
+
+def starter(folder: Path, key: Path, program: str, *provider: str) -> Path:
+    """`relaunch init` as a user takes it: only its program (train.py), the store and the key written;
+    run.ready, run.grace and run.metrics as the starter leaves them (commented out)."""
+    recipe = folder / "recipe.yaml"
+    made = run_cli("init", str(recipe), *provider, home=folder / "home")
+    assert made.returncode == 0, made.stderr
+    assert "\n  # ready: " in recipe.read_text() and "\n  # grace: 60 " in recipe.read_text()
+    data = yaml.safe_load(recipe.read_text())
+    assert set(data["run"]) == {"command", "workdir"} and "train.py" in data["run"]["command"]
+    data["env"]["files"] = {"train.py": "~/work/train.py"}
+    data["checkpoint"]["remote"] = str(folder / "store")
+    data["ssh"] = {"key": str(key)}
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    (folder / "train.py").write_text(program)
+    return recipe
+
+
+def test_up_from_inits_starter_returns_when_the_step_goes_up_and_a_command_dying_first_is_exit_4(
+        tmp_path: Path, sandbox, ssh, ssh_key: Path) -> None:
+    """No ready line in the starter: `up` does not sit through run.grace once two log lines show the
+    step going up (run.metrics.step); one that dies before any step ran is still exit 4."""
+    home, box = tmp_path / "home", sandbox()
+    recipe = starter(tmp_path / "trains", ssh_key, STEPS, "--provider", "sandbox")
+    up = run_cli("up", str(recipe), box.host, home=home)
+    assert up.returncode == 0, up.stderr
+    assert "watching the command for 60s (run.grace) to see it start, or until its log shows the step going up " \
+           "(run.metrics.step 'step (\\\\d+)')" in up.stderr
+    proof = re.search(r"training is running in tmux session my-run \(fresh start; the step in its log went up: "
+                      r"'step (\d+) loss [\d.]+'\)", up.stderr)
+    assert proof and int(proof[1]) >= 2, up.stderr
+    assert "alive after" not in up.stderr
+    ssh(box, "tmux has-session -t =my-run")
+
+    recipe = starter(tmp_path / "dies", ssh_key, DIES)          # the starter without a provider
+    died = run_cli("up", str(recipe), box.host, "--set", "name=dies", home=home)
+    assert died.returncode == 4, died.stderr
+    assert "the command died" in died.stderr and "CUDA out of memory" in died.stderr
+    assert "training is running" not in died.stderr
 
 
 # --- the provider catalogue -----------------------------------------------------------------------

@@ -278,15 +278,17 @@ class Run(_Section):
                       Stop)
     ready: str | None = _key("A regex: a line of the command's log that proves training started; `up` returns "
                              "when it appears (or exits 4 when the command dies first).", "^step \\d+ ", None)
-    grace: float = _key("Seconds `up` watches the command when no ready line is given: if it dies within them, "
-                        "`up` exits 4 with its last lines.", 60, 60, ge=0)
+    grace: float = _key("Seconds `up` watches the command at most: until a log line matches run.ready, or without "
+                        "one until two lines show the step going up (run.metrics.step); if it dies first, `up` exits "
+                        "4 with its last lines; alive after them, it counts as started.", 60, 60, ge=0)
     nproc_per_node: int | None = _key("Processes per node ({{ nproc_per_node }}, for torchrun); else the GPUs "
                                       "found on the node, at least 1.", 8, None, gt=0,
                                       shown_default="the GPUs found on the node")
     batch: Batch | None = _key("Global and micro batch: gives {{ grad_accum }} = global / (micro x world size), "
                                "so a resume on fewer GPUs keeps the global batch.", {"global": 512, "micro": 8},
                                None)
-    metrics: Metrics = _key("How `relaunch drill` reads step, loss and grad norm from the log.",
+    metrics: Metrics = _key("How the log shows a training step: `up` without run.ready returns once the step goes "
+                            "up; `relaunch drill` reads step, loss and grad norm.",
                             {"step": r"step (\d+)", "loss": r"loss ([\d.]+)"}, Metrics)
 
     @field_validator("ready")
