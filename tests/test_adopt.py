@@ -283,7 +283,7 @@ def test_a_run_without_a_checkpoint_yet_still_gets_a_recipe_with_the_folder_as_a
     assert checked.returncode == 0, checked.stderr
     # `relaunch check` lists the guesses the recipe marks, the folder among them
     assert re.search(r"\n  checkpoint.dir: ~/runs/first +# .*recipe.yaml:\d+, GUESS\n", checked.stdout), checked.stdout
-    assert re.search(r"guess\(es\) left.*\n(  .*\n)*  checkpoint.dir \(.*\)  the command's --out /root/runs/first",
+    assert re.search(r"guess\(es\) left.*\n(  .*\n)*  checkpoint.dir \(.*\) +the command's --out /root/runs/first",
                      checked.stdout), checked.stdout
     # the report on the screen says so too, the guess marked
     (tmp_path / "again").mkdir()
