@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 
-MARK = "GUESS:"
 _MARKED = re.compile(r"#\s*GUESS:\s*(.*)")
 
 
