@@ -247,7 +247,7 @@ class Batch(_Section):
 
 
 class Metrics(_Section):
-    """Regexes that read a training step's numbers from the log (for `relaunch drill`)."""
+    """Regexes that read a training step's numbers from the log (for `up`'s start and `relaunch drill`)."""
 
     step: str = _key("Regex whose first group is the step number.", r"step (\d+)", r"step (\d+)")
     loss: str = _key("Regex whose first group is the loss.", r"loss ([\d.]+)", r"loss ([-+\d.eE]+)")
