@@ -178,9 +178,12 @@ def notice_saved(seen: NoticeCopy) -> Verdict:
 
 
 def launched(state: str | None) -> Verdict:
-    """`up` exit 0: the command is running (its ready line seen, or alive after run.grace) or finished."""
+    """`up` exit 0: the command is running (its ready line seen; without one, the step in its log gone
+    up; or alive after run.grace) or finished."""
     if state == "ready":
         return Verdict(True, "its log printed the ready line")
+    if state == "progressing":
+        return Verdict(True, "the step its log shows went up: a training step ran")
     if state == "alive":
         return Verdict(True, "alive after run.grace")
     if state == "finished":

@@ -1,7 +1,9 @@
 # relaunch: watch a training command start. Changes nothing.
-# argv: session log status_file ready_regex grace_seconds. Prints one JSON line:
-# state "ready" (a log line matched), "alive" (still running after the grace), "finished"
-# (ended with exit 0) or "died" (ended otherwise), with the last lines of the log.
+# argv: session log status_file ready_regex grace_seconds [step_regex]. Prints one JSON line:
+# state "ready" (a log line matched ready_regex), "progressing" (no ready_regex: the step the log
+# shows went up, a step above the one on the line before it: a training step ran),
+# "alive" (still running after the grace), "finished" (ended with exit 0) or "died" (ended
+# otherwise), with the last lines of the log.
 import json
 import re
 import subprocess
@@ -10,6 +12,8 @@ import time
 
 session, log, status_file, ready, grace = sys.argv[1:6]
 pattern = re.compile(ready) if ready else None
+step_regex = sys.argv[6] if len(sys.argv) > 6 else ""
+steps = re.compile(step_regex) if step_regex and not ready else None
 end = time.monotonic() + float(grace)
 MARK = "=== relaunch: start "
 
@@ -22,6 +26,24 @@ def this_run():
         return []
     starts = [i for i, line in enumerate(lines) if line.startswith(MARK)]
     return lines[starts[-1] + 1:] if starts else lines
+
+
+def step_went_up(lines):
+    """The first line whose step is above the step of the line before it that showed one: one line
+    alone (`resumed at step 500`, `saving every step 1000`) proves nothing ran."""
+    before = None
+    for ln in lines:
+        m = steps.search(ln)
+        try:
+            step = int(m.group(1)) if m else None
+        except (IndexError, ValueError):
+            step = None
+        if step is None:
+            continue
+        if before is not None and step > before:
+            return ln
+        before = step
+    return None
 
 
 def alive():
@@ -43,6 +65,11 @@ while True:
         found = [ln for ln in lines if pattern.search(ln)]
         if found:
             state, line = "ready", found[0]
+            break
+    if steps:
+        went_up = step_went_up(ln for ln in lines if not ln.startswith("=== relaunch:"))
+        if went_up is not None:
+            state, line = "progressing", went_up
             break
     if not alive():
         time.sleep(0.2)          # the run script writes the exit status as tmux ends

@@ -279,7 +279,12 @@ def test_a_run_without_a_checkpoint_yet_still_gets_a_recipe_with_the_folder_as_a
     assert recipe["env"]["files"] == {"train.py": "~/work/train.py", "helpers.py": "~/work/helpers.py",
                                       "config.yaml": "~/work/config.yaml"}     # the script, its import, its config
     assert (tmp_path / "config.yaml").read_text() == "lr: 0.1\n"
-    assert run_cli("check", str(out), home=home).returncode == 0
+    checked = run_cli("check", str(out), home=home)
+    assert checked.returncode == 0, checked.stderr
+    # `relaunch check` lists the guesses the recipe marks, the folder among them
+    assert re.search(r"\n  checkpoint.dir: ~/runs/first +# .*recipe.yaml:\d+, GUESS\n", checked.stdout), checked.stdout
+    assert re.search(r"guess\(es\) left.*\n(  .*\n)*  checkpoint.dir \(.*\) +the command's --out /root/runs/first",
+                     checked.stdout), checked.stdout
     # the report on the screen says so too, the guess marked
     (tmp_path / "again").mkdir()
     shown = adopt(inst.host, "-o", str(tmp_path / "again" / "recipe.yaml"), home=home, key=ssh_key)

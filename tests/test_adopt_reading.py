@@ -28,6 +28,7 @@ from relaunch.adopt.recipe_text import recipe_text
 from relaunch.adopt.words import shell_word
 from relaunch.layouts import Entry
 from relaunch.recipe import check_recipe, load_recipe
+from relaunch.recipe.explain import explain
 from relaunch.resources import templates_dir
 
 HOME = "/home/ubuntu"
@@ -99,7 +100,13 @@ def adopted(s: Scan, d: Detail, listings: dict[str, list[Entry]], tmp_path: Path
     (tmp_path / "requirements.lock").write_text("\n".join(a.lock) + "\n")
     path = tmp_path / "recipe.yaml"
     path.write_text(recipe_text(a.data, a.notes, "test"))
-    check_recipe(load_recipe(path))
+    r = load_recipe(path)
+    check_recipe(r)
+    # `relaunch check` reads back every guess adopt marked, and nothing else as one
+    guessed = [key for key, (_, guess) in a.notes.items() if guess]
+    values = explain(r)
+    assert {e.dotted for e in values if e.guess} == \
+        {e.dotted for e in values if any(e.dotted == k or e.dotted.startswith(k + ".") for k in guessed)}
     return a, yaml.safe_load(path.read_text())
 
 
@@ -177,6 +184,9 @@ def test_hf_trainer_under_torchrun(tmp_path) -> None:
     assert "vars" not in recipe["env"]          # torchrun's shutdown timeout follows run.stop.timeout
     assert a.newest == "checkpoint-10"             # checkpoint-20 has no trainer_state.json: not complete
     assert recipe["run"]["ready"] == r"\{'loss': "
+    guesses = {e.dotted: e.guess for e in explain(load_recipe(tmp_path / "recipe.yaml")) if e.guess}
+    assert set(guesses) == {"run.command", "run.ready"}, guesses      # the resume argument added, the ready line
+    assert "--resume_from_checkpoint" in guesses["run.command"] and "{'loss': 1.23" in guesses["run.ready"]
 
 
 LIGHTNING_SCRIPT = """

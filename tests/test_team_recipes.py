@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from e2e import REPO, run_cli, wait_for
 from relaunch import scripts
+from relaunch.adopt.recipe_text import recipe_text
 from relaunch.errors import RecipeError
 from relaunch.recipe import check_recipe, load_providers, load_recipe
 from relaunch.recipe.explain import explain
@@ -145,6 +148,89 @@ def test_every_value_of_a_recipe_is_explained(tmp_path: Path) -> None:
     assert got["ssh.user"] == "preset sandbox" and got["run.session"] == "default"
 
 
+# --- plain check: the values a recipe sets, and the guesses its files mark -------------------------
+
+def adopted_style(path: Path, data: dict, guesses: dict[str, str]) -> Path:
+    """A recipe as `relaunch adopt` writes it (its own writer): a comment above every key, `GUESS:` on
+    the ones in `guesses`."""
+    notes = {key: (guesses.get(key, f"read {key}"), key in guesses) for key in [*_dotted(data), *guesses]}
+    return write(path, recipe_text(data, notes, "Adopted by `relaunch adopt` (a test)"))
+
+
+def _dotted(data: dict, prefix: str = "") -> list[str]:
+    return [k for key, value in data.items()
+            for k in (_dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
+
+
+def check_lines(*args: str, home: Path) -> tuple[dict[str, str], str]:
+    """`relaunch check ARGS`: {dotted key: its line} of the values it lists, and what follows them."""
+    out = run_cli("check", *args, home=home)
+    assert out.returncode == 0, out.stderr
+    head, _, rest = out.stdout.partition("  (")      # the values, then "(N more keys keep their defaults ...)"
+    lines = head.splitlines()
+    assert lines[0] == f"{args[0]}: ok (recipe {lines[0].rsplit(' ', 1)[1]}"
+    return {line.split(":")[0].strip(): line for line in lines[1:]}, rest
+
+
+def test_check_lists_every_value_set_with_its_source_and_adopts_guesses_until_confirmed(tmp_path: Path) -> None:
+    data = {"name": "llama", "provider": "lambda", "env": {"python": "3.11", "vars": {"WANDB_MODE": "offline"}},
+            "checkpoint": {"dir": "~/ckpt", "remote": "./store/llama"},
+            "run": {"command": "python train.py --resume \"{{ checkpoint }}\"", "ready": "step \\d+"}}
+    recipe = adopted_style(tmp_path / "recipe.yaml", data, {
+        "run.command": "train.py:111 defines --resume; added so that `up` resumes",
+        "run.ready": "its last output lines say 'step 377 loss 0.002271'", "env.vars": "the training's environment"})
+    home, text = tmp_path / "home", recipe.read_text()
+    at = {key: line_of(recipe, key.split(".")[-1] + ":") for key in ("run.command", "run.ready", "env.python")}
+    got, rest = check_lines(str(recipe), home=home)
+    assert got["run.command"].endswith(f"# {recipe}:{at['run.command']}, GUESS")
+    assert got["run.ready"].endswith(f"# {recipe}:{at['run.ready']}, GUESS")
+    assert got["env.vars.WANDB_MODE"].endswith(", GUESS")                 # a guessed mapping: each entry
+    assert got["env.python"].endswith(f"# {recipe}:{at['env.python']}")    # read, not guessed
+    assert got["ssh.user"].endswith("# preset lambda") and got["ssh.user"].split("#")[0].strip() == "ssh.user: ubuntu"
+    assert "checkpoint.keep" not in got and rest.startswith(f"{len(explain(load_recipe(recipe))) - len(got)} more "
+                                                            "keys keep their defaults")
+    guesses = rest.split("\n", 1)[1]
+    assert guesses.startswith("3 guess(es) left: check each, then delete `GUESS:` from the comment above its key\n")
+    assert re.search(rf"\n  run.ready \({re.escape(str(recipe))}:{at['run.ready']}\) +its last output lines say "
+                     r"'step 377 loss 0.002271'\n", guesses)
+
+    data_out = json.loads(run_cli("check", str(recipe), "--json", home=home).stdout)
+    assert {g["key"]: g["guess"] for g in data_out["guesses"]} == {
+        "env.vars.WANDB_MODE": "the training's environment",
+        "run.command": "train.py:111 defines --resume; added so that `up` resumes",
+        "run.ready": "its last output lines say 'step 377 loss 0.002271'"}
+    assert {v["key"]: v["from"] for v in data_out["values"]}["run.ready"] == f"{recipe}:{at['run.ready']}"
+
+    # --set gives another value: no longer the guess; --explain marks the guesses in its fuller view
+    explained = run_cli("check", str(recipe), "--explain", "--set", "run.ready=^step ", home=home)
+    assert [line.split(":")[0].strip() for line in explained.stdout.splitlines() if line.endswith(", GUESS")] == \
+        ["WANDB_MODE", "command"]
+    assert "2 guess(es) left" in explained.stderr
+
+    # the user confirms a guess by deleting its mark
+    recipe.write_text(text.replace("# GUESS: its last output lines", "# its last output lines"))
+    got, rest = check_lines(str(recipe), home=home)
+    assert not got["run.ready"].endswith("GUESS") and got["run.command"].endswith("GUESS")
+    assert "2 guess(es) left" in rest and "run.ready" not in rest
+    recipe.write_text(text.replace("GUESS: ", ""))
+    done = run_cli("check", str(recipe), home=home)
+    assert "GUESS" not in done.stdout and "guess(es)" not in done.stdout
+
+
+def test_check_names_each_values_file_line_through_extends_and_a_guess_a_later_file_replaced(tmp_path: Path) -> None:
+    base = write(tmp_path / "team" / "base.yaml", "extends: [providers/runpod]\nenv:\n  # GUESS: the team's usual\n"
+                 "  python: '3.10'\ncheckpoint:\n  # GUESS: picked by hand\n  keep: 4\n")
+    top = write(tmp_path / "proj" / "recipe.yaml", PROJECT + "extends: [team/base]\nenv: {python: '3.11'}\n")
+    got, rest = check_lines(str(top), "--set", "run.workdir=~/w", home=tmp_path / "home")
+    assert got["env.python"].endswith(f"# {top}:5")                      # this file wins: its value, no guess
+    assert got["checkpoint.keep"].endswith(f"# {base}:7, GUESS")        # the base's guess stands
+    assert got["checkpoint.dir"].startswith("  checkpoint.dir: /workspace/ckpt/{{ name }} ")   # runpod's base
+    assert "# " + str(recipes_dir() / "providers" / "runpod.yaml") + ":" in got["checkpoint.dir"]
+    assert got["ssh.port"].endswith("# preset runpod") and got["run.workdir"].endswith("# --set")
+    assert got["run.command"].endswith(f"# {top}:2")
+    assert "\n1 guess(es) left" in rest and f"checkpoint.keep ({base}:7)  picked by hand" in rest
+
+
 # --- templates a team overrides -------------------------------------------------------------------
 
 def test_override_replaces_by_name_and_includes_resolve_through_it(tmp_path: Path) -> None:
@@ -225,6 +311,59 @@ def test_init_default_path_refuses_to_overwrite_and_keeps_old_spellings(tmp_path
     assert printed.returncode == 0 and printed.stdout.startswith("# A relaunch recipe.")
     bad = run_cli("init", str(tmp_path / "x.yaml"), "--remote", "hf:nope", home=home)
     assert bad.returncode == 2 and not (tmp_path / "x.yaml").exists()
+
+
+STEPS = """import time
+# a trainer with no ready line in its recipe: a line per step, as most print them
+for step in range(1, 10**6):
+    time.sleep(0.2)
+    print(f"step {step} loss {1 / step:.4f}", flush=True)
+"""
+DIES = """import time
+print("loading the model; resuming at step 40", flush=True)   # a step number once: no step ran
+time.sleep(8)
+raise SystemExit("RuntimeError: CUDA out of memory")
+"""
+
+
+def starter(folder: Path, key: Path, program: str, *provider: str) -> Path:
+    """`relaunch init` as a user takes it: only its program (train.py), the store and the key written;
+    run.ready, run.grace and run.metrics as the starter leaves them (commented out)."""
+    recipe = folder / "recipe.yaml"
+    made = run_cli("init", str(recipe), *provider, home=folder / "home")
+    assert made.returncode == 0, made.stderr
+    assert "\n  # ready: " in recipe.read_text() and "\n  # grace: 60 " in recipe.read_text()
+    data = yaml.safe_load(recipe.read_text())
+    assert set(data["run"]) == {"command", "workdir"} and "train.py" in data["run"]["command"]
+    data["env"]["files"] = {"train.py": "~/work/train.py"}
+    data["checkpoint"]["remote"] = str(folder / "store")
+    data["ssh"] = {"key": str(key)}
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    (folder / "train.py").write_text(program)
+    return recipe
+
+
+def test_up_from_inits_starter_returns_when_the_step_goes_up_and_a_command_dying_first_is_exit_4(
+        tmp_path: Path, sandbox, ssh, ssh_key: Path) -> None:
+    """No ready line in the starter: `up` does not sit through run.grace once two log lines show the
+    step going up (run.metrics.step); one that dies before any step ran is still exit 4."""
+    home, box = tmp_path / "home", sandbox()
+    recipe = starter(tmp_path / "trains", ssh_key, STEPS, "--provider", "sandbox")
+    up = run_cli("up", str(recipe), box.host, home=home)
+    assert up.returncode == 0, up.stderr
+    assert "watching the command for 60s (run.grace) to see it start, or until its log shows the step going up " \
+           "(run.metrics.step 'step (\\\\d+)')" in up.stderr
+    proof = re.search(r"training is running in tmux session my-run \(fresh start; the step in its log went up: "
+                      r"'step (\d+) loss [\d.]+'\)", up.stderr)
+    assert proof and int(proof[1]) >= 2, up.stderr
+    assert "alive after" not in up.stderr
+    ssh(box, "tmux has-session -t =my-run")
+
+    recipe = starter(tmp_path / "dies", ssh_key, DIES)          # the starter without a provider
+    died = run_cli("up", str(recipe), box.host, "--set", "name=dies", home=home)
+    assert died.returncode == 4, died.stderr
+    assert "the command died" in died.stderr and "CUDA out of memory" in died.stderr
+    assert "training is running" not in died.stderr
 
 
 # --- the provider catalogue -----------------------------------------------------------------------

@@ -200,8 +200,8 @@ def write(result: Result, extra: dict[str, Any]) -> None:
                          "give -o a path in another (or a new, empty) folder")
     header = (f"Adopted by `relaunch adopt` from {result.host} on {time.strftime('%Y-%m-%d %H:%M %Z')}: "
               f"{shown(result.training)}. Each value says where it came from; GUESS marks what adopt could not "
-              f"read for sure: check those before the first `relaunch up`. `relaunch check {output.name}` "
-              "validates this file.")
+              f"read for sure: check those before the first `relaunch up`, then delete `GUESS:` from each "
+              f"comment you checked. `relaunch check {output.name}` validates this file and lists the guesses left.")
     text = recipe_text(data, notes, header)
     created: list[Path] = []
     made = [p for p in [folder, *folder.parents] if not p.exists()]
@@ -267,7 +267,9 @@ def render(result: Result) -> str:
         lines += ["", "check these:"] + [f"  - {shown(w)}" for w in a.warnings]
     guesses = [key for key, (_, guess) in a.notes.items() if guess and key not in result.set_keys]
     if guesses:
-        lines += ["", f"{len(guesses)} guess(es), marked GUESS in {result.recipe.name}: {', '.join(guesses)}"]
+        lines += ["", f"{len(guesses)} guess(es), marked GUESS in {result.recipe.name}: {', '.join(guesses)}",
+                  f"  check each, then delete `GUESS:` from its comment; `relaunch check {result.recipe}` lists "
+                  "those left"]
     wrote = ", ".join(str(p) for p in result.wrote)
     lines += ["", f"wrote {wrote}" + (f" (kept, same bytes: {', '.join(str(p) for p in result.kept)})"
                                       if result.kept else "")]

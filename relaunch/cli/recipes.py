@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -15,7 +14,7 @@ from ..ui import UI, redact
 from .common import cli, common, complete_providers, emit, load
 
 
-@cli.command()
+@cli.command(short_help="Write a recipe for a run started by hand; read-only there")
 @click.argument("host")
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default="recipe.yaml", show_default=True,
               help="Where to write the recipe; the lock and the program's files go beside it (never over other bytes).")
@@ -54,17 +53,20 @@ def ask_which(lines: list[str]) -> int:
     return int(click.prompt(f"which one? [1-{len(lines)}]", type=click.IntRange(1, len(lines)), err=True)) - 1
 
 
-@cli.command()
+@cli.command(short_help="Validate a recipe: every value, where it came from, every guess")
 @click.argument("recipe")
 @click.option("--explain", is_flag=True,
-              help="Print the merged recipe with, for every value, where it came from (file:line, preset, "
-                   "default, --set).")
+              help="Print the merged recipe with every value, defaults included, and where each came from (file:line, "
+                   "preset, default, --set).")
 @common
 def check(recipe: str, explain: bool, overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
-    """Validate a recipe (extends resolved, templates rendered) without touching any host."""
+    """Validate a recipe (extends resolved, templates rendered) without touching any host, and show the
+    values it sets, each with where it came from (file:line, preset, --set), and the guesses its files
+    still mark: a comment starting `GUESS:` above a key, as `relaunch adopt` writes them (check the
+    value, then delete `GUESS:` to confirm it). --explain shows every value, defaults included."""
     from ..recipe import check_recipe
     from ..recipe.explain import explain as explained
-    from ..recipe.explain import explain_text
+    from ..recipe.explain import explain_text, guesses_text, values_text
     from ..recipe.render import disk_findings
 
     r = load(recipe, overrides)
@@ -75,16 +77,19 @@ def check(recipe: str, explain: bool, overrides: tuple[str, ...], as_json: bool,
         click.echo(f"warning: {warning}", err=True)
     for note in notes:
         click.echo(f"note: {note}", err=True)
+    report = as_json or explain          # the listing is stdout's: the report goes to stderr
     if explain and not as_json:
         click.echo(redact(explain_text(r)), nl=False)
-    click.echo(f"{recipe}: ok (recipe {r.name})", err=as_json or explain)
-    result: dict[str, Any] = {"ok": True, "name": r.name, "notes": notes, "warnings": warnings}
-    if explain:
-        result |= {"files": r.files, "values": [e.as_dict() for e in explained(r)]}
-    emit(as_json, result)
+    click.echo(f"{recipe}: ok (recipe {r.name})", err=report)
+    if not report:
+        click.echo(redact(values_text(r, recipe)), nl=False)
+    click.echo(redact(guesses_text(r)), nl=False, err=report)
+    entries = explained(r)
+    emit(as_json, {"ok": True, "name": r.name, "notes": notes, "warnings": warnings, "files": r.files,
+                   "values": [e.as_dict() for e in entries], "guesses": [e.guess_dict() for e in entries if e.guess]})
 
 
-@cli.command()
+@cli.command(short_help="Write a commented starter recipe")
 @click.argument("path", required=False, type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--provider", default=None, shell_complete=complete_providers,
               help="Preset for the SSH user and port (see `relaunch providers`).")
@@ -129,7 +134,7 @@ def init(path: str | None, provider: str | None, layout: str | None, remote: str
     emit(as_json, {"wrote": str(out)})
 
 
-@cli.command()
+@cli.command(short_help="List the provider presets and their base recipes")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def providers(as_json: bool) -> None:
     """List the provider presets: SSH user and port, whether the disk survives a stop, which disks a
@@ -154,7 +159,7 @@ def providers(as_json: bool) -> None:
     click.echo("? = not known from a source (recipes/providers.yaml says where each value comes from)")
 
 
-@cli.command()
+@cli.command(short_help="The checkpoint interval that keeps Badput under a budget")
 @click.argument("recipe", required=False)
 @click.argument("host", required=False)
 @click.option("--step-time", metavar="T", help="One training step, e.g. 1.2s (else measured on RECIPE HOST).")

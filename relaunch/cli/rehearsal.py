@@ -23,7 +23,7 @@ def watch_kinds(ctx: click.Context, param: click.Parameter, value: str | None) -
     return kinds[value]
 
 
-@cli.command()
+@cli.command(short_help="Rehearse an interruption for real and measure what it costs")
 @click.argument("recipe")
 @click.argument("hosts", nargs=-1, required=True)
 @click.option("--resume-on", "resume_on", multiple=True, metavar="HOST",
@@ -91,7 +91,7 @@ def drill(recipe: str, hosts: tuple[str, ...], resume_on: tuple[str, ...], inter
                               "check that training restores its optimizer and data order, and run.metrics")
 
 
-@cli.command()
+@cli.command(short_help="The whole story on two local sandbox instances")
 @click.option("--workdir", type=click.Path(file_okay=False), default="relaunch-demo", show_default=True,
               help="Where the recipe, train.py and the store go (an earlier demo's folder is cleared).")
 @click.option("--keep", is_flag=True, help="Leave the second instance (demo-b) running at the end.")

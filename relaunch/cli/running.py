@@ -24,7 +24,7 @@ def hosts_or_last(recipe: Recipe, hosts: tuple[str, ...], ui: UI) -> list[HostSp
     return [HostSpec.parse(h) for h in hosts] if hosts else cycle.last_hosts(recipe, ui)
 
 
-@cli.command()
+@cli.command(short_help="Bring fresh instance(s) back to training")
 @click.argument("recipe")
 @click.argument("hosts", nargs=-1, required=True)
 @click.option("--dry-run", is_flag=True, help="Show what would run, change nothing (same as `relaunch plan`).")
@@ -63,7 +63,7 @@ def show_plans(results: list[Any], as_json: bool) -> None:
             click.echo(redact(result.plan.render()))
 
 
-@cli.command()
+@cli.command(short_help="What `up` would do on HOST, changing nothing")
 @click.argument("recipe")
 @click.argument("hosts", nargs=-1, required=True)
 @click.option("--checkpoint", "checkpoint", metavar="NAME", default=None,
@@ -80,7 +80,7 @@ def plan(recipe: str, hosts: tuple[str, ...], checkpoint: str | None, overrides:
     show_plans(cycle.up(r, [HostSpec.parse(h) for h in hosts], ui, dry_run=True, checkpoint=checkpoint), as_json)
 
 
-@cli.command()
+@cli.command(short_help="Copy checkpoints off, verify every byte: safe to destroy")
 @click.argument("recipe")
 @click.argument("hosts", nargs=-1)
 @click.option("--stop", is_flag=True, help="First ask training to save and exit (run.stop), then evacuate.")
@@ -109,7 +109,7 @@ def evacuate(recipe: str, hosts: tuple[str, ...], stop: bool, allow_empty: bool,
     ui.ok(f"safe to destroy {spec}")
 
 
-@cli.command()
+@cli.command(short_help="Copy new complete checkpoints off while training runs")
 @click.argument("recipe")
 @click.argument("hosts", nargs=-1)
 @click.option("--every", type=float, default=None, help="Seconds between rounds (default checkpoint.every).")
@@ -136,7 +136,7 @@ def sync(recipe: str, hosts: tuple[str, ...], every: float | None, once: bool, o
               emit=each_round if as_json else None)
 
 
-@cli.command()
+@cli.command(short_help="Sync, answer reclaim notices, replace a lost instance")
 @click.argument("recipe")
 @click.argument("hosts", nargs=-1)
 @click.option("--take-over", is_flag=True,
@@ -170,7 +170,7 @@ def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple
     emit(as_json, {**outcome.as_dict(), "events": events})
 
 
-@cli.command()
+@cli.command(short_help="Is training alive; checkpoints on it and stored; free disk")
 @click.argument("recipe")
 @click.argument("hosts", nargs=-1)
 @click.option("--lines", default=10, show_default=True, help="Log lines to show.")
@@ -207,7 +207,7 @@ def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str
                        "see the log lines above; `relaunch up` starts it again from the newest checkpoint")
 
 
-@cli.command()
+@cli.command(short_help="Pin the instance venv's pip freeze into the recipe's lock")
 @click.argument("recipe")
 @click.argument("host", required=False)
 @common

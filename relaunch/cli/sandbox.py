@@ -10,7 +10,7 @@ import click
 from .common import cli, emit
 
 
-@cli.group()
+@cli.group(short_help="Throwaway local instances for trying recipes")
 def sandbox() -> None:
     """Throwaway local instances (Linux, root): own address, real sshd, empty private disk; --image
     reproduces a provider's stock image, and stop/start/pause/resume do what its provider does."""
@@ -22,7 +22,7 @@ def _image_names() -> list[str]:
     return list(PROFILES)
 
 
-@sandbox.command("create")
+@sandbox.command("create", short_help="Create instance NAME and print how to reach it")
 @click.argument("name")
 @click.option("--image", type=click.Choice(_image_names()), default="default", show_default=True,
               help="Reproduce a provider's stock image (see `relaunch sandbox images`); default: this machine as it "
@@ -60,7 +60,7 @@ def sandbox_create(name: str, image: str, user: str | None, disk: str, volume: s
         click.echo(f"  package index inside the instance: {inst.index_url}")
 
 
-@sandbox.command("destroy")
+@sandbox.command("destroy", short_help="Destroy instance NAME: processes, disk, address, namespace")
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def sandbox_destroy(name: str, as_json: bool) -> None:
@@ -74,7 +74,7 @@ def sandbox_destroy(name: str, as_json: bool) -> None:
     click.echo(f"{name}: {'destroyed' if destroyed else 'no such instance'}")
 
 
-@sandbox.command("list")
+@sandbox.command("list", short_help="List the sandbox instances")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def sandbox_list(as_json: bool) -> None:
     """List the sandbox instances."""
@@ -89,7 +89,7 @@ def sandbox_list(as_json: bool) -> None:
                    f"{inst.host_key_fingerprint}")
 
 
-@sandbox.command("images")
+@sandbox.command("images", short_help="The image profiles `create --image` takes")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def sandbox_images(as_json: bool) -> None:
     """The image profiles `create --image` takes, and what each reproduces."""
@@ -114,7 +114,7 @@ def _now(name: str, state: str, as_json: bool, **more: Any) -> None:
         click.echo(f"{name}: {state}")
 
 
-@sandbox.command("stop")
+@sandbox.command("stop", short_help="Stop instance NAME as its provider does")
 @click.argument("name")
 @click.option("--grace", type=click.FloatRange(min=0), default=None,
               help="Seconds from the stop's SIGTERM to the SIGKILL of everything left (default: the image's: "
@@ -127,7 +127,7 @@ def sandbox_stop(name: str, grace: float | None, as_json: bool) -> None:
     _now(name, "stopped", as_json, grace=sb.stop(name, grace=grace))
 
 
-@sandbox.command("start")
+@sandbox.command("start", short_help="Start a stopped instance NAME again")
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def sandbox_start(name: str, as_json: bool) -> None:
@@ -142,7 +142,7 @@ def sandbox_start(name: str, as_json: bool) -> None:
     click.echo(f"{name}: running  {inst.host}")
 
 
-@sandbox.command("pause")
+@sandbox.command("pause", short_help="Freeze every process of NAME, as Vast pauses an instance")
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def sandbox_pause(name: str, as_json: bool) -> None:
@@ -153,7 +153,7 @@ def sandbox_pause(name: str, as_json: bool) -> None:
     _now(name, "paused", as_json)
 
 
-@sandbox.command("resume")
+@sandbox.command("resume", short_help="Thaw a paused instance NAME")
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def sandbox_resume(name: str, as_json: bool) -> None:

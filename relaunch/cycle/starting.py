@@ -81,8 +81,9 @@ def say_launched(job: Job, watch: dict[str, Any], ui: UI) -> str:
         ui.ok(f"[{job.host}] the command already finished (exit 0); log: {paths.log}")
         return "finished"
     resumed = f"resumed from {job.checkpoint}" if job.checkpoint else "fresh start"
-    proof = (f"its log says {watch.get('line', '')!r}" if state == "ready"
-             else f"alive after {watch.get('seconds', run.grace)}s")
+    proof = {"ready": f"its log says {watch.get('line', '')!r}",
+             "progressing": f"the step in its log went up: {watch.get('line', '')!r}"}.get(
+        state or "", f"alive after {watch.get('seconds', run.grace)}s")
     ui.ok(f"[{job.host}] training is running in tmux session {run.session} ({resumed}; {proof})")
     ui.say(f"  attach: {attach_command(job)}\n  log:    {paths.log}")
     return "started"

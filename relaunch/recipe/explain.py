@@ -1,7 +1,10 @@
-"""`relaunch check --explain`: the merged recipe, every value beside where it came from.
+"""What `relaunch check` shows: every value beside where it came from, and the guesses a recipe
+file still marks (`relaunch adopt` writes them; recipe/guesses.py reads them).
 
 Where a value came from is one of `file:line` (the YAML that wrote it, after `extends`),
-`--set`, `preset NAME` (the provider preset filled it in) or `default`.
+`--set`, `preset NAME` (the provider preset filled it in) or `default`. Plain `check` lists the
+values the recipe sets (`values_text`), `--explain` the merged recipe with every value, defaults
+included (`explain_text`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ class Explained:
     key: KeyPath
     value: Any
     origin: str
+    guess: str | None = None          # what its GUESS comment says, while the file marks it
+
+    @property
+    def written(self) -> bool:
+        """A file, --set or the provider preset gave this value (not a default)."""
+        return self.origin != "default"
 
     @property
     def dotted(self) -> str:
@@ -30,6 +39,9 @@ class Explained:
 
     def as_dict(self) -> dict[str, Any]:
         return {"key": self.dotted, "value": plain(self.value), "from": self.origin}
+
+    def guess_dict(self) -> dict[str, Any]:
+        return {"key": self.dotted, "from": self.origin, "guess": self.guess}
 
 
 def plain(value: Any) -> Any:
@@ -57,9 +69,10 @@ def explain(recipe: Recipe) -> list[Explained]:
             if isinstance(value, BaseModel):
                 walk(value, key)
             elif isinstance(value, dict) and value:
-                found.extend(Explained((*key, str(k)), v, recipe.origin((*key, str(k)))) for k, v in value.items())
+                found.extend(Explained((*key, str(k)), v, recipe.origin((*key, str(k))), recipe.guess((*key, str(k))))
+                             for k, v in value.items())
             else:
-                found.append(Explained(key, value, recipe.origin(key)))
+                found.append(Explained(key, value, recipe.origin(key), recipe.guess(key)))
 
     walk(recipe, ())
     return found
@@ -83,10 +96,39 @@ def explain_text(recipe: Recipe) -> str:
         for depth in range(common, len(parents)):
             rows.append(("  " * depth + f"{_scalar(parents[depth])}:", ""))
         opened = parents
-        rows.append(("  " * len(parents) + f"{_scalar(entry.key[-1])}: {_scalar(entry.value)}", entry.origin))
+        rows.append(("  " * len(parents) + f"{_scalar(entry.key[-1])}: {_scalar(entry.value)}",
+                     entry.origin + (", GUESS" if entry.guess else "")))
     width = min(max(len(text) for text, origin in rows if origin) + 2, 64)
     head = ["# merged from " + ", then ".join(recipe.files),
-            "# after each value, where it came from: file:line, --set, preset PROVIDER or default",
+            "# after each value, where it came from: file:line, --set, preset PROVIDER or default; GUESS: a guess "
+            "its file marks",
             "# {{ ... }} is rendered per host: `relaunch plan RECIPE HOST` shows it rendered"]
     body = [text if not origin else f"{(text + ' ').ljust(width)}# {origin}" for text, origin in rows]
     return "\n".join(head + body) + "\n"
+
+
+def values_text(recipe: Recipe, shown: str) -> str:
+    """The values the recipe sets (files, --set, the provider preset), one `key: value  # origin` line
+    each, GUESS after a guess's origin; then how many keep their defaults (`shown`: the recipe as the
+    user typed it, for the --explain hint)."""
+    entries = explain(recipe)
+    rows = [(f"{entry.dotted}: {_scalar(entry.value)}", entry.origin + (", GUESS" if entry.guess else ""))
+            for entry in entries if entry.written]
+    width = min(max((len(text) for text, _ in rows), default=0) + 2, 64)
+    lines = [f"  {(text + ' ').ljust(width)}# {origin}" for text, origin in rows]
+    defaults = len(entries) - len(rows)
+    if defaults:
+        lines.append(f"  ({defaults} more keys keep their defaults: `relaunch check {shown} --explain` shows every "
+                     "value)")
+    return "\n".join(lines) + "\n"
+
+
+def guesses_text(recipe: Recipe) -> str:
+    """The guesses left to check, each with where it is and what its comment says; "" when none."""
+    guesses = [entry for entry in explain(recipe) if entry.guess]
+    if not guesses:
+        return ""
+    width = max(len(f"{entry.dotted} ({entry.origin})") for entry in guesses)
+    lines = [f"{len(guesses)} guess(es) left: check each, then delete `GUESS:` from the comment above its key"]
+    lines += [f"  {f'{entry.dotted} ({entry.origin})':<{width}}  {entry.guess}" for entry in guesses]
+    return "\n".join(lines) + "\n"

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from relaunch.errors import RecipeError
+from relaunch.recipe.guesses import marked_lines
 from relaunch.recipe.model import REMOTE_PREFIXES, Origin, Recipe, _scalar_text, recipe_keys_of
 from relaunch.recipe.providers import did_you_mean
 from relaunch.resources import recipes_dir
@@ -245,16 +246,18 @@ def _find_named(written: str, including: Path, display: str, line: int | None, n
 
 
 def _load_tree(path: Path, display: str, chain: tuple[tuple[Path, str], ...],
-               files: list[str]) -> tuple[dict[str, Any], Origins]:
+               files: list[str], guessed: dict[Origin, str]) -> tuple[dict[str, Any], Origins]:
     """One file merged over everything it extends (depth first, in order), with origins.
 
-    `files` collects every file read, in the order they are applied (this one last).
+    `files` collects every file read, in the order they are applied (this one last); `guessed`
+    the keys each marks as a guess, by their origin: {(file, line): what its GUESS comment says}.
     """
     try:
         text = _read(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"cannot read recipe: {_why(exc)}", file=display) from None
     data, lines = _parse(text, display)
+    guessed.update({(display, line): note for line, note in marked_lines(text, set(lines.values())).items()})
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -286,7 +289,7 @@ def _load_tree(path: Path, display: str, chain: tuple[tuple[Path, str], ...],
             why = "no such file" if not target.exists() else "not a file"
             raise RecipeError(f"cannot read {target_display}: {why} (extended by {names})",
                               file=display, line=line, key="extends")
-        sub, sub_origins = _load_tree(target, target_display, chain, files)
+        sub, sub_origins = _load_tree(target, target_display, chain, files, guessed)
         merged, origins = _merge(merged, origins, sub, sub_origins)
     files.append(display)
     own: Origins = {p: (display, ln) for p, ln in lines.items()}
@@ -490,7 +493,8 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     display = str(path)
     top = Path(path).expanduser()
     files: list[str] = []
-    data, origins = _load_tree(top, display, chain=(), files=files)
+    guessed: dict[Origin, str] = {}
+    data, origins = _load_tree(top, display, chain=(), files=files, guessed=guessed)
     if not data:
         raise RecipeError("the recipe is empty", file=display)
     origins[()] = (display, None)
@@ -503,5 +507,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     recipe._source = Path(os.path.abspath(top))
     recipe._origins = origins
     recipe._files = files
+    # a guess stands while the value is the one its file wrote (another file or --set wins over it)
+    recipe._guesses = {p: guessed[o] for p, o in origins.items() if o in guessed}
     _cross_checks(recipe)
     return recipe

@@ -247,7 +247,7 @@ class Batch(_Section):
 
 
 class Metrics(_Section):
-    """Regexes that read a training step's numbers from the log (for `relaunch drill`)."""
+    """Regexes that read a training step's numbers from the log (for `up`'s start and `relaunch drill`)."""
 
     step: str = _key("Regex whose first group is the step number.", r"step (\d+)", r"step (\d+)")
     loss: str = _key("Regex whose first group is the loss.", r"loss ([\d.]+)", r"loss ([-+\d.eE]+)")
@@ -278,15 +278,17 @@ class Run(_Section):
                       Stop)
     ready: str | None = _key("A regex: a line of the command's log that proves training started; `up` returns "
                              "when it appears (or exits 4 when the command dies first).", "^step \\d+ ", None)
-    grace: float = _key("Seconds `up` watches the command when no ready line is given: if it dies within them, "
-                        "`up` exits 4 with its last lines.", 60, 60, ge=0)
+    grace: float = _key("Seconds `up` watches the command at most: until a log line matches run.ready, or without "
+                        "one until two lines show the step going up (run.metrics.step); if it dies first, `up` exits "
+                        "4 with its last lines; alive after them, it counts as started.", 60, 60, ge=0)
     nproc_per_node: int | None = _key("Processes per node ({{ nproc_per_node }}, for torchrun); else the GPUs "
                                       "found on the node, at least 1.", 8, None, gt=0,
                                       shown_default="the GPUs found on the node")
     batch: Batch | None = _key("Global and micro batch: gives {{ grad_accum }} = global / (micro x world size), "
                                "so a resume on fewer GPUs keeps the global batch.", {"global": 512, "micro": 8},
                                None)
-    metrics: Metrics = _key("How `relaunch drill` reads step, loss and grad norm from the log.",
+    metrics: Metrics = _key("How the log shows a training step: `up` without run.ready returns once the step goes "
+                            "up; `relaunch drill` reads step, loss and grad norm.",
                             {"step": r"step (\d+)", "loss": r"loss ([\d.]+)"}, Metrics)
 
     @field_validator("ready")
@@ -392,6 +394,7 @@ class Recipe(_Section):
     _source: Path = PrivateAttr(default=Path("recipe.yaml"))
     _origins: dict[tuple[str, ...], Origin] = PrivateAttr(default_factory=dict)
     _files: list[str] = PrivateAttr(default_factory=list)
+    _guesses: dict[tuple[str, ...], str] = PrivateAttr(default_factory=dict)   # key -> its GUESS comment
 
     @field_validator("name")
     @classmethod
@@ -480,23 +483,40 @@ class Recipe(_Section):
         """Every recipe file merged into this one, in the order applied (the top file last)."""
         return list(self._files)
 
+    def _written_at(self, path: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The key whose line wrote the value at `path`: itself, or the list or mapping a file wrote
+        as a whole around it; None when no file (nor --set) wrote it."""
+        if path in self._origins:
+            return path
+        # Inside a list or mapping a file wrote as a whole, the value is that file's; inside a
+        # section it did not write out, the key kept its default.
+        parents = [p for p in self._origins if p and path[: len(p)] == p]
+        best = max(parents, key=len, default=None)
+        return best if best is not None and not isinstance(self._node(best), BaseModel) else None
+
     def origin(self, path: tuple[str, ...]) -> str:
         """Where the value at key `path` came from: `file:line`, `--set`, `preset NAME` or `default`."""
-        found = self._origins.get(path)
-        if found is None:
-            # Inside a list or mapping a file wrote as a whole, the value is that file's; inside a
-            # section it did not write out, the key kept its default.
-            parents = [p for p in self._origins if p and path[: len(p)] == p]
-            best = max(parents, key=len, default=None)
-            if best is not None and not isinstance(self._node(best), BaseModel):
-                found = self._origins[best]
-        if found is not None:
-            file, line = found
+        at = self._written_at(path)
+        if at is not None:
+            file, line = self._origins[at]
             return file if line is None else f"{file}:{line}"
         if self.provider and len(path) == 2 and path[0] == "ssh" and \
                 path[1] in load_providers()[self.provider].ssh_defaults():
             return f"preset {self.provider}"
         return "default"
+
+    def guess(self, path: tuple[str, ...]) -> str | None:
+        """What the GUESS comment over the value at key `path` says (above its key, or above a
+        section around it in the same file), or None: the value is not marked as a guess."""
+        at = self._written_at(path)
+        if at is None:
+            return None
+        file = self._origins[at][0]
+        for n in range(len(at), 0, -1):
+            note = self._guesses.get(at[:n])
+            if note is not None and self._origins[at[:n]][0] == file:
+                return note
+        return None
 
     def _node(self, path: tuple[str, ...]) -> Any:
         node: Any = self

@@ -174,6 +174,12 @@ run:
   # session: my-run             # tmux session; default: name
   # log: ~/my-run.log
   # stop: {{signal: TERM, timeout: 120}}   # how `evacuate --stop` asks training to save and exit
+  # `up` returns once training runs: when a log line matches ready; without ready, when two lines
+  # show the step going up (metrics.step: `step 10 ...`, then `step 20 ...`); else after grace.
+  # A command that dies before that: exit 4, with its last lines.
+  # ready: '^step \\d+ '         # a regex: a log line that proves training started
+  # grace: 60                   # seconds `up` watches the command at most
+  # metrics: {{step: 'step (\\d+)', loss: 'loss ([-+\\d.eE]+)'}}   # how a step's line reads (up, drill)
 
 # guard:                        # the watcher `up` starts beside training for reclaim notices
 #   enabled: true

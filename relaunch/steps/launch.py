@@ -68,9 +68,10 @@ def attach_command(job: Job) -> str:
 
 
 def watch_command(job: Job) -> str:
-    """Watch the session start: a `run.ready` line in its log, or `run.grace` seconds alive."""
+    """Watch the session start: a `run.ready` line in its log; without one, the step its log shows
+    (`run.metrics.step`) going up; else `run.grace` seconds alive."""
     run, paths = job.recipe.run, job.paths
-    args = [run.session, paths.log, paths.status_file, run.ready or "", f"{run.grace:g}"]
+    args = [run.session, paths.log, paths.status_file, run.ready or "", f"{run.grace:g}", run.metrics.step]
     python = job.facts.host.python or "python3"
     return f"{shlex.quote(python)} -c {shlex.quote(scripts.plain('watch.py'))} {shlex.join(args)}"
 
@@ -93,7 +94,8 @@ def plan_launch(job: Job) -> list[Action]:
              f"{{ tmux has-session -t {shlex.quote('=' + run.session)} && "
              f"echo 'the session appeared meanwhile (another up?); left alone'; }}; }}")
     waiting = (f"waiting until a log line matches run.ready {run.ready!r} (up to {run.grace:g}s)" if run.ready
-               else f"watching the command for {run.grace:g}s (run.grace) to see it start")
+               else f"watching the command for {run.grace:g}s (run.grace) to see it start, or until its log shows "
+                    f"the step going up (run.metrics.step {run.metrics.step!r})")
     module = train_module_path(job)
     return [
         # the training's own `from relaunch import train`: one standard-library file, none of
