@@ -165,17 +165,17 @@ def _open(target: Target, what: str, known: KnownHosts, auth: dict[str, object],
     try:
         conn.open()
     except paramiko.BadHostKeyException as exc:
-        conn.close()
+        _discard(conn)
         raise HostKeyError(
             f"{what}: HOST KEY CHANGED: recorded {fingerprint(exc.expected_key)} for {name}, "
             f"the host now offers {fingerprint(exc.key)}; refusing to connect",
             _changed_key_hint(is_jump, name, known.path),
         ) from None
     except HostKeyError:
-        conn.close()
+        _discard(conn)
         raise
     except (NoValidConnectionsError, paramiko.SSHException, OSError, EOFError) as exc:
-        conn.close()
+        _discard(conn)
         log.debug("connect attempt to %s failed", what, exc_info=True)
         if isinstance(exc, paramiko.AuthenticationException) and first_auth_failure is not None \
                 and not first_auth_failure:
@@ -188,6 +188,15 @@ def _open(target: Target, what: str, known: KnownHosts, auth: dict[str, object],
     if isinstance(raw, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
     return conn
+
+
+def _discard(conn: Connection) -> None:
+    """Close a connection whose open() failed. Fabric's close() does nothing then (it knows no
+    transport yet), but paramiko's stays open when the failure came after the TCP connect (a
+    refused key, no key, a bad host key): sshd keeps each such connection, unauthenticated, for
+    its LoginGraceTime (2 min), and past MaxStartups (10) drops new ones before their banner."""
+    conn.close()
+    conn.client.close()
 
 
 def _changed_key_hint(is_jump: bool, name: str, path: Path) -> str:
