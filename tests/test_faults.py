@@ -473,19 +473,70 @@ def test_an_unreachable_address_is_said_so_in_one_line(tmp_path, ssh_key):
     assert len([ln for ln in result.stderr.splitlines() if ln.startswith("Error:")]) == 1
 
 
-def test_a_refused_key_is_named_quickly_and_not_blamed_on_ssh_wait(tmp_path, sandbox):
+# What waiting cannot mend is said at once, with its fix: after one attempt (no "retrying"). Each
+# command gets ssh.wait=600 and a deadline far below it (the subprocess timeout): a command that
+# waited would miss it.
+FAST = 30
+
+
+def test_no_key_anywhere_is_said_at_once_naming_the_fix(tmp_path, sandbox):
+    inst = sandbox()
+    home = tmp_path / "home"                    # no ~/.ssh, no ssh-agent: a new user's machine
+    (home).mkdir()
+    result = run_cli("adopt", inst.host, "-o", str(tmp_path / "adopted.yaml"), "--set", "ssh.wait=600",
+                     home=tmp_path / "state", env={"HOME": str(home), "SSH_AUTH_SOCK": ""}, timeout=FAST)
+    assert result.returncode == 3, result.stderr
+    error = result.stderr.split("Error:")[1]
+    assert f"no SSH key to offer as {inst.user}" in error and "no ssh-agent runs" in error, error
+    assert "--set ssh.key=PATH" in error and "ssh-add" in error, error
+    assert "retrying" not in result.stderr and "banner" not in result.stderr and "ssh.wait" not in error
+
+
+def test_a_refused_key_is_said_at_once_naming_the_fix(tmp_path, sandbox):
     inst = sandbox()
     other = tmp_path / "other_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
-    recipe = plain_recipe(tmp_path, name="refused", key=other, ssh={"wait": 300})
-    proc = start_cli("plan", str(recipe), inst.host, home=tmp_path / "state", err=tmp_path / "err")
+    recipe = plain_recipe(tmp_path, name="refused", key=other, ssh={"wait": 600})
+    result = run_cli("status", str(recipe), inst.host, home=tmp_path / "state", timeout=FAST)
+    assert result.returncode == 3, result.stderr
+    error = result.stderr.split("Error:")[1]
+    assert f"authentication refused for user root with key {other}" in error, error
+    assert "--set ssh.key=PATH" in error and "ssh-add" in error and "USER@" in error, error
+    assert "retrying" not in result.stderr and "ssh.wait" not in error    # one attempt, not a grace
+
+
+def test_a_refused_port_on_a_running_instance_is_said_at_once_naming_the_fix(tmp_path, sandbox, ssh_key):
+    inst = sandbox()
+    recipe = plain_recipe(tmp_path, name="port", key=ssh_key, ssh={"wait": 600})
+    result = run_cli("status", str(recipe), f"root@{inst.address}:2222", home=tmp_path / "state", timeout=FAST)
+    assert result.returncode == 3, result.stderr
+    error = result.stderr.split("Error:")[1]
+    assert "connection refused on port 2222" in error and "USER@ADDRESS:PORT" in error, error
+    assert "retrying" not in result.stderr and "ssh.wait" not in error
+
+
+def test_up_gives_a_refused_key_a_short_grace_and_leaves_no_connection_open(tmp_path, sandbox):
+    """Each failed attempt's connection is closed: sshd kept them for its LoginGraceTime, and past
+    MaxStartups (10) dropped new ones before their banner ("no SSH banner" from a running sshd)."""
+    inst = sandbox()
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    recipe = plain_recipe(tmp_path, name="grace", key=other, ssh={"wait": 600})
+    err = tmp_path / "err"
+    proc = start_cli("up", str(recipe), inst.host, home=tmp_path / "state", err=err)
     try:
-        assert proc.wait(timeout=90) == 3            # long before ssh.wait's 300 s
+        # several refused attempts later (the key's grace is 20 s, the line comes after 15 s)
+        wait_for("the grace's progress line", lambda: "still waiting for SSH" in err.read_text(), timeout=FAST,
+                 every=0.1, explain=err.read_text)
+        held = subprocess.run(["ip", "netns", "exec", f"rl-{inst.name}", "ss", "-Htn", "state", "established",
+                               "sport", "=", ":22"], capture_output=True, text=True, check=True).stdout
+        assert proc.wait(timeout=FAST) == 3
     finally:
         proc.kill()
-    err = (tmp_path / "err").read_text()
-    assert f"authentication refused for user root with key {other}" in err
-    assert "ssh.wait" not in err.split("Error:")[1]
+    assert len(held.splitlines()) <= 1, held
+    text = err.read_text()
+    assert "left of the 20s a new instance's key may take, Ctrl-C stops" in text, text
+    assert f"authentication refused for user root with key {other}" in text.split("Error:")[1]
 
 
 @pytest.mark.parametrize("index", [True, False], ids=["index", "no-index"])

@@ -143,29 +143,54 @@ def test_broken_recipes_exit_2_with_file_line_before_any_connection(tmp_path):
             assert "connecting" not in result.stderr and "Traceback" not in result.stderr
 
 
-def test_waits_while_the_instance_boots_then_gives_up_with_exit_3(tmp_path, sandbox, ssh_key):
+def test_up_waits_while_the_instance_boots_then_gives_up_with_exit_3(tmp_path, sandbox, ssh_key):
     home = tmp_path / "state"
     recipe = plain_recipe(tmp_path, name="boot", key=ssh_key)
     # refused, then sshd without our key, then ready: sshd starts 15 s after creation (a loaded
     # machine's `relaunch` start still finds it not up), the key once relaunch was refused for want of it
     booting = sandbox(boot_delay=15, key_delay=3600)
-    err = tmp_path / "plan.err"
-    plan = start_cli("plan", str(recipe), booting.host, "--set", "ssh.wait=60", home=home, err=err)
+    err = tmp_path / "up.err"
+    up = start_cli("up", str(recipe), booting.host, "--set", "ssh.wait=60", home=home, err=err)
     try:
         wait_for("relaunch refused for want of its key", lambda: "authentication failed" in err.read_text(),
                  timeout=120, every=0.1)
         sb.release_key(booting.name)
-        plan.wait(timeout=120)
+        up.wait(timeout=300)
     finally:
-        plan.kill()
-    assert plan.returncode == 0, err.read_text()
+        up.kill()
+    assert up.returncode == 0, err.read_text()
     assert "connection refused" in err.read_text() and "retrying" in err.read_text()
     assert "authentication failed" in err.read_text()
+    assert "training is running" in err.read_text()
 
     never = sandbox(boot_delay=3600)
-    result = run_cli("plan", str(recipe), never.host, "--set", "ssh.wait=3", home=home)
+    result = run_cli("up", str(recipe), never.host, "--set", "ssh.wait=3", home=home)
     assert result.returncode == 3
     assert "could not connect within ssh.wait=3s: connection refused" in result.stderr
+
+
+def test_a_wait_says_every_15s_what_it_waits_for_how_long_is_left_and_how_to_stop(tmp_path, sandbox, ssh_key):
+    home = tmp_path / "state"
+    recipe = plain_recipe(tmp_path, name="stopped", key=ssh_key)
+    inst = sandbox()
+    sb.stop(inst.name)                           # its address refuses until it is started: a booting instance
+    err = tmp_path / "up.err"
+    up = start_cli("up", str(recipe), inst.host, "--set", "ssh.wait=600", home=home, err=err)
+    try:
+        wait_for("two progress lines", lambda: err.read_text().count("still waiting for SSH") >= 2,
+                 timeout=120, every=0.2, explain=err.read_text)
+        ticks = err.read_text()
+        sb.start(inst.name)
+        up.wait(timeout=300)
+    finally:
+        up.kill()
+    assert up.returncode == 0, err.read_text()
+    line = next(ln for ln in ticks.splitlines() if "still waiting for SSH" in ln)
+    assert line.startswith(f"{inst.user}@{inst.address}: still waiting for SSH: connection refused"), line
+    assert "s left of ssh.wait=600s, Ctrl-C stops" in line, line
+    # the reason once, then the progress lines: not a line per attempt
+    assert ticks.count("connection refused (sshd not listening yet?); retrying") == 1, ticks
+    assert "training is running" in err.read_text()
 
 
 def test_store_without_a_verified_checkpoint_is_exit_5(tmp_path, sandbox, ssh_key):

@@ -70,25 +70,28 @@ def last_host(recipe: Recipe, ui: UI) -> HostSpec:
 
 
 def open_host(recipe: Recipe, spec: HostSpec, ui: UI, accept_new_host_key: bool = False, rank: int = 0,
-              nnodes: int = 1, master_addr: str = "") -> tuple[Node, Remote]:
+              nnodes: int = 1, master_addr: str = "", booting: bool = False) -> tuple[Node, Remote]:
+    """`booting`: the instance may still be booting (`up`): a refused port is waited for
+    (host.connection.connect); else it is expected to run, and what waiting cannot mend ends at once."""
     node = Node(make_target(recipe, spec), rank, nnodes, master_addr)
     through = f" through jump host {node.target.jump.label}" if node.target.jump else ""
-    ui.say(f"connecting to {node.label}{through} (waiting up to {node.target.wait:g}s while it boots)")
-    remote = connect(node.target, accept_new_host_key=accept_new_host_key, say=ui.say)
+    ui.say(f"connecting to {node.label}{through}"
+           + (f" (waiting up to {node.target.wait:g}s while it boots)" if booting else ""))
+    remote = connect(node.target, booting=booting, accept_new_host_key=accept_new_host_key, say=ui.say)
     missing = [name for name in recipe.env.secrets if name not in os.environ]
     if missing:
         ui.warn(f"env.secrets {', '.join(missing)} not set on this machine; not handed to the instance")
     return node, remote
 
 
-def open_group(recipe: Recipe, specs: list[HostSpec], ui: UI,
-               accept_new_host_key: bool = False) -> list[tuple[Node, Remote]]:
+def open_group(recipe: Recipe, specs: list[HostSpec], ui: UI, accept_new_host_key: bool = False,
+               booting: bool = False) -> list[tuple[Node, Remote]]:
     """Connect to every node at the same time (node 0 first in the result); all or nothing."""
     if len(specs) == 1:
-        return [open_host(recipe, specs[0], ui, accept_new_host_key)]
+        return [open_host(recipe, specs[0], ui, accept_new_host_key, booting=booting)]
     master = make_target(recipe, specs[0]).address     # as resolved: an ssh config alias means nothing there
     with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="connect") as pool:
-        futures = [pool.submit(open_host, recipe, spec, ui, accept_new_host_key, rank, len(specs), master)
+        futures = [pool.submit(open_host, recipe, spec, ui, accept_new_host_key, rank, len(specs), master, booting)
                    for rank, spec in enumerate(specs)]
         try:
             outcomes = [(f.result() if f.exception() is None else f.exception()) for f in futures]

@@ -87,7 +87,7 @@ def plan_group_up(jobs: list[Job], store: Store, known_hosts: str, exclude: froz
 def up_group(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
              accept_new_host_key: bool = False, wanted: str | None = None) -> list[UpResult]:
     """`up` on several nodes (node 0 first: torchrun's master): one plan, one executor."""
-    pairs = open_group(recipe, specs, ui, accept_new_host_key)
+    pairs = open_group(recipe, specs, ui, accept_new_host_key, booting=not dry_run)
     with connected(pairs) as remotes:
         store = open_store(recipe)
         damaged: set[str] = set()

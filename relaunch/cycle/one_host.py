@@ -47,7 +47,8 @@ def plan_up(job: Job, store: Store, exclude: frozenset[str] = frozenset(),
 
 def up_one(recipe: Recipe, spec: HostSpec, ui: UI, dry_run: bool = False, accept_new_host_key: bool = False,
            rank: int = 0, nnodes: int = 1, master_addr: str = "", wanted: str | None = None) -> UpResult:
-    node, remote = open_host(recipe, spec, ui, accept_new_host_key, rank, nnodes, master_addr)
+    node, remote = open_host(recipe, spec, ui, accept_new_host_key, rank, nnodes, master_addr,
+                             booting=not dry_run)         # `plan` looks at an instance that runs
     with remote:
         store = open_store(recipe)
         damaged: set[str] = set()           # store records whose bytes failed their check twice
@@ -93,7 +94,8 @@ def prepare(recipe: Recipe, group: list[HostSpec], rank: int, ui: UI) -> None:
     (`{{ node_rank }}`, `{{ nnodes }}`, `{{ master_addr }}`). The `up` on the whole group then
     finds them made, and the others stop only for the save, its copy and the start."""
     master = make_target(recipe, group[0]).address
-    node, remote = open_host(recipe, group[rank], ui, rank=rank, nnodes=len(group), master_addr=master)
+    node, remote = open_host(recipe, group[rank], ui, rank=rank, nnodes=len(group), master_addr=master,
+                             booting=True)
     with remote:
         job = gather(remote, recipe, node, listing=False)
         executor_for(job, remote, None, ui).run([*plan_preflight(job, 0), *plan_env(job)])

@@ -434,7 +434,8 @@ class WatchedDrill:
         problems = []
         for spec in specs:
             try:
-                node, remote = open_host(self.recipe_for(spec), spec, UI(quiet=True))
+                # stale: before the drill's `up`, on instances that may still be booting
+                node, remote = open_host(self.recipe_for(spec), spec, UI(quiet=True), booting=stale)
                 with remote:
                     remote.exec(f"rm -f -- {shlex.quote(remote.expand(notice_path(self.base)))}", deadline=30)
             except RelaunchError as exc:

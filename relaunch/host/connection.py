@@ -1,4 +1,5 @@
-"""SSH connections to an instance: patient while it boots, strict about host keys.
+"""SSH connections to an instance: patient while it boots, quick about what waiting cannot mend,
+strict about host keys.
 
 `connect()` returns a `Remote` (remote.py: the commands run on it): one paramiko transport
 (opened through Fabric) with keepalive.
@@ -7,11 +8,13 @@
 from __future__ import annotations
 
 import base64
+import errno
 import logging
 import os
 import re
 import shlex
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +40,35 @@ TCP_USER_TIMEOUT_MS = 30_000
 # cloud-init installs the key a few seconds after sshd starts; a key that is still refused after
 # this long is the wrong key or user, and the user hears so at once instead of after ssh.wait
 AUTH_GRACE = 20.0
+# while a connection waits, a line this often says for what, how long is left, and how to stop
+PROGRESS_EVERY = 15.0
 HOME_COMMAND = 'printf %s "$HOME"'
+# paramiko's words when it had no key at all to offer (no key file, none in ssh-agent or ~/.ssh)
+NO_KEY = "No authentication methods available"
+KEY_HINT = ("--set ssh.key=PATH (or ssh.key in the recipe) names the key this instance accepts; or load it into "
+            "ssh-agent with ssh-add PATH")
+
+# What one failed attempt met, as far as waiting goes: "no key" and "no route" never mend; "auth",
+# "refused" and "unreachable" mend only on an instance that is still booting (sshd not started, the
+# key not installed by cloud-init yet, the instance not on its network yet); anything else ("wait":
+# a timeout, no banner yet, a reset) may mend on any instance: an overloaded sshd, a network blip.
+NEVER = frozenset({"no key", "no route"})
+WHILE_BOOTING = frozenset({"auth", "refused", "unreachable"})
+
+
+def _kind(cause: BaseException) -> str:
+    if isinstance(cause, paramiko.AuthenticationException):
+        return "auth"
+    if isinstance(cause, paramiko.SSHException) and str(cause) == NO_KEY:
+        return "no key"
+    if isinstance(cause, paramiko.ChannelException):    # the jump host could not reach it
+        return "refused"
+    if isinstance(cause, NoValidConnectionsError):      # paramiko's refused or host unreachable
+        refused = any(getattr(c, "errno", None) == errno.ECONNREFUSED for c in cause.errors.values())
+        return "refused" if refused else "unreachable"
+    if isinstance(cause, OSError) and cause.errno in (errno.ENETUNREACH, errno.EINVAL):
+        return "no route"                               # no route on this machine (EINVAL: a blackhole)
+    return "wait"
 
 
 def _hint_for(exc: BaseException | None, is_jump: bool = False) -> str:
@@ -46,18 +77,72 @@ def _hint_for(exc: BaseException | None, is_jump: bool = False) -> str:
     if is_jump:
         return "check the jump host's HostName and Port in your ssh config, and that it is running"
     if isinstance(exc, paramiko.AuthenticationException):
-        return "check ssh.user (or USER@ in HOST) and ssh.key; `relaunch providers` lists each provider's user"
-    return "check the address and port, that the instance is running, and ssh.wait"
+        return ("check the user (the USER@ in the provider's connect command: give it in HOST or ssh.user; "
+                f"`relaunch providers` lists each provider's) and the key: {KEY_HINT}")
+    return ("check the address and the port (the provider shows them as root@ADDRESS:PORT: give that as HOST), "
+            "that the instance is running, and ssh.wait")
 
 
 class _Refused(Exception):
-    """One connection attempt failed in a way worth another (boot, network, key not installed yet)."""
+    """One connection attempt failed; `kind` says whether waiting may mend it (see NEVER)."""
 
     def __init__(self, cause: BaseException, who: str, is_jump: bool = False) -> None:
         super().__init__(f"{who}: {describe_failure(cause)}")
         self.cause = cause
         self.who = who
         self.is_jump = is_jump
+        self.kind = _kind(cause)
+
+    def mendable(self, booting: bool) -> bool:
+        """Worth another attempt: an instance that is still booting (`up`) may yet start sshd or
+        get its key; one expected to be running (every other command), and a jump host (yours,
+        not a fresh instance), refuse for good."""
+        if self.kind in NEVER:
+            return False
+        return self.kind not in WHILE_BOOTING or (booting and not self.is_jump)
+
+
+class _Waiting:
+    """What the user hears while `connect` waits: each new reason once as it comes, and every
+    PROGRESS_EVERY seconds after the last line, what is awaited, the time left and that Ctrl-C
+    stops it (from a thread of its own: one attempt may block for up to a minute)."""
+
+    def __init__(self, target: Target, say: Callable[[str], None]) -> None:
+        self.target, self.say = target, say
+        self.started = self.said = time.monotonic()
+        self.why = self.of = ""
+        self.until = 0.0
+        self.heard: set[str] = set()
+        self.done = threading.Event()
+        self.ticker: threading.Thread | None = None
+
+    def failed(self, exc: BaseException, until: float | None = None, of: str = "") -> None:
+        """`until`, `of`: when this kind of failure stops being waited for, and what that limit
+        is, when it comes before ssh.wait's end (a refused key's grace)."""
+        self.why = describe_failure(exc.cause) if isinstance(exc, _Refused) else str(exc)
+        end = self.started + self.target.wait
+        self.until, self.of = (until, of) if until is not None and until < end else \
+            (end, f"ssh.wait={self.target.wait:g}s")
+        if str(exc) not in self.heard:                 # alternating reasons are each said once
+            self.heard.add(str(exc))
+            self._say(f"{exc}; retrying")
+        if self.ticker is None:
+            self.ticker = threading.Thread(target=self._tick, name="connect-progress", daemon=True)
+            self.ticker.start()
+
+    def _tick(self) -> None:
+        while not self.done.wait(max(self.said + PROGRESS_EVERY - time.monotonic(), 0.1)):
+            if time.monotonic() - self.said >= PROGRESS_EVERY - 0.1:
+                left = max(self.until - time.monotonic(), 0)
+                self._say(f"{self.target.label}: still waiting for SSH: {self.why}; {left:.0f}s left of "
+                          f"{self.of}, Ctrl-C stops")
+
+    def _say(self, text: str) -> None:
+        self.said = time.monotonic()
+        self.say(text)
+
+    def close(self) -> None:
+        self.done.set()
 
 
 def public_blob(key: Path) -> bytes | None:
@@ -165,17 +250,17 @@ def _open(target: Target, what: str, known: KnownHosts, auth: dict[str, object],
     try:
         conn.open()
     except paramiko.BadHostKeyException as exc:
-        conn.close()
+        _discard(conn)
         raise HostKeyError(
             f"{what}: HOST KEY CHANGED: recorded {fingerprint(exc.expected_key)} for {name}, "
             f"the host now offers {fingerprint(exc.key)}; refusing to connect",
             _changed_key_hint(is_jump, name, known.path),
         ) from None
     except HostKeyError:
-        conn.close()
+        _discard(conn)
         raise
     except (NoValidConnectionsError, paramiko.SSHException, OSError, EOFError) as exc:
-        conn.close()
+        _discard(conn)
         log.debug("connect attempt to %s failed", what, exc_info=True)
         if isinstance(exc, paramiko.AuthenticationException) and first_auth_failure is not None \
                 and not first_auth_failure:
@@ -190,6 +275,15 @@ def _open(target: Target, what: str, known: KnownHosts, auth: dict[str, object],
     return conn
 
 
+def _discard(conn: Connection) -> None:
+    """Close a connection whose open() failed. Fabric's close() does nothing then (it knows no
+    transport yet), but paramiko's stays open when the failure came after the TCP connect (a
+    refused key, no key, a bad host key): sshd keeps each such connection, unauthenticated, for
+    its LoginGraceTime (2 min), and past MaxStartups (10) drops new ones before their banner."""
+    conn.close()
+    conn.client.close()
+
+
 def _changed_key_hint(is_jump: bool, name: str, path: Path) -> str:
     if is_jump:
         return (f"the jump host is yours, not a fresh instance: if it was really rebuilt, remove its old key with "
@@ -198,28 +292,31 @@ def _changed_key_hint(is_jump: bool, name: str, path: Path) -> str:
             "`relaunch up --accept-new-host-key`, or pin ssh.host_key from the provider's console")
 
 
-def connect(target: Target, *, accept_new_host_key: bool = False, known_hosts: Path | None = None,
-            say: Callable[[str], None] = lambda _m: None) -> Remote:
-    """Open a connection (through the jump host, if any), retrying while the instance boots,
-    until `target.wait` runs out."""
+def connect(target: Target, *, booting: bool = False, accept_new_host_key: bool = False,
+            known_hosts: Path | None = None, say: Callable[[str], None] = lambda _m: None) -> Remote:
+    """Open a connection (through the jump host, if any), retrying what waiting may mend until
+    `target.wait` runs out. `booting`: the instance may still be booting (`up`), so a refused
+    port is waited for, and a refused key for AUTH_GRACE; otherwise (an instance expected to
+    run) they end the wait at once, as no key and no route always do."""
     from ..paths import known_hosts_file
 
     path = known_hosts or known_hosts_file()
     agent = _Agent()
+    waiting = _Waiting(target, say)
     try:
-        return _connect(target, KnownHosts(path), path, agent, say, accept_new_host_key)
+        return _connect(target, KnownHosts(path), path, agent, say, accept_new_host_key, booting, waiting)
     finally:
+        waiting.close()
         agent.close()
 
 
-def _connect(target: Target, known: KnownHosts, path: Path, agent: _Agent,
-             say: Callable[[str], None], accept_new_host_key: bool) -> Remote:
+def _connect(target: Target, known: KnownHosts, path: Path, agent: _Agent, say: Callable[[str], None],
+             accept_new_host_key: bool, booting: bool, waiting: _Waiting) -> Remote:
     jump = target.jump
     jump_what = f"jump host {jump.label}" if jump else ""
     auth = _auth_kwargs(target, agent)
     jump_auth = _auth_kwargs(jump, agent) if jump else {}
     first_auth_failure: list[float] = []
-    announced: list[str] = []
 
     def attempt() -> Remote:
         processes.check_cancel()
@@ -259,25 +356,51 @@ def _connect(target: Target, known: KnownHosts, path: Path, agent: _Agent,
     def auth_left(exc: BaseException) -> float | None:
         # cloud-init installs the key within a minute of sshd starting; a wrong key or user
         # should not keep the user waiting for all of ssh.wait
-        if isinstance(exc, _Refused) and isinstance(exc.cause, paramiko.AuthenticationException):
+        if isinstance(exc, _Refused) and exc.kind == "auth":
             return AUTH_GRACE - (time.monotonic() - first_auth_failure[0])
         return None
 
-    def on_retry(exc: BaseException, seconds: float) -> None:
-        what = str(exc)
-        if not announced or announced[-1] != what:
-            say(f"{what}; retrying")
-            announced.append(what)
+    def grace(exc: BaseException) -> tuple[float | None, str]:
+        if isinstance(exc, _Refused) and exc.kind == "auth":
+            return first_auth_failure[0] + AUTH_GRACE, f"the {AUTH_GRACE:g}s a new instance's key may take"
+        return None, ""
 
     try:
-        return retrying(attempt, transient=lambda e: isinstance(e, _Refused), within=max(target.wait, 0),
-                        first=1.0, most=10.0, stop_early=auth_left, on_retry=on_retry)
+        return retrying(attempt, transient=lambda e: isinstance(e, _Refused) and e.mendable(booting),
+                        within=max(target.wait, 0), first=1.0, most=10.0, stop_early=auth_left,
+                        on_retry=lambda exc, _s: waiting.failed(exc, *grace(exc)))
     except _Refused as exc:
-        if isinstance(exc.cause, paramiko.AuthenticationException):
-            who = jump if jump is not None and exc.is_jump else target
-            raise ConnectError(
-                f"{exc.who}: authentication refused for user {who.user}"
-                + (f" with key {who.key}" if who.key else " (ssh-agent and default keys)"),
-                _hint_for(exc.cause, exc.is_jump)) from None
-        raise ConnectError(f"{exc.who}: could not connect within ssh.wait={target.wait:g}s: "
-                           f"{describe_failure(exc.cause)}", _hint_for(exc.cause, exc.is_jump)) from None
+        raise _failure(exc, jump if jump is not None and exc.is_jump else target, target.wait, booting) from None
+
+
+def _failure(exc: _Refused, who: Target, wait: float, booting: bool) -> ConnectError:
+    """The error that ends the wait (ssh.wait ran out, or waiting cannot mend it), with the fix in its hint."""
+    if exc.kind == "auth":
+        return ConnectError(f"{exc.who}: authentication refused for user {who.user}"
+                            + (f" with key {who.key}" if who.key else " (ssh-agent and default keys)"),
+                            _hint_for(exc.cause, exc.is_jump))
+    if exc.kind == "no key":
+        agent = "ssh-agent offers none" if os.environ.get("SSH_AUTH_SOCK") else \
+            "no ssh-agent runs (SSH_AUTH_SOCK is not set)"
+        why = (f"the key {who.key} cannot be used by itself (a passphrase?) and {agent}" if who.key else
+               f"no ssh.key is set, {agent}, and ~/.ssh has no id_rsa, id_ecdsa or id_ed25519")
+        return ConnectError(f"{exc.who}: no SSH key to offer as {who.user}: {why}",
+                            "give the jump host's key as its IdentityFile in your ssh config, or ssh-add it"
+                            if exc.is_jump else KEY_HINT)
+    if exc.mendable(booting):
+        return ConnectError(f"{exc.who}: could not connect within ssh.wait={wait:g}s: "
+                            f"{describe_failure(exc.cause)}", _hint_for(exc.cause, exc.is_jump))
+    if exc.is_jump:
+        return ConnectError(f"{exc.who}: {describe_failure(exc.cause)}", _hint_for(exc.cause, exc.is_jump))
+    if exc.kind == "refused" and not isinstance(exc.cause, paramiko.ChannelException):
+        return ConnectError(
+            f"{exc.who}: connection refused on port {who.port}: the address answers, but no sshd listens there",
+            "give the SSH port the provider shows (its connect command reads root@ADDRESS:PORT or ssh -p PORT) "
+            "as HOST USER@ADDRESS:PORT or ssh.port; `relaunch up` waits for an instance that is still booting")
+    if exc.kind == "no route":
+        return ConnectError(f"{exc.who}: {describe_failure(exc.cause)}",
+                            "check the address (the provider's console shows it) and that this machine reaches "
+                            "its network (a private address needs its VPN)")
+    return ConnectError(f"{exc.who}: {describe_failure(exc.cause)}",
+                        "check the address (the provider's console shows it) and that the instance is running; "
+                        "`relaunch up` waits for an instance that is still booting")

@@ -92,7 +92,11 @@ def describe_failure(exc: BaseException) -> str:
     if isinstance(exc, paramiko.AuthenticationException):
         return f"authentication failed ({exc}); the key may not be installed yet"
     if isinstance(exc, paramiko.SSHException) and "banner" in str(exc):
-        return "port open but no SSH banner yet (sshd starting?)"
+        # paramiko raises this from inside its read: a timeout, or the other side closing first
+        if isinstance(exc.__context__, (socket.timeout, TimeoutError)):
+            return "port open but no SSH banner came (sshd starting or overloaded, or not an SSH port)"
+        return ("port open but closed before any SSH banner (sshd starting, or turning connections away: "
+                "MaxStartups, PerSourcePenalties)")
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return "timed out"
     if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ENETUNREACH, errno.EHOSTUNREACH):

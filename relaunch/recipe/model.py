@@ -82,7 +82,9 @@ class SSH(_Section):
     host_key: str | None = _key("Pin of the instance's host key, as the provider console shows it; "
                                 "else trust on first use.", "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s",
                                 None)
-    wait: float = _key("Seconds to keep trying to connect while the instance boots.", 300, 300, ge=0)
+    wait: float = _key("Seconds to keep trying to connect while the instance boots (`up`); other commands wait "
+                       "only for what may pass (a timeout, a late banner), and say at once what waiting cannot "
+                       "mend (no key, a refused key or port).", 300, 300, ge=0)
 
     @field_validator("host_key")
     @classmethod

@@ -189,7 +189,7 @@ class Replacing(WatchBase):
         address (or check the pin): what an earlier instance left there in known_hosts is gone."""
         recipe = self.recipe.model_copy(update={"ssh": self.recipe.ssh.model_copy(update={"host_key": found.pin})})
         target = cycle.make_target(recipe, found.spec)
-        remote = connect(target, accept_new_host_key=found.pin is None, say=self.inner.say)
+        remote = connect(target, booting=True, accept_new_host_key=found.pin is None, say=self.inner.say)
         remote.close()
         self.unpinned = True
         self._post("say", f"recover: {found.spec} answers" + (f" with the pinned host key {found.pin}" if found.pin
