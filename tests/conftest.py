@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,6 +66,18 @@ class SandboxFactory:
         _register(name)
         return sandbox_mod.create(name, user=user, **kw)  # type: ignore[arg-type]
 
+    def by_cli(self, *args: str, env: dict[str, str]) -> tuple[Instance, subprocess.CompletedProcess[str]]:
+        """`relaunch sandbox create NAME ARGS` as a user runs it, in their environment `env`: only
+        what that command authorizes and serves (nothing of this factory's key or index); destroyed
+        at teardown like the others."""
+        name = f"t{uuid.uuid4().hex[:8]}"
+        self.names.append(name)
+        _register(name)
+        proc = subprocess.run([sys.executable, "-m", "relaunch.cli", "sandbox", "create", name, *args],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return sandbox_mod.get(name), proc
+
     def destroy_all(self) -> None:
         errors = []
         for name in self.names:
@@ -106,6 +119,22 @@ def sandbox(ssh_key: Path, package_index: Path) -> Iterator[SandboxFactory]:
         yield factory
     finally:
         factory.destroy_all()
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[str]:
+    """A real ssh-agent of this test only; its socket path."""
+    sock = tmp_path / "agent.sock"
+    proc = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        from e2e import wait_for
+
+        wait_for("ssh-agent's socket", sock.exists, timeout=10, every=0.05)
+        yield str(sock)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
 
 
 class SSH:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pwd
+import shlex
 import shutil
 import signal
 import subprocess
@@ -25,6 +27,38 @@ EXAMPLE = REPO / "examples" / "pytorch"
 def cli_env(home: Path, env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment `relaunch` runs in here: its own state folder (known_hosts, debug log)."""
     return {**os.environ, "RELAUNCH_HOME": str(home), "COLUMNS": "200", **(env or {})}
+
+
+def new_user(home: Path, key: Path | None = None) -> dict[str, str]:
+    """A new user's environment: the HOME `home`, made with nothing but the key the README tells them
+    to make (`ssh-keygen -t ed25519`: ~/.ssh/id_ed25519, no passphrase) unless `key` puts it
+    elsewhere; nothing of this machine's user (ssh-agent, ~/.ssh, relaunch's state); relaunch on PATH.
+    OpenSSH itself finds ~/.ssh through the password database, not $HOME: what runs `ssh` runs
+    through as_user()."""
+    key = key or home / ".ssh" / "id_ed25519"
+    key.parent.mkdir(parents=True, mode=0o700)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True, capture_output=True)
+    mine = {k: v for k, v in os.environ.items()
+            if k not in ("SSH_AUTH_SOCK", "SSH_AGENT_PID", "RELAUNCH_HOME") and not k.startswith("XDG_")}
+    return {**mine, "HOME": str(home), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "COLUMNS": "200"}
+
+
+def as_user(env: dict[str, str], argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) that run `argv` with the new user's HOME (new_user) as this machine's user's home
+    directory, the one OpenSSH reads: bound over it in a mount namespace of the command's own, so
+    nothing outside changes. This Python's installation, when it lives in that home (pyenv), is
+    bound back in. Nothing run this way may mount (a sandbox instance's disks would be the
+    namespace's only)."""
+    real, home = Path(pwd.getpwuid(os.getuid()).pw_dir), Path(env["HOME"])
+    binds = ""
+    python = Path(sys.base_prefix)
+    if python.is_relative_to(real):
+        (home / python.relative_to(real)).mkdir(parents=True, exist_ok=True)
+        binds = f"mount --bind {shlex.quote(str(python))} {shlex.quote(str(home / python.relative_to(real)))} && "
+    script = binds + 'mount --rbind "$1" "$2" && shift 2 && exec "$@"'
+    return (["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(home), str(real), *argv],
+            {**env, "HOME": str(real)})
 
 
 def run_cli(*args: str, home: Path, timeout: float = 900, env: dict[str, str] | None = None,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from e2e import cli_env, new_user, plain_recipe, run_cli, wait_for
 from relaunch import sandbox as sb
 from relaunch.errors import RelaunchError, UsageError
 
@@ -392,3 +393,62 @@ def test_command_log_as_ubuntu_with_sftp(sandbox, ssh, tmp_path: Path) -> None:
     assert sftp.returncode == 0, sftp.stderr
     assert ssh(inst, "cat ~/up.txt").stdout == "sent\n"
     assert sb.commands(inst.name) == ["sudo -n id -un", "/usr/lib/openssh/sftp-server", "cat ~/up.txt"]
+
+
+def _fingerprint(pub: Path) -> str:
+    return _out("ssh-keygen", "-lf", str(pub)).split()[1]
+
+
+def test_create_authorizes_the_users_own_keys_as_a_provider_does(sandbox, ssh, tmp_path: Path, agent) -> None:
+    """A new user's ~/.ssh/id_ed25519 and their ssh-agent's key may log in to what `relaunch sandbox
+    create` made, with plain ssh and no key named in a recipe, as on a box rented after uploading
+    them; so may the sandbox's own key. `--key` authorizes that key alone."""
+    env = new_user(tmp_path / "home")
+    mine = tmp_path / "home" / ".ssh" / "id_ed25519"
+    held = tmp_path / "agent" / "id_held"
+    new_user(tmp_path / "unused", key=held)
+    subprocess.run(["ssh-add", str(held)], env={**env, "SSH_AUTH_SOCK": agent}, check=True, capture_output=True)
+
+    inst, made = sandbox.by_cli("--image", "runpod", env={**env, "SSH_AUTH_SOCK": agent})
+    yours = f"~/.ssh/id_ed25519.pub {_fingerprint(Path(f'{mine}.pub'))}, ssh-agent {_fingerprint(Path(f'{held}.pub'))}"
+    assert f"your keys, authorized too (no ssh.key needed): {yours}\n" in made.stdout
+    sandbox_key = tmp_path / "home" / ".local" / "state" / "relaunch" / "id_ed25519"
+    assert f"ssh key: {sandbox_key}" in made.stdout
+    for key in (mine, held, sandbox_key):
+        assert type(ssh)(key, tmp_path)(inst, "id -un").stdout.strip() == "root", key
+
+    # --key: that key only, as before
+    only, said = sandbox.by_cli("--key", f"{held}.pub", "--json", env=env)
+    assert json.loads(said.stdout)["your_keys"] == []
+    assert type(ssh)(held, tmp_path)(only, "true", check=False).returncode == 0
+    refused = type(ssh)(mine, tmp_path)(only, "true", check=False)
+    assert refused.returncode == 255 and "Permission denied" in refused.stderr
+
+    # no key of one's own yet: what to do about it
+    bare = new_user(tmp_path / "bare", key=tmp_path / "bare-keys" / "id_ed25519")
+    _, told = sandbox.by_cli(env=bare)
+    assert "your keys: none found (no ~/.ssh/id_*.pub, no ssh-agent key); make one with `ssh-keygen -t ed25519`" \
+        in told.stdout
+
+
+def test_an_index_made_from_a_lock_is_what_a_box_installs_the_lock_from(sandbox, ssh, ssh_key: Path,
+                                                                        tmp_path: Path) -> None:
+    """`relaunch sandbox index DIR --from LOCK`, `sandbox create --index DIR`: `up` installs the lock
+    there (uv too comes from that index) and the command imports it."""
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("mpmath==1.3.0\n")
+    made = run_cli("sandbox", "index", str(tmp_path / "index"), "--from", str(lock), home=tmp_path / "state",
+                   timeout=600)
+    assert made.returncode == 0, made.stderr
+    assert f"relaunch sandbox create NAME --index {tmp_path / 'index'}" in made.stdout
+    assert f"env.index_url: {sb.INDEX_URL}" in made.stdout
+
+    inst, _ = sandbox.by_cli("--key", f"{ssh_key}.pub", "--index", str(tmp_path / "index"),
+                             env=cli_env(tmp_path / "state"))
+    recipe = plain_recipe(tmp_path, name="fromlock", key=ssh_key, env={"lock": "requirements.lock", "installer": "uv"},
+                          command="python -c 'import mpmath; print(\"mpmath\", mpmath.__version__)'; sleep 600")
+    up = run_cli("up", str(recipe), inst.host, home=tmp_path / "state")
+    assert up.returncode == 0, up.stderr
+    assert "installing 1 pinned packages with uv" in up.stderr
+    wait_for("the command's import", lambda: "mpmath 1.3.0" in ssh(inst, "cat ~/fromlock.log", check=False).stdout,
+             timeout=120)

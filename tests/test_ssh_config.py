@@ -9,7 +9,6 @@ or inside the jump instance itself).
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import threading
@@ -204,20 +203,6 @@ def test_proxyjump_through_a_second_instance_checks_both_keys(tmp_path, sandbox,
                     home / "known_hosts")
     direct = subprocess.run([*argv, "127.0.0.1", "true"], capture_output=True, text=True, timeout=60)
     assert direct.returncode == 255 and "REMOTE HOST IDENTIFICATION HAS CHANGED" in direct.stderr
-
-
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[str]:
-    """A real ssh-agent of this test only; its socket path."""
-    sock = tmp_path / "agent.sock"
-    proc = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_for("ssh-agent's socket", sock.exists, timeout=10, every=0.05)
-        yield str(sock)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
 
 
 PASSPHRASE = "correct horse battery staple"

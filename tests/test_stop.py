@@ -44,12 +44,15 @@ with open(os.path.expanduser("~/stopped"), "w") as f:
 '''
 
 
-def test_evacuate_stop_reaches_a_run_started_by_hand_in_tmux(tmp_path, sandbox, ssh, ssh_key):
+# where the run's output goes: the pane, or a file (bash then runs the command as its child, and the
+# stop must not end bash: the pane's processes would be hung up in the middle of the save)
+@pytest.mark.parametrize("output", ["", " > ~/train.log 2>&1"], ids=["pane", "file"])
+def test_evacuate_stop_reaches_a_run_started_by_hand_in_tmux(output, tmp_path, sandbox, ssh, ssh_key):
     home, inst = tmp_path / "state", sandbox()
     bare_venv(ssh, inst, SAVES_ON_TERM)
-    start_in_tmux(ssh, inst, "byhand", "~/venv/bin/python train.py --out ~/ckpt")
-    wait_for("the run started by hand to train", lambda: "step 20 " in ssh(
-        inst, "tmux capture-pane -p -t =byhand:").stdout, timeout=120)
+    start_in_tmux(ssh, inst, "byhand", "~/venv/bin/python train.py --out ~/ckpt" + output)
+    shown = "cat ~/train.log" if output else "tmux capture-pane -p -t =byhand:"
+    wait_for("the run started by hand to train", lambda: "step 20 " in ssh(inst, shown).stdout, timeout=120)
     out = tmp_path / "adopted" / "recipe.yaml"
     out.parent.mkdir()
     adopted = adopt(inst.host, "-o", str(out), "--set", "checkpoint.dir=~/ckpt", "--set", "checkpoint.layout=files",

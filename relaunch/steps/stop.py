@@ -22,7 +22,10 @@ def group_script(job: Job) -> str:
     """Shell that sets `pg` to the training's process group, or leaves it empty: the group run.sh
     recorded (`PGID START BOOT_ID`), only while its leader is that same process of this boot (after a
     reboot, or once it exited, the number may be another group's); else, for a run relaunch did not
-    start (`relaunch adopt`), the foreground group of the training's tmux pane."""
+    start (`relaunch adopt`), the foreground group of the training's tmux pane. When that group is
+    the pane's own shell's (`tmux new -d 'cd dir && python train.py > log'`: bash runs the command
+    as its child), `keep` is set to the shell's pid: a stop must not reach it, for once it exits the
+    kernel hangs up the pane's processes, and training dies of the SIGHUP in the middle of its save."""
     return group_script_for(job.recipe.run.session, job.paths.pgid_file)
 
 
@@ -31,7 +34,7 @@ def group_script_for(session: str, pgid_path: str) -> str:
     q = shlex.quote
     pane = q("=" + session + ":")
     return (
-        f"pg=; boot=$(cat /proc/sys/kernel/random/boot_id 2>/dev/null); "
+        f"pg=; keep=; boot=$(cat /proc/sys/kernel/random/boot_id 2>/dev/null); "
         f"if read -r g s b 2>/dev/null < {q(pgid_path)} && [ -n \"$g\" ]; then "
         f"if [ -n \"$b\" ]; then "
         f"if [ \"$b\" = \"$boot\" ] && [ \"$({START_OF.format(pid='$g')})\" = \"$s\" ]; then pg=$g; fi; "
@@ -42,16 +45,20 @@ def group_script_for(session: str, pgid_path: str) -> str:
         # the pane's foreground group, unless that is a shell idle at its prompt (the command ended)
         "c=$(ps -o comm= -p \"$p\" 2>/dev/null); idle=; case \"$c\" in bash|sh|dash|zsh|fish|ksh|tcsh|csh) "
         "[ \"$t\" = \"$p\" ] && [ -z \"$(ps -o pid= --ppid \"$p\")\" ] && idle=1;; esac; "
-        "if [ -n \"$t\" ] && [ \"$t\" != -1 ] && [ -z \"$idle\" ]; then pg=$t; fi; fi"
+        "if [ -n \"$t\" ] && [ \"$t\" != -1 ] && [ -z \"$idle\" ]; then pg=$t; "
+        "case \"$c\" in bash|sh|dash|zsh|fish|ksh|tcsh|csh) [ \"$t\" = \"$p\" ] && keep=$p;; esac; fi; fi"
     )
 
 
 def signal_command(job: Job) -> str:
-    """run.stop.signal to the training's process group (torchrun and every rank it started)."""
-    q = shlex.quote
+    """run.stop.signal to the training's process group (torchrun and every rank it started), but
+    not to the pane's shell that group_script keeps."""
+    sig = shlex.quote(job.recipe.run.stop.signal)
     return (f"{group_script(job)}; if [ -z \"$pg\" ]; then echo 'relaunch: no training process to signal (no pgid "
             f"file of this boot, no command in the tmux pane): it has ended'; exit 0; fi; "
-            f"kill -s {q(job.recipe.run.stop.signal)} -- -\"$pg\"")
+            # the shell's children in its group; none there (each in a group of its own): the group, as ever
+            f"m=; [ -n \"$keep\" ] && m=$(ps -eo pid=,pgid= | awk -v g=\"$pg\" -v k=\"$keep\" '$2 == g && $1 != k "
+            f"{{print $1}}'); if [ -n \"$m\" ]; then kill -s {sig} $m; else kill -s {sig} -- -\"$pg\"; fi")
 
 
 def end_command(job: Job) -> str:
