@@ -472,9 +472,15 @@ def clean() -> Cleaned:
         done.undone += [f"removed the folder {p}" for p in boot.release_mount_points(_mount_points_needed())]
         others = sorted(network.names_everywhere())
         if others:
-            done.kept.append(f"instances of other sandbox dirs: {', '.join(others)} "
-                             f"(RELAUNCH_SANDBOX_DIR=DIR relaunch sandbox clean, for each)")
-            kept = [*recorded["files"], *[f"the user {u}" for u in recorded["users"]], *recorded["caches"]]
+            by_dir: dict[Path, list[str]] = {}
+            for other in others:
+                by_dir.setdefault(network.claimed_dir(other) or network.MACHINE_DIR, []).append(other)
+            for world, names in sorted(by_dir.items()):
+                env = "" if world == network.MACHINE_DIR else f"RELAUNCH_SANDBOX_DIR={world} "
+                command = f"{env}relaunch sandbox clean"
+                done.kept.append(f"the instances {', '.join(names)} of the sandbox dir {world} (`{command}`)")
+            kept = [*recorded["files"], *[f"the user {u}" for u in recorded["users"]],
+                    *[f"the cache {c}" for c in recorded["caches"]]]
             if kept:
                 done.kept.append(f"while they run: {', '.join(kept)}")
             return done
@@ -489,7 +495,6 @@ def clean() -> Cleaned:
             if pythons.remove_cache(Path(path)):
                 done.undone.append(f"removed the cache {path}")
             journal.forget("caches", path)
-        done.undone += [f"removed the folder {p}" for p in boot.release_mount_points(set())]
     return done
 
 
