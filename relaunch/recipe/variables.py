@@ -18,7 +18,6 @@ import urllib.parse
 from ..errors import RecipeError
 from .model import MIRROR_RE, Recipe
 
-KEYS = ("env.index_url", "env.extra_index_urls", "env.python_mirror")
 REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -26,8 +25,15 @@ def names(text: str | None) -> list[str]:
     return REFERENCE.findall(text or "")
 
 
+def _set_here(text: str) -> str | None:
+    """`text` with each `${NAME}` replaced by this machine's $NAME; None when one is not set."""
+    if not all(os.environ.get(n) for n in names(text)):
+        return None
+    return REFERENCE.sub(lambda m: os.environ[m[1]], text)
+
+
 def _written(recipe: Recipe) -> list[tuple[str, str]]:
-    """(key, text) of every value of KEYS the recipe holds."""
+    """(key, text) of every URL key (env.index_url, env.extra_index_urls, env.python_mirror) the recipe holds."""
     env = recipe.env
     found = [("env.index_url", env.index_url), ("env.python_mirror", env.python_mirror)]
     found += [(f"env.extra_index_urls.{i}", url) for i, url in enumerate(env.extra_index_urls)]
@@ -35,26 +41,28 @@ def _written(recipe: Recipe) -> list[tuple[str, str]]:
 
 
 def unset(recipe: Recipe) -> list[tuple[str, str]]:
-    """(key, NAME) of every `${NAME}` in KEYS that this machine's environment lacks."""
+    """(key, NAME) of every `${NAME}` in the URL keys that this machine's environment lacks."""
     return [(key, name) for key, text in _written(recipe) for name in names(text) if not os.environ.get(name)]
 
 
 def check(recipe: Recipe) -> None:
-    """Every `${NAME}` of KEYS is set here (before a host is contacted: a missing one is a recipe error)."""
+    """Every `${NAME}` of the URL keys is set here (before a host is contacted: a missing one is a recipe
+    error)."""
     for key, _ in unset(recipe):
         expand(recipe, key, str(recipe.value(key)))
 
 
 def expand(recipe: Recipe, key: str, text: str) -> str:
     """`text`, the value at `key`, with each `${NAME}` replaced by this machine's $NAME."""
-    missing = [n for n in names(text) if not os.environ.get(n)]
-    if missing:
+    expanded = _set_here(text)
+    if expanded is None:
+        missing = next(n for n in names(text) if not os.environ.get(n))
         file, line = recipe.locate(key)
-        raise RecipeError(f"names ${{{missing[0]}}}, which is not set on this machine", file, line, key,
-                          hint=f"export {missing[0]}=... (the value the recipe leaves out: the URL or its token) "
+        raise RecipeError(f"names ${{{missing}}}, which is not set on this machine", file, line, key,
+                          hint=f"export {missing}=... (the value the recipe leaves out: the URL or its token) "
                                "before running relaunch; it reaches the instance through a script's environment, "
                                "never a command line or a log")
-    return REFERENCE.sub(lambda m: os.environ[m[1]], text)
+    return expanded
 
 
 def index_urls(recipe: Recipe) -> tuple[str | None, list[str]]:
@@ -81,8 +89,7 @@ def as_set(recipe: Recipe) -> list[str]:
     """env.index_url (when set) and env.extra_index_urls, each expanded where every variable it names
     is set here, else as written: what the recipe's indexes are on this machine."""
     env = recipe.env
-    return [REFERENCE.sub(lambda m: os.environ[m[1]], text) if all(os.environ.get(n) for n in names(text)) else text
-            for text in (env.index_url, *env.extra_index_urls) if text]
+    return [_set_here(text) or text for text in (env.index_url, *env.extra_index_urls) if text]
 
 
 def name_for(url: str, taken: set[str]) -> str:
@@ -97,14 +104,14 @@ def name_for(url: str, taken: set[str]) -> str:
 
 
 def secrets(recipe: Recipe) -> tuple[list[str], list[str]]:
-    """(the URLs of KEYS, expanded where every variable they name is set; the values of those
+    """(the URL keys' values, expanded where every variable they name is set; the values of those
     variables): what the redactor hides. A variable's value is hidden whole wherever it shows (one
     that holds a whole URL hides that URL), since only the user knows which part of it is secret."""
     urls: list[str] = []
     taken: list[str] = []
     for _, text in _written(recipe):
-        refs = names(text)
-        if all(os.environ.get(n) for n in refs):
-            urls.append(REFERENCE.sub(lambda m: os.environ[m[1]], text))
-            taken += [os.environ[n] for n in refs]
+        expanded = _set_here(text)
+        if expanded is not None:
+            urls.append(expanded)
+            taken += [os.environ[n] for n in names(text)]
     return urls, taken
