@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,9 @@ from .gather import gather, read_indexes
 from .host.indexes import Indexes, combined
 from .host.spec import HostSpec
 from .job import normalize
-from .recipe import Recipe, load_recipe
+from .recipe import Recipe, load_recipe, variables
 from .recipe.edit import Edit, apply
-from .ui import UI, redact
+from .ui import UI, has_credentials, redact
 
 # what `pip freeze` leaves out by default
 _TOOLING = {"pip", "setuptools", "wheel", "distribute"}
@@ -38,10 +37,6 @@ def instance_freeze(recipe: Recipe, spec: HostSpec, ui: UI) -> tuple[list[str], 
         # the URLs may hold tokens: never on screen from here on
         redact.add_urls(combined(doc, recipe.env.installer).urls)
         return lines, doc
-
-
-def has_credentials(url: str) -> bool:
-    return "@" in urllib.parse.urlsplit(url).netloc
 
 
 @dataclass
@@ -72,23 +67,38 @@ def _line_in_top(recipe: Recipe, key: str) -> int | None:
 def index_change(recipe: Recipe, doc: dict[str, Any]) -> tuple[IndexChange | None, list[str]]:
     """(the edit of the recipe file that records the instance's indexes, or None when the recipe
     already says the same; warnings). Additive: what the recipe names stays (it served the lock);
-    an index the instance uses and the recipe lacks is added. A URL with a credential is never written."""
+    an index the instance uses and the recipe lacks is added. A URL with a credential is never
+    written: the recipe names it as `${NAME}`, and a warning says which variable to set here."""
     found = combined(doc, recipe.env.installer)
-    warnings = [f"the instance's index {redact(u)} ({found.where.get(u)}) carries a credential: not written "
-                f"into {recipe.source}; keep the URL in an environment variable and give it at each run: "
-                + ('--set env.index_url="$INDEX_URL"' if u == found.index_url
-                   else '--set env.extra_index_urls="[$INDEX_URL]"')
-                for u in found.urls if has_credentials(u)]
+    warnings = [f"{key} names ${{{name}}}, which is not set on this machine: the instance's indexes were compared "
+                "with it as written" for key, name in variables.unset(recipe) if not key.endswith("python_mirror")]
     current, extra = recipe.env.index_url, list(recipe.env.extra_index_urls)
+    # what the recipe's values are here (expanded), and the text each is written as
+    now = variables.as_set(recipe)
+    written = dict(zip(now, [u for u in (current, *extra) if u], strict=True))
+    taken = {n for text in written.values() for n in variables.names(text)}
+
+    def text(url: str) -> str:
+        if url in written:
+            return written[url]
+        if has_credentials(url):
+            name = variables.name_for(url, taken)
+            taken.add(name)
+            written[url] = f"${{{name}}}"
+            warnings.append(f"the instance's index {redact(url)} ({found.where.get(url)}) carries a credential: "
+                            f"{recipe.source} names it as ${{{name}}}, never the URL; set {name} to that URL "
+                            f"on this machine (export {name}='...') before `relaunch up`")
+        return written[url] if url in written else url
+
     index_url = current
-    if found.index_url and not has_credentials(found.index_url):
+    if found.index_url and found.index_url not in now:
         if current is None:
-            index_url = found.index_url
-        elif found.index_url != current and found.index_url not in extra:
-            extra.append(found.index_url)
+            index_url = text(found.index_url)
+        else:
+            extra.append(text(found.index_url))
     for url in found.extra:
-        if url != index_url and url not in extra and not has_credentials(url):
-            extra.append(url)
+        if url not in now and text(url) not in (index_url, *extra):
+            extra.append(text(url))
     edits = []
     if index_url != current and index_url is not None:
         edits.append(Edit("index_url", index_url, _line_in_top(recipe, "env.index_url")))

@@ -31,13 +31,80 @@ from rich.text import Text
 log = logging.getLogger("relaunch")
 
 
-# the userinfo of a URL (`https://user:token@host/...`): a package index's token, say
-_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@")
+# Where a URL carries a credential (a package index, a Python mirror, a presigned object link):
+# its userinfo (`https://user:token@host/`), a path segment shaped like a token (Cloudsmith's
+# `https://dl.cloudsmith.io/<token>/org/repo/python/simple/`, Gemfury's `https://pypi.fury.io/<token>/me/`),
+# or a query parameter (`?token=`, `X-Amz-Signature=`, an Azure SAS's `sig=`).
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
+_URL_PARTS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s]*@)?(?P<host>[^/?#\s@]*)"
+                        r"(?P<path>[^?#\s]*)(?P<rest>.*)", re.DOTALL)
+_SECRET_PARAM = re.compile(r".*(token|secret|passw(or)?d|signature|credential|auth|authorization)|"
+                           r"sig|key|apikey|api[-_]key|access[-_]?key|private[-_]?key|.*_key|pass|pwd|code",
+                           re.IGNORECASE)
+# a presigned link's other parameters (X-Amz-Date, X-Amz-Expires ...): hidden in the URL too, but not
+# hunted for elsewhere in the text (an expiry of 3600 is no secret, and "3600" is everywhere)
+_SIGNING_PARAM = re.compile(r"x-amz-.*|x-goog-.*", re.IGNORECASE)
+_PARAM = re.compile(r"([?&;#])([^=&;#\s]+)=([^&;#\s]*)")
+_AUTH_HEADER = re.compile(r"\b((?:proxy-)?authorization\s*[:=]\s*)(?:(?:basic|bearer|token|digest)\s+)?[^\s'\"]+",
+                          re.IGNORECASE)
+
+
+def _token_like(segment: str) -> bool:
+    """A path segment that reads as a token: 16 or more letters, digits, `_` and `-`, whose letters
+    and digits change case or kind often (a random string does, a word or a version does not:
+    `3b7bf1e5a3c2a8f7` is one, `manylinux2014_x86_64` and `python-build-standalone` are not)."""
+    if len(segment) < 16 or not re.fullmatch(r"[A-Za-z0-9_-]+", segment):
+        return False
+
+    def kind(c: str) -> str:
+        return "d" if c.isdigit() else "u" if c.isupper() else "l"
+
+    changes = sum(1 for a, b in zip(segment, segment[1:], strict=False)
+                  if a.isalnum() and b.isalnum() and kind(a) != kind(b))
+    return changes >= len(segment) / 4
+
+
+def url_credentials(url: str) -> list[str]:
+    """The credentials a URL carries, each as written in it (empty: none): the password of its
+    userinfo (the user when it stands alone, `https://TOKEN@host`), every token-like path segment,
+    the value of every query (or fragment) parameter named like a credential."""
+    m = _URL_PARTS.fullmatch(url.strip())
+    if m is None:
+        return []
+    found = []
+    if m["userinfo"]:
+        user, colon, password = m["userinfo"][:-1].partition(":")
+        found.append(password if colon else user)
+    found += [seg for seg in m["path"].split("/") if _token_like(seg)]
+    found += [value for _, name, value in _PARAM.findall(m["rest"])
+              if value and _SECRET_PARAM.fullmatch(urllib.parse.unquote(name))]
+    return [f for f in found if f]
+
+
+def has_credentials(url: str) -> bool:
+    return bool(url_credentials(url))
+
+
+def redact_url(url: str) -> str:
+    """The URL with each credential (url_credentials) as `***`: `https://***@host/simple`,
+    `https://host/***/simple`, `https://host/f?X-Amz-Signature=***`."""
+    m = _URL_PARTS.fullmatch(url)
+    if m is None:
+        return url
+    path = "/".join("***" if _token_like(seg) else seg for seg in m["path"].split("/"))
+
+    def param(p: re.Match[str]) -> str:
+        name = urllib.parse.unquote(p[2])
+        secret = p[3] and (_SECRET_PARAM.fullmatch(name) or _SIGNING_PARAM.fullmatch(name))
+        return f"{p[1]}{p[2]}=***" if secret else p[0]
+
+    return (m["scheme"] + ("***@" if m["userinfo"] else "") + m["host"] + path + _PARAM.sub(param, m["rest"]))
 
 
 class Redactor:
-    """Replaces every known secret value, and the userinfo of every URL (`https://***@host/`),
-    with `***` in anything shown or logged."""
+    """Replaces every known secret value, and every credential of every URL (userinfo, token-like
+    path segment, credential query parameter: redact_url) and of an `Authorization:` header, with
+    `***` in anything shown or logged."""
 
     def __init__(self) -> None:
         self.values: set[str] = set()
@@ -47,18 +114,16 @@ class Redactor:
 
     def add_urls(self, urls: Iterable[str]) -> None:
         """The credentials in these URLs, wherever they appear without their URL (a tool's own
-        message): the password, or the user when it stands alone (`https://TOKEN@host`)."""
+        message, a URL it shows otherwise encoded)."""
         for url in urls:
-            userinfo, at, _ = urllib.parse.urlsplit(url).netloc.rpartition("@")
-            if at:
-                user, colon, password = userinfo.partition(":")
-                secret = password if colon else user
+            for secret in url_credentials(url):
                 self.add([secret, urllib.parse.unquote(secret)])
 
     def __call__(self, text: str) -> str:
         for value in sorted(self.values, key=len, reverse=True):
             text = text.replace(value, "***")
-        return _USERINFO.sub(r"\1***@", text)
+        text = _URL.sub(lambda m: redact_url(m[0]), text)
+        return _AUTH_HEADER.sub(r"\1***", text)
 
 
 redact = Redactor()

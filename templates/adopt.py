@@ -24,6 +24,7 @@ import re
 import stat
 import subprocess
 import sys
+import urllib.parse
 
 ME = os.getpid()
 TEXT_LIMIT = 256 * 1024          # a file larger than this is not a "small text file"
@@ -41,7 +42,16 @@ NO_SHAPE_CHECK = re.compile(r"^(CUDA_|NVIDIA_|NCCL_|LS_COLORS$|PATH$|LD_LIBRARY_
 TOKEN_PREFIX = re.compile(r"^(hf_|sk-|sk_|ghp_|gho_|ghs_|ghu_|github_pat_|glpat-|xox[abposr]-|AKIA[0-9A-Z]{12}|"
                           r"ASIA[0-9A-Z]{12}|AIza|ya29\.|eyJ)[A-Za-z0-9_.=+/-]{8,}$")
 TOKEN_LIKE = re.compile(r"^[A-Za-z0-9_+=/.-]{32,}$")
-URL_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@")
+# a URL's credentials, as relaunch/ui.py finds them (a test checks that both agree): its userinfo, a
+# token-like path segment (`https://dl.cloudsmith.io/<token>/org/repo/python/simple/`), the value of
+# a query parameter named like a credential (`?token=`, `X-Amz-Signature=`, `sig=`)
+URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
+URL_PARTS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s]*@)?(?P<host>[^/?#\s@]*)"
+                       r"(?P<path>[^?#\s]*)(?P<rest>.*)", re.DOTALL)
+SECRET_PARAM = re.compile(r".*(token|secret|passw(or)?d|signature|credential|auth|authorization)|"
+                          r"sig|key|apikey|api[-_]key|access[-_]?key|private[-_]?key|.*_key|pass|pwd|code",
+                          re.IGNORECASE)
+PARAM = re.compile(r"([?&;#])([^=&;#\s]+)=([^&;#\s]*)")
 ASSIGNMENT = re.compile(r"(?<![^\s;&|(`'\"])([A-Za-z_][A-Za-z0-9_]*)=(\"[^\"]*\"|'[^']*'|[^\s;&|'\"]+)")
 PYTHON_EXE = re.compile(r"^(python|pypy)[0-9.]*$")
 CKPT_FILE = re.compile(r".*\d.*\.(pt|pth|ckpt|bin|safetensors|tar|pkl|npz|h5|msgpack|distcp)$|^last\.ckpt$|^last\.pt$")
@@ -57,9 +67,45 @@ def secret_name(name):
     return name not in NOT_SECRET and not name.startswith("TOKENIZERS_") and bool(SECRET_NAME.search(name))
 
 
+def token_segment(segment):
+    """16 or more of [A-Za-z0-9_-] whose letters and digits change case or kind often (ui._token_like)."""
+    if len(segment) < 16 or not re.match(r"^[A-Za-z0-9_-]+$", segment):
+        return False
+
+    def kind(c):
+        return "d" if c.isdigit() else "u" if c.isupper() else "l"
+
+    pairs = [(segment[i - 1], segment[i]) for i in range(1, len(segment))]
+    changes = sum(1 for a, b in pairs if a.isalnum() and b.isalnum() and kind(a) != kind(b))
+    return changes >= len(segment) / 4
+
+
+def secret_param(name):
+    return bool(SECRET_PARAM.fullmatch(urllib.parse.unquote(name)))
+
+
+def url_scrub(url):
+    """The URL with each credential replaced by the marker of URL_CREDENTIALS."""
+    m = URL_PARTS.fullmatch(url)
+    if m is None:
+        return url
+    hidden = marker("URL_CREDENTIALS")
+    path = "/".join(hidden if token_segment(seg) else seg for seg in m.group("path").split("/"))
+
+    def param(p):
+        return p.group(1) + p.group(2) + "=" + hidden if p.group(3) and secret_param(p.group(2)) else p.group(0)
+
+    return (m.group("scheme") + (hidden + "@" if m.group("userinfo") else "") + m.group("host") + path
+            + PARAM.sub(param, m.group("rest")))
+
+
+def url_has_credentials(text):
+    return any(url_scrub(u) != u for u in URL.findall(text))
+
+
 def secret_shape(value):
     value = value.strip()
-    return bool(URL_CREDENTIALS.search(value) or TOKEN_PREFIX.match(value) or
+    return bool(url_has_credentials(value) or TOKEN_PREFIX.match(value) or
                 (TOKEN_LIKE.match(value) and re.search(r"[0-9]", value) and re.search(r"[A-Za-z]", value)
                  and not value.startswith(("/", "."))))
 
@@ -101,7 +147,7 @@ def scrub(text):
         return m.group(0)
 
     text = ASSIGNMENT.sub(assignment, text)
-    return URL_CREDENTIALS.sub(lambda m: m.group(1) + marker("URL_CREDENTIALS") + "@", text)
+    return URL.sub(lambda m: url_scrub(m.group(0)), text)
 
 
 def scrub_argv(argv):

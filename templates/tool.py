@@ -3,7 +3,9 @@
 # argv: BIN_DIR PROGRAM REQUIREMENT (REQUIREMENT: "NAME" or "NAME==VERSION"). The indexes are
 # pip's: PIP_INDEX_URL (else PyPI) and PIP_EXTRA_INDEX_URL (space-separated), from the environment,
 # never the command line: a URL may hold a token (`https://user:token@host/simple`), which is sent
-# as HTTP basic auth to that host and never printed.
+# as HTTP basic auth to that index's own origin (scheme, host and port) only, also after a redirect
+# (urllib copies every header onto a redirect to any host: a CDN or an object store would get it),
+# and never printed.
 # Reads each index's PEP 503 page of NAME in turn, takes the newest wheel built for this machine
 # (manylinux / musllinux, its CPU), checks the sha256 the index gives, and writes the wheel's
 # `NAME-VERSION.data/scripts/PROGRAM` to BIN_DIR/PROGRAM atomically. Exit 3 when no index has
@@ -60,22 +62,55 @@ class Links(html.parser.HTMLParser):
 
 
 def shown(url):
-    """The URL without its userinfo (a token), for messages."""
+    """The URL without its userinfo and query (where tokens go), for messages (relaunch redacts the rest)."""
     parts = urllib.parse.urlsplit(url)
-    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url
+    netloc = "***@" + parts.netloc.rpartition("@")[2] if "@" in parts.netloc else parts.netloc
+    return parts._replace(netloc=netloc, query="***" if parts.query else "").geturl()
+
+
+def origin(url):
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
+
+
+# origin -> the Authorization header its index's userinfo gives; urllib takes no userinfo in a URL
+AUTH = {}
+
+
+def without_userinfo(url):
+    """The URL without its userinfo, which becomes the Authorization header of its origin."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+    AUTH[origin(url)] = "Basic " + base64.b64encode(pair.encode()).decode()
+    return parts._replace(netloc=host).geturl()
+
+
+class OriginRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect carries the Authorization header of its target's origin, or none."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None:
+            new.remove_header("Authorization")
+            if origin(new.full_url) in AUTH:
+                new.add_header("Authorization", AUTH[origin(new.full_url)])
+        return new
+
+
+OPENER = urllib.request.build_opener(OriginRedirects)
 
 
 def fetch(url, timeout, accept=None):
-    """urllib takes no userinfo in a URL: it goes as a basic auth header, to that host only."""
-    parts = urllib.parse.urlsplit(url)
+    url = without_userinfo(url)
     headers = {"Accept": accept} if accept else {}
-    if "@" in parts.netloc:
-        userinfo, _, host = parts.netloc.rpartition("@")
-        user, _, password = userinfo.partition(":")
-        pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
-        headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
-        url = parts._replace(netloc=host).geturl()
-    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
+    if origin(url) in AUTH:
+        headers["Authorization"] = AUTH[origin(url)]
+    return OPENER.open(urllib.request.Request(url, headers=headers), timeout=timeout)
 
 
 def version_key(version):
@@ -100,6 +135,8 @@ def candidates(index):
     return sorted(found, reverse=True)
 
 
+# every index's credential is known before the first request: a link on one index may lead to another's
+indexes = [without_userinfo(index) for index in indexes]
 for index in indexes:
     try:
         found = candidates(index)

@@ -288,6 +288,57 @@ def test_an_index_variable_holding_credentials_is_not_read(tmp_path) -> None:
     assert any("UV_INDEX_URL holds credentials (not read)" in w for w in a.warnings)
 
 
+# the three places a token sits in an index URL, and URLs that hold none
+USERINFO = "https://me:s3cr3t-t0ken@private.example.com/simple"
+IN_PATH = "https://dl.cloudsmith.io/3b7bf1e5a3c2a8f7/team/repo/python/simple/"
+IN_QUERY = "https://pypi.team.example/simple?token=q7Secret"
+
+
+def test_an_index_with_a_credential_of_any_shape_is_named_by_a_variable_never_written(tmp_path) -> None:
+    """adopt writes an index whose URL holds a token (userinfo, path segment, query) as ${NAME} and
+    says which variable to set; the token never leaves the instance (the scan scrubs it)."""
+    m = _instance_script()
+    text = f"[global]\nindex-url = {IN_PATH}\nextra-index-url = {USERINFO}\n    {IN_QUERY}\n"
+    scrubbed = m.scrub(text)
+    for secret in ("s3cr3t-t0ken", "3b7bf1e5a3c2a8f7", "q7Secret"):
+        assert secret not in scrubbed
+    argv = [f"{VENV}/bin/python", "train.py"]
+    s = scan([proc(10, 1, ["bash"], python=False), proc(11, 10, argv)], panes=[pane("idx", 10)])
+    a, recipe = adopted(s, detail(11, pip_config=[(f"{HOME}/.config/pip/pip.conf", scrubbed)]), {}, tmp_path)
+    assert recipe["env"]["index_url"] == "${INDEX_URL_DL_CLOUDSMITH_IO}"
+    assert recipe["env"]["extra_index_urls"] == ["${INDEX_URL_PRIVATE_EXAMPLE_COM}", "${INDEX_URL_PYPI_TEAM_EXAMPLE}"]
+    told = [w for w in a.warnings if "holds a credential" in w]
+    assert told == [
+        "the package index https://dl.cloudsmith.io/***/team/repo/python/simple/ holds a credential: the recipe names "
+        "it as ${INDEX_URL_DL_CLOUDSMITH_IO}, never the URL; set INDEX_URL_DL_CLOUDSMITH_IO to that URL on this "
+        "machine (export INDEX_URL_DL_CLOUDSMITH_IO='...') before `up`",
+        *[f"the package index {shown} holds a credential: the recipe names it as ${{{name}}}, never the URL; set "
+          f"{name} to that URL on this machine (export {name}='...') before `up`"
+          for shown, name in (("https://***@private.example.com/simple", "INDEX_URL_PRIVATE_EXAMPLE_COM"),
+                              ("https://pypi.team.example/simple?token=***", "INDEX_URL_PYPI_TEAM_EXAMPLE"))]]
+
+
+@pytest.mark.parametrize("url, secrets", [
+    (USERINFO, ["s3cr3t-t0ken"]), ("https://TOKENb42x@other.example/simple", ["TOKENb42x"]),
+    (IN_PATH, ["3b7bf1e5a3c2a8f7"]), ("https://pypi.fury.io/AbCdEfGh12345678/me/", ["AbCdEfGh12345678"]),
+    (IN_QUERY, ["q7Secret"]),
+    ("https://b.s3.amazonaws.com/f.whl?X-Amz-Credential=AKIAX%2F1&X-Amz-Signature=d3adb33f", ["AKIAX%2F1", "d3adb33f"]),
+    ("https://acct.blob.core.windows.net/c/f.whl?sv=2020-08-04&sig=abcDEF%3D", ["abcDEF%3D"]),
+    ("https://download.pytorch.org/whl/cu124", []), ("https://pypi.org/simple", []),
+    ("https://x.example/whl/manylinux2014_x86_64/", []), ("https://x.example/python-build-standalone/20240107/", []),
+    ("file:///srv/mirror/test_uv_provides_the_recipes_python0/", []),
+])
+def test_the_instance_script_and_relaunch_find_the_same_credentials_in_a_url(url: str, secrets: list[str]) -> None:
+    """templates/adopt.py (alone on the instance) and relaunch.ui agree on what in a URL is a credential."""
+    from relaunch.ui import redact_url, url_credentials
+
+    m = _instance_script()
+    assert url_credentials(url) == secrets
+    assert m.url_has_credentials(url) == bool(secrets)
+    assert m.url_scrub(url).replace("\0URL_CREDENTIALS\0", "***") == redact_url(url)
+    assert not any(secret in redact_url(url) for secret in secrets)
+
+
 def test_the_lock_calls_out_git_and_local_installs() -> None:
     lines, callouts = lock_lines(_dists([
         ("torch", "2.13.0", None),

@@ -171,15 +171,38 @@ def test_a_key_from_a_base_file_is_overridden_in_the_top_file_never_edited_there
     assert (tmp_path / "base.yaml").read_text() == base
 
 
-def test_a_url_with_a_credential_is_never_written_and_the_warning_says_what_to_do(tmp_path: Path) -> None:
-    path = recipe_at(tmp_path, "name: r\nenv: {python: '3.11'}\ncheckpoint: {remote: ./s}\nrun: {command: x}\n")
-    doc = {"pip_config": None, "env": {"PIP_INDEX_URL": "https://me:s3cr3t-t0ken@private.example.com/simple"}}
+def test_a_url_with_a_credential_of_any_shape_is_written_as_a_variable_and_the_warning_names_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token in the userinfo, in a path segment (`/<token>/simple`, as Cloudsmith and Gemfury give
+    them) or in the query never reaches the recipe file: it names each such index as ${NAME}, and
+    the warning says which variable to set; set here, the recipe says the same as the instance."""
+    path = recipe_at(tmp_path, "name: r\nenv:\n  python: '3.11'\ncheckpoint: {remote: ./s}\nrun: {command: x}\n")
+    userinfo = "https://me:s3cr3t-t0ken@private.example.com/simple"
+    in_path = "https://dl.cloudsmith.io/3b7bf1e5a3c2a8f7/team/repo/python/simple/"
+    in_query = "https://pypi.team.example/simple?token=q7Secret"
+    doc = {"pip_config": f"global.extra-index-url='{in_query}'\n",
+           "env": {"PIP_INDEX_URL": userinfo, "UV_EXTRA_INDEX_URL": in_path}}
     change, warnings = index_change(load_recipe(path), doc)
-    assert change is None
-    assert len(warnings) == 1 and "s3cr3t-t0ken" not in warnings[0]
-    assert "https://***@private.example.com/simple (PIP_INDEX_URL in the login environment) carries a credential: " \
-           f"not written into {path}" in warnings[0]
-    assert warnings[0].endswith('--set env.index_url="$INDEX_URL"')
+    assert change is not None
+    assert change.index_url == "${INDEX_URL_PRIVATE_EXAMPLE_COM}"
+    assert change.extra == ["${INDEX_URL_DL_CLOUDSMITH_IO}", "${INDEX_URL_PYPI_TEAM_EXAMPLE}"]
+    for secret in ("s3cr3t-t0ken", "3b7bf1e5a3c2a8f7", "q7Secret"):
+        assert secret not in change.new and not any(secret in w for w in warnings)
+    assert len(warnings) == 3
+    assert warnings[0] == (
+        "the instance's index https://***@private.example.com/simple (PIP_INDEX_URL in the login environment) "
+        f"carries a credential: {path} names it as ${{INDEX_URL_PRIVATE_EXAMPLE_COM}}, never the URL; set "
+        "INDEX_URL_PRIVATE_EXAMPLE_COM to that URL on this machine (export INDEX_URL_PRIVATE_EXAMPLE_COM='...') "
+        "before `relaunch up`")
+    assert "https://dl.cloudsmith.io/***/team/repo/python/simple/" in warnings[1]
+    assert "https://pypi.team.example/simple?token=***" in warnings[2]
+
+    path.write_text(change.new)
+    # what the user does when told: then the recipe names the instance's indexes, nothing to write
+    for name, url in (("INDEX_URL_PRIVATE_EXAMPLE_COM", userinfo), ("INDEX_URL_DL_CLOUDSMITH_IO", in_path),
+                      ("INDEX_URL_PYPI_TEAM_EXAMPLE", in_query)):
+        monkeypatch.setenv(name, url)
+    assert index_change(load_recipe(path), doc) == (None, [])
 
 
 # -- on a sandbox instance -------------------------------------------------------------------------
@@ -215,9 +238,11 @@ def test_freeze_writes_the_indexes_of_the_instances_pip_conf_and_uv_toml_into_th
 
     out = run_cli("freeze", str(recipe), inst.host, "--yes", home=home)
     assert out.returncode == 0, out.stderr
+    # the index with a token is named by a variable, never written
+    named = '"${INDEX_URL_PRIVATE_EXAMPLE_COM}"'
     assert recipe.read_text() == text.replace("  lock: requirements.lock   # relaunch freeze writes it\n",
                                               "  lock: requirements.lock   # relaunch freeze writes it\n"
-                                              f"  index_url: {CU}\n  extra_index_urls: [{team}]\n")
+                                              f"  index_url: {CU}\n  extra_index_urls: [{named}, {team}]\n")
     assert f"+  index_url: {CU}" in out.stdout                                     # shown as a diff
     # uv's first (the recipe's installer), its variables' indexes before its files'
     assert (f"the instance's indexes: {CU} (pip config list: global.index-url), https://***@private.example.com/simple "
@@ -225,13 +250,16 @@ def test_freeze_writes_the_indexes_of_the_instances_pip_conf_and_uv_toml_into_th
             ) in out.stderr
     assert token not in out.stdout + out.stderr + recipe.read_text()
     assert ("https://***@private.example.com/simple (UV_EXTRA_INDEX_URL in the login environment) carries a "
-            "credential") in out.stderr
+            "credential") in out.stderr and "set INDEX_URL_PRIVATE_EXAMPLE_COM to that URL" in out.stderr
     assert (tmp_path / "requirements.lock").read_text() == "mpmath==1.3.0\n"    # the lock already matched
     r = load_recipe(recipe)
-    assert (r.env.index_url, r.env.extra_index_urls) == (CU, [team])
+    assert (r.env.index_url, r.env.extra_index_urls) == (CU, ["${INDEX_URL_PRIVATE_EXAMPLE_COM}", team])
     check = run_cli("check", str(recipe), home=home)
     assert check.returncode == 0, check.stderr
 
-    again = run_cli("freeze", str(recipe), inst.host, "--yes", "--json", home=home)
+    # with the variable set as told, the recipe names the instance's indexes
+    again = run_cli("freeze", str(recipe), inst.host, "--yes", "--json", home=home,
+                    env={"INDEX_URL_PRIVATE_EXAMPLE_COM": f"https://me:{token}@private.example.com/simple"})
     assert again.returncode == 0, again.stderr
     assert '"changed": false' in again.stdout and "the recipe names its indexes" in again.stderr
+    assert token not in again.stdout + again.stderr

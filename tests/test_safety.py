@@ -258,11 +258,12 @@ def test_up_on_several_hosts_gives_each_its_rank(tmp_path, sandbox, ssh, ssh_key
         assert text.strip() == f"{rank}/2 {hosts[0].address}"
 
 
-@pytest.mark.parametrize("installer", ["uv", "pip"])
+@pytest.mark.parametrize("installer, named", [("uv", False), ("pip", False), ("uv", True)])
 def test_an_index_token_is_never_on_a_command_line_in_plan_output_or_in_readable_files(
-        tmp_path, sandbox, ssh, ssh_key, package_index, installer):
-    """env.index_url may carry a token (`https://user:token@host/simple`): pip and uv get it
-    through their environment, never as an argument any user of the instance can read in `ps`,
+        tmp_path, sandbox, ssh, ssh_key, package_index, installer, named):
+    """env.index_url may carry a token (`https://user:token@host/simple`), written in the recipe or
+    (named) taken from a variable of this machine that the recipe names (`${NAME}`): pip and uv get
+    it through their environment, never as an argument any user of the instance can read in `ps`,
     and relaunch shows it as `https://***@host/simple`."""
     home = tmp_path / "state"
     inst = sandbox(index_dir=package_index)
@@ -274,18 +275,22 @@ def test_an_index_token_is_never_on_a_command_line_in_plan_output_or_in_readable
     lock = tmp_path / "requirements.lock"
     lock.write_text("mpmath==1.3.0\n")
     recipe = plain_recipe(tmp_path, name="tokenindex", key=ssh_key,
-                          env={"lock": str(lock), "index_url": url, "installer": installer})
+                          env={"lock": str(lock), "index_url": "${TEAM_INDEX_URL}" if named else url,
+                               "installer": installer})
+    env = {"TEAM_INDEX_URL": url} if named else {}
+    assert named == (token not in recipe.read_text())
 
-    shown = [run_cli("plan", str(recipe), inst.host, *extra, home=home) for extra in ((), ("--json",))]
+    shown = [run_cli("plan", str(recipe), inst.host, *extra, home=home, env=env) for extra in ((), ("--json",))]
     assert all(p.returncode == 0 for p in shown), shown[0].stderr + shown[1].stderr
-    assert "http://***@127.0.0.1" in shown[0].stdout
+    # a URL from a variable shows as *** whole: only its owner knows which part of it is secret
+    assert ("export PIP_INDEX_URL=***" if named else "http://***@127.0.0.1") in shown[0].stdout
 
     # every command line on the machine (the instance shares its process table) while `up` runs
     recorder = ssh(inst, "nohup bash -c 'while :; do ps -eo args >> /tmp/ps.log; sleep 0.1; done' "
                          ">/dev/null 2>&1 & echo $!").stdout.strip()
     try:
         wait_for("the recorder", lambda: ssh(inst, "test -s /tmp/ps.log", check=False).returncode == 0, timeout=30)
-        up = run_cli("up", str(recipe), inst.host, "-v", home=home)
+        up = run_cli("up", str(recipe), inst.host, "-v", home=home, env=env)
     finally:
         ssh(inst, f"kill {recorder}")
     assert up.returncode == 0, up.stderr

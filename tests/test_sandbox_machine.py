@@ -1,4 +1,5 @@
-"""What the sandbox does to this machine: the address range it picks, and that it leaves nothing.
+"""What the sandbox does to this machine: the address range it picks, that it leaves nothing, and
+that it can undo all of it after a reboot (its journal).
 
 Other sessions may have sandbox instances on this machine while these tests run. The end-to-end
 test therefore uses a sandbox dir of its own (RELAUNCH_SANDBOX_DIR), whose range and whose last
@@ -22,7 +23,7 @@ import pytest
 from e2e import run_cli
 from relaunch import sandbox as sb
 from relaunch.errors import UsageError
-from relaunch.sandbox import network, users
+from relaunch.sandbox import journal, network, users
 
 NET = IPv4Network
 
@@ -68,6 +69,27 @@ def test_addresses_are_slot_dot_1_and_dot_2_in_any_range() -> None:
     assert network.addresses(254, NET("172.29.0.0/16")) == ("172.29.254.1", "172.29.254.2")
 
 
+def test_the_journal_is_roots_only_takes_in_what_older_versions_kept_under_run_and_goes_when_empty(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state, legacy = tmp_path / "var-lib" / "relaunch-sandbox", tmp_path / "run"
+    legacy.mkdir()
+    monkeypatch.setattr(journal, "STATE", state)
+    monkeypatch.setattr(journal, "JOURNAL", state / "changes.json")
+    monkeypatch.setattr(journal, "LEGACY", legacy)
+    monkeypatch.setattr(journal, "LEGACY_MOUNT_POINTS", legacy / ".mount-points.json")
+    # what a version before the journal recorded under /run, which a reboot empties
+    (legacy / ".user-ubuntu.json").write_text('{"created": true, "password": null, "home": true}\n')
+    (legacy / ".mount-points.json").write_text('["/workspace"]\n')
+    journal.add("files", "/etc/sudoers.d/relaunch-sandbox")
+    data = json.loads((state / "changes.json").read_text())
+    assert data["users"] == {"ubuntu": {"created": True, "password": None, "home": True}}
+    assert data["folders"] == ["/workspace"] and data["files"] == ["/etc/sudoers.d/relaunch-sandbox"]
+    assert (state / "changes.json").stat().st_mode & 0o777 == 0o600 and state.stat().st_mode & 0o777 == 0o700
+    for key, item in (("users", "ubuntu"), ("folders", "/workspace"), ("files", "/etc/sudoers.d/relaunch-sandbox")):
+        journal.forget(key, item)
+    assert not state.exists() and list(legacy.iterdir()) == []   # nothing recorded: nothing left of it
+
+
 def _shadow(user: str) -> str | None:
     for line in Path("/etc/shadow").read_text().splitlines():
         if line.split(":")[0] == user:
@@ -93,15 +115,22 @@ def test_a_user_the_sandbox_made_is_deleted_one_it_found_is_restored(tmp_path: P
                 users.ensure_user(user, str(homes[user]))
                 assert _shadow(user) == "*" and homes[user].is_dir()
                 users.ensure_user(user, str(homes[user]))  # a second instance changes nothing more
+            # recorded where a reboot keeps it (a reboot empties /run), root's only: it holds a hash
+            recorded = journal.read()["users"]
+            assert recorded[made]["created"] and not recorded[found]["created"]
+            assert recorded[found]["password"] == "!"
+            assert not list(network.MACHINE_DIR.glob(".user-rlt*"))
+            assert journal.JOURNAL.stat().st_mode & 0o777 == 0o600 and journal.STATE.stat().st_mode & 0o777 == 0o700
             for user in (made, found):
                 users.restore_user(user, str(homes[user]))
+            assert made not in journal.read()["users"] and found not in journal.read()["users"]
         assert _shadow(made) is None and not _has_group(made) and not homes[made].exists()
         assert _shadow(found) == "!" and homes[found].is_dir()  # as it was
-        assert not list(network.MACHINE_DIR.glob(".user-rlt*"))
     finally:
         for user in (made, found):
             subprocess.run(["userdel", user], capture_output=True)
-            (network.MACHINE_DIR / f".user-{user}.json").unlink(missing_ok=True)
+            with network.machine_lock():
+                journal.forget("users", user)
 
 
 def _create(world: Path, name: str, user: str, key: Path, home: Path) -> sb.Instance:
@@ -126,7 +155,7 @@ def _machine_state() -> dict[str, object]:
             "instances": sorted(network.names_everywhere()),
             "sudoers": users.SUDOERS.exists(),
             "ubuntu": _shadow("ubuntu"),
-            "ubuntu_record": users.user_record("ubuntu").exists(),
+            "ubuntu_record": "ubuntu" in journal.read()["users"],
         }
 
 
@@ -183,6 +212,64 @@ def test_own_sandbox_dir_avoids_a_range_in_use_and_goes_without_a_trace(tmp_path
         for name in names:
             run_cli("sandbox", "destroy", name, home=home, env={"RELAUNCH_SANDBOX_DIR": str(world)})
         subprocess.run(["ip", "link", "del", dummy], capture_output=True)
+        shutil.rmtree(world, ignore_errors=True)
+
+
+@pytest.mark.sandbox  # root: a real instance, then `sandbox clean`
+def test_a_reboot_loses_the_records_under_run_and_clean_still_undoes_what_the_sandbox_changed(
+        tmp_path: Path, ssh_key: Path) -> None:
+    """What an instance changed on this machine is in the journal (/var/lib, root's only) before it
+    is made; a reboot empties /run, where the sandbox's records of the instance live (simulated:
+    its claim and its folder's records removed, its processes left running), and `relaunch sandbox
+    clean` still undoes it: processes, namespace, link, disks, the mount point made for it
+    (/lambda/nfs/NAME), the route, and, with no instance left anywhere, the sudoers file and the
+    `ubuntu` user as they were."""
+    world = Path(f"/run/relaunch-sandbox-test-{uuid.uuid4().hex[:8]}")
+    name = f"r{uuid.uuid4().hex[:8]}"
+    home = tmp_path / "state"
+    env = {"RELAUNCH_SANDBOX_DIR": str(world)}
+    nfs = Path(f"/lambda/nfs/{name}")
+    try:
+        made = run_cli("sandbox", "create", name, "--image", "lambda", "--key", f"{ssh_key}.pub", home=home, env=env,
+                       timeout=300)
+        assert made.returncode == 0, made.stderr
+        slot = int((world / name / "slot").read_text())
+        net = (world / ".range").read_text().strip()
+        assert nfs.is_dir()
+        with network.machine_lock():
+            recorded = journal.read()
+        assert recorded["instances"][name] == {"dir": str(world), "slot": slot}
+        assert net in recorded["routes"] and str(nfs) in recorded["folders"]
+        assert str(users.SUDOERS) in recorded["files"] and "ubuntu" in recorded["users"]
+        assert journal.JOURNAL.stat().st_mode & 0o777 == 0o600 and journal.STATE.stat().st_mode & 0o777 == 0o700
+
+        # the reboot: every record of the instance under /run is gone (its disks stay mounted there)
+        (network.CLAIMS / f"{name}.json").unlink()
+        for record in ("slot", "instance.json", "image"):
+            (world / name / record).unlink()
+        assert f"rl-{name}" in _out("ip", "netns", "list")           # what no record names any more
+
+        out = run_cli("sandbox", "clean", "--json", home=home, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        undone = json.loads(out.stdout)["undone"]
+        assert f"removed what the instance {name} of {world} left (its records under /run were gone)" in undone
+        assert f"rl-{name}" not in _out("ip", "netns", "list") and not Path(f"/sys/class/net/rlv{slot}h").exists()
+        # (gone; by this clean, or by any destroy meanwhile: no instance needs it any more)
+        assert not nfs.exists() and not (world / name).exists()
+        after = _machine_state()
+        with network.machine_lock():
+            recorded = journal.read()
+            assert name not in recorded["instances"] and str(nfs) not in recorded["folders"]
+            if not [w for w in network.sandbox_dirs() if str(network.range_of(w)) == net]:
+                assert net not in recorded["routes"] and f"unreachable {net}" not in _out("ip", "route")
+        if not after["instances"]:                    # no other session's instance needs them
+            assert not after["sudoers"] and not after["ubuntu_record"]
+            assert str(users.SUDOERS) not in recorded["files"]
+        again = run_cli("sandbox", "clean", home=home, env=env, timeout=300)
+        assert again.returncode == 0, again.stderr
+        assert name not in again.stdout                                   # nothing of it left to undo
+    finally:
+        run_cli("sandbox", "clean", home=home, env=env, timeout=300)
         shutil.rmtree(world, ignore_errors=True)
 
 

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..layouts import Entry
+from ..recipe import variables
 from ..recipe.model import ENV_NAME_RE, NAME_RE
+from ..ui import has_credentials, redact_url
 from .candidates import Candidate
 from .commandline import NNODES_FLAGS, NPROC_FLAGS, Invocation, flag_value, invocation
 from .environment import env_root, index_from, lock_lines, python_version, without_relaunch
@@ -100,6 +102,25 @@ class _Builder:
 
     def fact(self, key: str, value: str, evidence: str, guess: bool = False) -> None:
         self.facts.append(Fact(key, value, evidence, guess))
+
+
+def _named_indexes(urls: list[str], b: _Builder) -> list[str]:
+    """The index URLs for the recipe, one with a credential (the scan left it as a marker, or this
+    side finds one) as `${NAME}`, with a warning naming the variable to set on this machine."""
+    out: list[str] = []
+    taken: set[str] = set()
+    for url in urls:
+        hidden = re.sub(f"{MARK}[A-Za-z_][A-Za-z0-9_]*{MARK}", "***", url)
+        if hidden == url and not has_credentials(url):
+            out.append(url)
+            continue
+        name = variables.name_for(hidden, taken)
+        taken.add(name)
+        out.append(f"${{{name}}}")
+        b.warnings.append(f"the package index {redact_url(hidden)} holds a credential: the recipe names it as "
+                          f"${{{name}}}, never the URL; set {name} to that URL on this machine (export {name}='...') "
+                          "before `up`")
+    return out
 
 
 def _show_value(value: Any) -> str:
@@ -309,6 +330,7 @@ def read(scan: Scan, c: Candidate, detail: Detail, listings: dict[str, list[Entr
         urls, from_where = index_from(detail)
         tagged = [line for line in pinned if "+" in line.partition("==")[2]]
         if urls:
+            urls = _named_indexes(urls, b)
             b.put("env.index_url", urls[0], from_where)
             if urls[1:]:
                 b.put("env.extra_index_urls", urls[1:], from_where)

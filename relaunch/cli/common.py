@@ -41,13 +41,15 @@ def common(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def load(recipe_path: str, overrides: tuple[str, ...]) -> Any:
-    from ..recipe import check_recipe, load_recipe
+    from ..recipe import check_recipe, load_recipe, variables
 
     recipe = load_recipe(recipe_path, list(overrides))
     check_recipe(recipe)        # templates too: a typo is exit 2 before any host is contacted
     # secret values never reach the screen or the debug log, whatever prints them
     redact.add(os.environ.get(name, "") for name in recipe.env.secrets)
-    redact.add_urls([u for u in (recipe.env.index_url, *recipe.env.extra_index_urls, recipe.env.python_mirror) if u])
+    urls, taken = variables.secrets(recipe)
+    redact.add_urls(urls)
+    redact.add(taken)
     return recipe
 
 

@@ -107,6 +107,26 @@ def sandbox_destroy(name: str, as_json: bool) -> None:
     click.echo(f"{name}: {'destroyed' if destroyed else 'no such instance'}")
 
 
+@sandbox.command("clean", short_help="Undo everything the sandbox changed on this machine")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
+def sandbox_clean(as_json: bool) -> None:
+    """Undo everything the sandbox changed on this machine: destroy this sandbox dir's instances,
+    remove what instances whose records a reboot (or a killed destroy) lost left behind, and, once no
+    instance is left on the machine, the `ubuntu` user's changes, its sudoers file, the routes,
+    folders and caches it made. It works from a journal a reboot keeps
+    (/var/lib/relaunch-sandbox/changes.json)."""
+    from .. import sandbox as sb
+
+    done = sb.clean()
+    if as_json:
+        emit(True, {"undone": done.undone, "kept": done.kept})
+        return
+    for line in done.undone or ["nothing to undo"]:
+        click.echo(line)
+    for line in done.kept:
+        click.echo(f"kept: {line}")
+
+
 @sandbox.command("list", short_help="List the sandbox instances")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result on stdout.")
 def sandbox_list(as_json: bool) -> None:

@@ -16,7 +16,7 @@ The CLI calls these; they return results and raise relaunch errors, never print 
 from __future__ import annotations
 
 from ..host.spec import HostSpec
-from ..recipe import Recipe
+from ..recipe import Recipe, variables
 from ..ui import UI
 from .evacuation import evacuate, evacuate_jobs, parts_of, relist
 from .handlers import GroupCopyKey, StepOutputs, executor_for
@@ -46,6 +46,7 @@ __all__ = [
 def up(recipe: Recipe, specs: list[HostSpec], ui: UI, dry_run: bool = False,
        accept_new_host_key: bool = False, checkpoint: str | None = None) -> list[UpResult]:
     """`up` on one host, or on a node group when there are several (node 0 first)."""
+    variables.check(recipe)         # a ${NAME} the install needs and this machine lacks: before any host
     if len(specs) == 1:
         return [up_one(recipe, specs[0], ui, dry_run, accept_new_host_key, wanted=checkpoint)]
     return up_group(recipe, specs, ui, dry_run, accept_new_host_key, checkpoint)

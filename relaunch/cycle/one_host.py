@@ -11,7 +11,7 @@ from ..gather import gather
 from ..host.spec import HostSpec
 from ..job import Job
 from ..plan import Action, Plan
-from ..recipe import Recipe
+from ..recipe import Recipe, variables
 from ..steps.checkpoint import choose, plan_restore
 from ..steps.env import plan_env
 from ..steps.group import check_reshard, shape, shaped, what_changed
@@ -93,6 +93,7 @@ def prepare(recipe: Recipe, group: list[HostSpec], rank: int, ui: UI) -> None:
     to join later (a replacement rented while the shrunk group trains), rendered as that node
     (`{{ node_rank }}`, `{{ nnodes }}`, `{{ master_addr }}`). The `up` on the whole group then
     finds them made, and the others stop only for the save, its copy and the start."""
+    variables.check(recipe)
     master = make_target(recipe, group[0]).address
     node, remote = open_host(recipe, group[rank], ui, rank=rank, nnodes=len(group), master_addr=master,
                              booting=True)

@@ -10,8 +10,10 @@ from relaunch.recipe.model import SSH, Checkpoint, Env, Recipe, Run, Stop
 from relaunch.recipe.providers import Provider, load_providers, starter_recipe
 from relaunch.recipe.render import check_recipe, render_at, render_context, render_shell_at
 
+from . import variables
+
 __all__ = [
     "SSH", "Checkpoint", "Env", "Provider", "Recipe", "Run", "Stop",
     "check_recipe", "load_providers", "load_recipe", "render_at", "render_context", "render_shell_at",
-    "starter_recipe",
+    "starter_recipe", "variables",
 ]

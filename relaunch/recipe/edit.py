@@ -32,9 +32,11 @@ class Edit:
 
 
 def scalar(text: str) -> str:
-    """`text` as a YAML scalar: plain where YAML reads it back unchanged, else double-quoted."""
+    """`text` as a YAML scalar: plain where YAML reads it back unchanged, also as an item of a flow
+    list (`${NAME}` is not: `{` opens a mapping there), else double-quoted."""
     try:
-        plain_ok = yaml.safe_load(f"k: {text}") == {"k": text} and " #" not in text
+        plain_ok = (yaml.safe_load(f"k: {text}") == {"k": text} and yaml.safe_load(f"k: [{text}]") == {"k": [text]}
+                    and " #" not in text)
     except yaml.YAMLError:
         plain_ok = False
     return text if plain_ok and text.strip() == text and text else json.dumps(text)

@@ -26,6 +26,8 @@ from relaunch.recipe.providers import did_you_mean, load_providers
 # tmux expands `#(...)` in session names and the store uses the name as a folder: keep it plain.
 NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# what env.python_mirror must be (once its ${NAME}s are expanded: recipe/variables.py)
+MIRROR_RE = re.compile(r"(https?://[^/\s]+|file:///?[^/\s])")
 # The template variables relaunch provides; `env.vars` may not shadow them.
 BUILTIN_VARS = (
     "name", "host", "user", "home", "checkpoint", "step", "gpus",
@@ -117,7 +119,7 @@ class Env(_Section):
                                      "internet access: a URL ending in .json is a downloads list of your own "
                                      "builds (UV_PYTHON_DOWNLOADS_JSON_URL), any other a mirror of "
                                      "python-build-standalone's releases (UV_PYTHON_INSTALL_MIRROR). http, https "
-                                     "or file; a token in it is handled as in index_url.",
+                                     "or file; ${NAME} and a token in it as in index_url.",
                                      "https://mirror.example.com/python-build-standalone", None)
     venv: str = _key("Where the venv lives on the instance.", "~/venvs/llama-ft", "", shown_default="~/venvs/NAME")
     installer: Literal["pip", "uv"] = _key("What makes the venv and installs the lock into it: uv (several times "
@@ -128,12 +130,15 @@ class Env(_Section):
     lock: Path | None = _key("A pinned `pip freeze` (relative to the recipe file); `relaunch freeze` writes it.",
                              "requirements.lock", None)
     index_url: str | None = _key("Package index for the lock (`relaunch freeze` writes the one the instance's pip "
-                                 "or uv uses, unless it holds a token); a token in it "
-                                 "(https://user:token@host/simple) reaches pip and uv through their environment, "
-                                 "never a command line, and is shown as https://***@host/simple.",
+                                 "or uv uses). A token in it (https://user:token@host/simple, a token-like path "
+                                 "segment, ?token=) is kept out of the recipe file as ${NAME}, a variable of this "
+                                 "machine's environment (the whole URL, or only its token); the value reaches pip "
+                                 "and uv through their environment, never a command line, and every message shows "
+                                 "it as ***.",
                                  "https://download.pytorch.org/whl/cu124", None)
     extra_index_urls: list[str] = _key("More package indexes (e.g. PyPI beside a CUDA index); each pin is found "
-                                       "on whichever index has it, with pip and with uv.",
+                                       "on whichever index has it, with pip and with uv. ${NAME} and tokens as in "
+                                       "index_url.",
                                        ["https://pypi.org/simple"], list)
     system_site_packages: bool = _key("Let the venv see the image's preinstalled packages (torch, CUDA).",
                                       True, False)
@@ -162,7 +167,8 @@ class Env(_Section):
     @field_validator("python_mirror")
     @classmethod
     def _mirror(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"(https?://[^/\s]+|file:///?[^/\s])", v):
+        # one that starts with a ${NAME} is checked once expanded (variables.python_mirror)
+        if v is not None and not v.startswith("${") and not MIRROR_RE.match(v):
             raise ValueError(f"must be an http://, https:// or file:// URL, got {v!r}")
         return v
 

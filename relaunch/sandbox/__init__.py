@@ -14,6 +14,7 @@ real OpenSSH sshd listening on its own address, an empty private home and a priv
 - `power`: stop, start, pause, resume (what a provider does to a running instance)
 - `freezer`: the cgroup (v2 or the v1 freezer) a pausable instance runs in
 - `users`, `sshd`: the login users (`ubuntu` and its sudoers file); sshd's configuration
+- `journal`: every change to this machine, recorded where a reboot keeps it
 - `network`: slots, addresses, namespaces, veth pairs, routes, link state, silence, rate shaping
 - `index`: build_index, a local PEP 503 package index an instance serves to itself
 - `pythons`: relocatable copies of this machine's CPython builds (an image's Python, uv's mirror)
@@ -34,10 +35,17 @@ What the sandbox changes on this machine, and for how long (it runs as root):
   lacks (/workspace, /lambda/nfs/NAME, /opt/dlami/nvme: made, recorded, and removed if empty when
   no instance needs them any more), a cgroup `relaunch-sandbox-<name>` for one that pauses. All go
   with it.
+- A Python of an image profile: relocatable copies of this machine's CPython builds in a cache
+  (pythons.CACHE, /var/cache/relaunch/pythons), kept across instances.
 - What stays: bookkeeping files under /run/relaunch-sandbox (locks, claims), which a reboot
   clears, and /run/sshd, the directory sshd itself needs.
 Every decision on names, slots, ranges and "the last one" is taken under one machine-wide lock,
 so several processes may create and destroy instances at once.
+
+Each of these changes is recorded before it is made in a journal a reboot keeps
+(/var/lib/relaunch-sandbox/changes.json: `journal`), and forgotten once undone; `clean` (`relaunch
+sandbox clean`) undoes whatever the journal still holds that nothing needs: after a reboot (which
+empties /run and so every record there), or a destroy that was killed, too.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ if TYPE_CHECKING:
     from .console import commands, release_key, run_in, set_link, set_silent
     from .images import PROFILES
     from .index import build_index
-    from .instance import INDEX_PORT, INDEX_URL, create, destroy
+    from .instance import INDEX_PORT, INDEX_URL, clean, create, destroy
     from .keys import PublicKey, users_keys
     from .power import pause, resume, start, stop
     from .processes import pid1
@@ -62,8 +70,8 @@ _FROM = {
     "commands": "console", "release_key": "console", "run_in": "console", "set_link": "console",
     "set_silent": "console", "PROFILES": "images", "build_index": "index", "INDEX_PORT": "instance",
     "INDEX_URL": "instance", "PublicKey": "keys", "users_keys": "keys",
-    "create": "instance", "destroy": "instance", "pause": "power", "resume": "power", "start": "power",
-    "stop": "power", "pid1": "processes", "RUN_DIR": "records", "Instance": "records",
+    "clean": "instance", "create": "instance", "destroy": "instance", "pause": "power", "resume": "power",
+    "start": "power", "stop": "power", "pid1": "processes", "RUN_DIR": "records", "Instance": "records",
     "default_key": "records", "get": "records", "list_instances": "records", "state": "records",
 }
 
@@ -85,6 +93,7 @@ __all__ = [
     "RUN_DIR",
     "Instance",
     "build_index",
+    "clean",
     "commands",
     "create",
     "default_key",

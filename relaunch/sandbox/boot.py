@@ -24,9 +24,7 @@ an empty tmpfs, /tmp private. Every other image (images.py) adds:
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import json
 import os
 import re
 import shlex
@@ -36,7 +34,7 @@ from pathlib import Path
 
 from relaunch.errors import UsageError
 
-from . import network, pythons
+from . import journal, network, pythons
 from .images import VM_SHUTDOWN_SECONDS, Image
 from .network import run
 
@@ -49,7 +47,6 @@ PIP_CONFIG_FILES = [Path("/etc/pip.conf")]
 # This machine's Python programs, hidden from PATH on an image with a Python of its own.
 PYTHON_PROGRAMS = ("python*", "pip*", "pydoc*", "py3*", "pygettext3*", "2to3*", "idle*", "easy_install*")
 APT_PROGRAMS = ("apt-get", "apt")
-MOUNT_POINTS = network.MACHINE_DIR / ".mount-points.json"  # the ones the sandbox made on this machine
 PID1 = {"vm": "init", "container": "start.sh"}
 
 APT_STUB = """#!/bin/sh
@@ -147,49 +144,36 @@ def unmount_disks(folder: Path) -> None:
                 run(["umount", "--lazy", mount_point])
 
 
-def _made_mount_points() -> list[str]:
-    with contextlib.suppress(OSError, ValueError):
-        return list(json.loads(MOUNT_POINTS.read_text()))
-    return []
-
-
 def ensure_mount_points(paths: list[str]) -> None:
-    """Make the folders of `paths` that this machine lacks, recording each before it is made.
-    Call under machine_lock()."""
-    made = _made_mount_points()
+    """Make the folders of `paths` that this machine lacks, recording each in the journal before it
+    is made. Call under machine_lock()."""
     for path in paths:
         parts = Path(path).parts
         for depth in range(2, len(parts) + 1):
             folder = Path(*parts[:depth])
             if folder.exists():
                 continue
-            if str(folder) not in made:
-                made.append(str(folder))
-                MOUNT_POINTS.parent.mkdir(parents=True, exist_ok=True)
-                MOUNT_POINTS.write_text(json.dumps(made) + "\n")
+            journal.add("folders", str(folder))
             folder.mkdir(mode=0o755)
 
 
-def release_mount_points(needed: set[str]) -> None:
+def release_mount_points(needed: set[str]) -> list[str]:
     """Remove the folders the sandbox made that no instance needs (`needed`: the mount points of
-    every instance left), deepest first, each only if empty. Call under machine_lock()."""
-    made = _made_mount_points()
-    if not made:
-        return
-    keep = []
-    for path in sorted(made, key=lambda p: -len(Path(p).parts)):
+    every instance left), deepest first, each only if empty; returns those removed. Call under
+    machine_lock()."""
+    removed = []
+    for path in sorted(journal.read()["folders"], key=lambda p: -len(Path(p).parts)):
         if any(n == path or n.startswith(path.rstrip("/") + "/") for n in needed):
-            keep.append(path)
             continue
-        with contextlib.suppress(FileNotFoundError):
-            try:
-                Path(path).rmdir()
-            except OSError:
-                pass  # someone put files there: theirs now, left alone
-    if keep:
-        MOUNT_POINTS.write_text(json.dumps(sorted(keep)) + "\n")
-    else:
-        MOUNT_POINTS.unlink(missing_ok=True)
+        try:
+            Path(path).rmdir()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass  # someone put files there: theirs now, left alone
+        journal.forget("folders", path)
+    return removed
 
 
 # -- PATH -----------------------------------------------------------------------------------------

@@ -31,14 +31,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Any
 
 from relaunch.errors import RelaunchError, UsageError
 
-from . import boot, freezer, images, network, sshd, users
+from . import boot, freezer, images, journal, network, pythons, sshd, users
 from .keys import is_public_key, public_key_line
 from .network import TOOLS, TOOLS_COMMAND_LOG, netns_exists, require_tools, run, veths
 from .processes import (
@@ -52,7 +52,7 @@ from .processes import (
     sshd_pid,
     start_time,
 )
-from .records import RUN_DIR, Instance, check_name, default_key, folder_of, require_root, save_meta
+from .records import RUN_DIR, Instance, check_name, default_key, folder_of, list_instances, require_root, save_meta
 from .users import HOMES
 
 DISK_RE = re.compile(r"[1-9][0-9]*[kKmMgG]?")
@@ -147,6 +147,9 @@ def create(
         if folder.exists() or owner is not None or netns_exists(name):
             where = f" (in the sandbox dir {owner})" if owner not in (None, RUN_DIR) else ""
             raise UsageError(f"sandbox {name!r} already exists{where}", hint=f"relaunch sandbox destroy {name}")
+        if name in orphans():
+            raise UsageError(f"sandbox {name!r} left changes on this machine that no record under /run names any "
+                             "more (a reboot, or a destroy that was killed)", hint="relaunch sandbox clean")
         RUN_DIR.mkdir(parents=True, exist_ok=True)
         RUN_DIR.chmod(0o755)  # sshd reads authorized_keys as the login user
         folder.mkdir(mode=0o755)
@@ -341,11 +344,10 @@ def _wait_for_index(name: str, log: Path, timeout: float = 20) -> None:
 # destroy, list, get, run_in, set_link
 
 
-def _kill_all(name: str) -> None:
+def _kill_all(name: str, folder: Path) -> None:
     """SIGKILL every process of the instance: the recorded ones (delayed starters live outside the
     netns), then everything in its netns (sshd, the image's PID 1 and every process under it,
     tmux servers, trainers, nohup'd jobs: `ip netns pids` sees into nested PID namespaces)."""
-    folder = folder_of(name)
     for cgroup in freezer.of(name):
         if cgroup.frozen():
             cgroup.freeze(False)  # a frozen process does not die until thawed
@@ -394,13 +396,22 @@ def destroy(name: str) -> bool:
             f"sandbox {name!r} is in the sandbox dir {owner}",
             hint=f"RELAUNCH_SANDBOX_DIR={owner} relaunch sandbox destroy {name}",
         )
-    folder = folder_of(name)
-    slot: int | None = None
+    return _teardown(name, folder_of(name), _slot(folder_of(name)))[0]
+
+
+def _slot(folder: Path) -> int | None:
     with contextlib.suppress(OSError, ValueError):
-        slot = int((folder / "slot").read_text())
+        return int((folder / "slot").read_text())
+    return None
+
+
+def _teardown(name: str, folder: Path, slot: int | None) -> tuple[bool, list[str]]:
+    """destroy() of the instance `name` whose folder is `folder` (in its sandbox dir) and whose link
+    is that of `slot` (None: its namespace takes the link with it): (whether anything existed, what
+    it undid on this machine besides the instance, in words)."""
     existed = folder.exists() or netns_exists(name) or (slot is not None and network.link_exists(veths(slot)[0]))
 
-    _kill_all(name)
+    _kill_all(name, folder)
     for cgroup in freezer.of(name):
         cgroup.remove()
     if folder.exists():
@@ -409,11 +420,83 @@ def destroy(name: str) -> bool:
     network.disconnect(name, slot)
     with network.machine_lock():  # under the lock that creates take: who is last is decided once
         shutil.rmtree(folder, ignore_errors=True)
-        network.release(name, RUN_DIR)
-        boot.release_mount_points(_mount_points_needed())
+        network.release(name, folder.parent)
+        undone = [f"removed the folder {p}" for p in boot.release_mount_points(_mount_points_needed())]
         if not network.names_everywhere():
-            users.restore_ubuntu()
-    return existed
+            undone += users.restore_ubuntu()
+    return existed, undone
+
+
+@dataclass
+class Cleaned:
+    """What `clean` undid, and what it kept (with why), in words."""
+
+    undone: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+
+
+def orphans() -> dict[str, dict[str, Any]]:
+    """The instances the journal records that no sandbox dir claims any more: their records under
+    /run are gone (a reboot empties it; a destroy killed half-way), what they changed may be left.
+    Call under machine_lock()."""
+    return {name: entry for name, entry in journal.read()["instances"].items()
+            if isinstance(entry, dict) and network.claimed_dir(name) is None}
+
+
+def clean() -> Cleaned:
+    """Undo what the sandbox changed on this machine, as far as nothing still needs it: destroy
+    every instance of this sandbox dir; remove what instances whose records are gone left (their
+    processes, namespace, link, cgroup, disks, folder); delete the range routes no sandbox dir uses
+    and the mount points no instance needs; and, once no instance is left on this machine (of any
+    sandbox dir), the sudoers file, the accounts as they were, and the caches and folders it made.
+    Works from the journal (journal.py), which a reboot keeps."""
+    require_root()
+    done = Cleaned()
+    for name in sorted(network.instance_names(RUN_DIR) | {i.name for i in list_instances()}):
+        check_name(name)
+        existed, undone = _teardown(name, folder_of(name), _slot(folder_of(name)))
+        if existed:
+            done.undone.append(f"destroyed the instance {name}")
+        done.undone += undone
+    with network.machine_lock():
+        left_behind = orphans()
+    for name, entry in sorted(left_behind.items()):
+        world = Path(str(entry.get("dir") or RUN_DIR))
+        # its link only through its namespace: its slot may be another instance's by now
+        _, undone = _teardown(name, world / name, None)
+        done.undone += [f"removed what the instance {name} of {world} left (its records under /run were gone)", *undone]
+    with network.machine_lock():
+        recorded = journal.read()
+        for net in recorded["routes"]:
+            if network.release_range(IPv4Network(net)):
+                done.undone.append(f"deleted the route `unreachable {net}`")
+        done.undone += [f"removed the folder {p}" for p in boot.release_mount_points(_mount_points_needed())]
+        others = sorted(network.names_everywhere())
+        if others:
+            by_dir: dict[Path, list[str]] = {}
+            for other in others:
+                by_dir.setdefault(network.claimed_dir(other) or network.MACHINE_DIR, []).append(other)
+            for world, names in sorted(by_dir.items()):
+                env = "" if world == network.MACHINE_DIR else f"RELAUNCH_SANDBOX_DIR={world} "
+                command = f"{env}relaunch sandbox clean"
+                done.kept.append(f"the instances {', '.join(names)} of the sandbox dir {world} (`{command}`)")
+            kept = [*recorded["files"], *[f"the user {u}" for u in recorded["users"]],
+                    *[f"the cache {c}" for c in recorded["caches"]]]
+            if kept:
+                done.kept.append(f"while they run: {', '.join(kept)}")
+            return done
+        done.undone += users.restore_ubuntu()
+        done.undone += [text for user in journal.read()["users"] if (text := users.restore_user(user))]
+        for path in journal.read()["files"]:
+            if Path(path).exists():
+                Path(path).unlink()
+                done.undone.append(f"removed {path}")
+            journal.forget("files", path)
+        for path in journal.read()["caches"]:
+            if pythons.remove_cache(Path(path)):
+                done.undone.append(f"removed the cache {path}")
+            journal.forget("caches", path)
+    return done
 
 
 def _mount_points_needed() -> set[str]:

@@ -30,6 +30,8 @@ from filelock import FileLock
 
 from relaunch.errors import RelaunchError, UsageError
 
+from . import journal
+
 # Bookkeeping shared by every process and every sandbox dir (the default dir lives there too).
 MACHINE_DIR = Path("/run/relaunch-sandbox")
 CLAIMS = MACHINE_DIR / ".claims"
@@ -232,6 +234,11 @@ def claim(name: str, folder: Path, address: str | None = None) -> tuple[int, IPv
         slot = slot_of(address, net)
         if slot in _used_slots():
             raise UsageError(f"the sandbox address {address} is taken", hint="relaunch sandbox list")
+    # recorded where a reboot (or a kill) does not lose it, before anything is made (journal.py)
+    with journal.changing() as data:
+        data["instances"][name] = {"dir": str(world), "slot": slot}
+        if str(net) not in data["routes"]:
+            data["routes"].append(str(net))
     (folder / "slot").write_text(f"{slot}\n")
     CLAIMS.mkdir(parents=True, exist_ok=True)
     (CLAIMS / f"{name}.json").write_text(json.dumps({"dir": str(world)}) + "\n")
@@ -245,10 +252,21 @@ def release(name: str, world: Path) -> None:
     """Drop the claim of instance `name` of sandbox dir `world`, whose folder is gone; with the dir's
     last instance its range goes too. Call under machine_lock()."""
     (CLAIMS / f"{name}.json").unlink(missing_ok=True)
+    journal.forget("instances", name)
     net = _recorded_range(world)
     if net is not None and not instance_names(world):
-        subprocess.run(["ip", "route", "del", "unreachable", str(net)], capture_output=True)  # maybe gone
         (world / ".range").unlink(missing_ok=True)
+        release_range(net)
+
+
+def release_range(net: IPv4Network) -> bool:
+    """Delete the `unreachable` route of `net` unless a sandbox dir still uses the range; whether it
+    went. Call under machine_lock()."""
+    if any(range_of(w) == net for w in sandbox_dirs()):
+        return False
+    subprocess.run(["ip", "route", "del", "unreachable", str(net)], capture_output=True)  # maybe gone
+    journal.forget("routes", str(net))
+    return True
 
 
 def addresses(slot: int, net: IPv4Network) -> tuple[str, str]:

@@ -55,7 +55,7 @@ def stop(name: str, grace: float | None = None) -> float:
         deadline = time.monotonic() + grace
         while process_state(first) not in (None, "Z") and time.monotonic() < deadline:
             time.sleep(0.05)
-    _kill_all(name)
+    _kill_all(name, folder_of(name))
     save_meta(folder_of(name), {**meta, "state": "stopped", "index_url": meta.get("index_url")})
     return grace
 
@@ -65,7 +65,7 @@ def start(name: str) -> None:
     meta = _in_state(name, "stopped", "start")
     folder = folder_of(name)
     if netns_pids(name):
-        _kill_all(name)  # (a stop leaves none; a process someone started into the netns since)
+        _kill_all(name, folder)  # (a stop leaves none; a process someone started into the netns since)
     pending = folder / "authorized_keys.pending"
     if pending.exists():  # stopped before the delayed key arrived: it is there now
         os.replace(pending, folder / "authorized_keys")

@@ -13,7 +13,7 @@ the copy runs from any folder:
   UV_PYTHON_DOWNLOADS_JSON_URL, the way an instance without internet gets a Python uv never saw.
 
 The copies live in CACHE (not under /root or /tmp, which instances mask), made once per build and
-variant, under a lock.
+variant, under a lock; the sandbox's journal records the folder when it makes it.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from pathlib import Path
 from filelock import FileLock
 
 from relaunch.errors import RelaunchError, UsageError
+
+from . import journal, network
 
 CACHE = Path(os.environ.get("RELAUNCH_PYTHONS") or "/var/cache/relaunch/pythons")
 VERSION_RE = re.compile(r"3\.\d+")
@@ -182,12 +184,26 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
+def remove_cache(path: Path) -> bool:
+    """Remove `path`, a cache folder the journal recorded (CACHE, or the first folder made above it),
+    under CACHE's lock (never in the middle of a copy); whether it was there."""
+    if not path.exists():
+        return False
+    with _locked(CACHE / ".lock"):
+        shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
 def relocatable(minor: str, variant: str = "") -> Build:
     """A relocatable copy of this machine's CPython `minor` (made once, then taken from CACHE)."""
     prefix, version = find_prefix(minor)
     name = f"cpython-{version}" + (f"-{variant}" if variant else "")
     folder = CACHE / name
     build = Build(version, variant, folder / "python")
+    made = [p for p in (CACHE, *CACHE.parents) if not p.exists()]
+    if made:
+        with network.machine_lock():        # in the journal first: `relaunch sandbox clean` removes it
+            journal.add("caches", str(made[-1]))        # the first folder it makes, with what it holds
     with _locked(CACHE / ".lock"):
         if build.executable.exists():
             return build

@@ -11,7 +11,7 @@ from ..host.facts import FREEZE_PY
 from ..host.remote import upload_command
 from ..job import Job, drift
 from ..plan import LOCAL, Action, Ref
-from ..recipe import render_shell_at
+from ..recipe import render_shell_at, variables
 from ..scripts import export_lines
 from ..transports import rsync
 from ..transports.tools import index_exports, indexes_searched, tool_action
@@ -74,7 +74,7 @@ def python_env(job: Job) -> dict[str, str]:
     if not provides_python(job):
         return {}
     values = {"UV_PYTHON_INSTALL_DIR": job.paths.pythons}
-    mirror = job.recipe.env.python_mirror
+    mirror = variables.python_mirror(job.recipe)
     if mirror:
         own_list = urllib.parse.urlsplit(mirror).path.endswith(".json")
         values["UV_PYTHON_DOWNLOADS_JSON_URL" if own_list else "UV_PYTHON_INSTALL_MIRROR"] = mirror

@@ -9,9 +9,10 @@ makes the tools venv and installs it there, which needs no venv module (Ubuntu 2
 none without python3-venv) and no ensurepip. A tools venv made by `python -m venv`, and pip in it,
 is the fallback where the index has no uv. A tool already there is used as it is.
 
-A package index URL may hold a token (`https://user:token@host/simple`): it reaches pip, uv and
-tool.py only through their environment, exported by a script fed on stdin, never as an argument
-(any user of the instance reads arguments in `ps`).
+A package index URL may hold a token (`https://user:token@host/simple`, or a `${NAME}` of this
+machine's environment in the recipe: recipe/variables.py): it reaches pip, uv and tool.py only
+through their environment, exported by a script fed on stdin, never as an argument (any user of the
+instance reads arguments in `ps`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import shlex
 
 from ..job import Job
 from ..plan import Action
-from ..recipe import Recipe
+from ..recipe import Recipe, variables
 from ..scripts import export_lines, plain
 
 # pinned: the versions relaunch was checked against
@@ -38,19 +39,20 @@ UV_INDEX_STRATEGY = "unsafe-best-match"
 def index_env(job: Job) -> dict[str, str]:
     """The recipe's package indexes as pip's and uv's own variables (the same as --index-url and
     --extra-index-url; extra ones space-separated, as both read them), and uv's index strategy when
-    there are several indexes. tool.py reads pip's."""
-    env = job.recipe.env
+    there are several indexes, each `${NAME}` in them expanded. tool.py reads pip's."""
+    index_url, extra_urls = variables.index_urls(job.recipe)
     values: dict[str, str] = {}
-    if env.index_url:
-        values |= {"PIP_INDEX_URL": env.index_url, "UV_INDEX_URL": env.index_url}
-    if env.extra_index_urls:
-        extra = " ".join(env.extra_index_urls)
+    if index_url:
+        values |= {"PIP_INDEX_URL": index_url, "UV_INDEX_URL": index_url}
+    if extra_urls:
+        extra = " ".join(extra_urls)
         values |= {"PIP_EXTRA_INDEX_URL": extra, "UV_EXTRA_INDEX_URL": extra, "UV_INDEX_STRATEGY": UV_INDEX_STRATEGY}
     return values
 
 
 def indexes_searched(recipe: Recipe) -> str:
-    """Which indexes an install searches, and how, in words (URLs as written: redact() hides tokens)."""
+    """Which indexes an install searches, and how, in words (URLs as written, `${NAME}` unexpanded:
+    redact() hides tokens)."""
     env = recipe.env
     urls = [env.index_url or "the default index (PyPI, or the image's pip/uv configuration)",
             *env.extra_index_urls]
