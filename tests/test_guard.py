@@ -6,6 +6,7 @@ instance's own network namespace (tests/metadata_server.py), the example trainer
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -360,3 +361,32 @@ def test_the_metadata_stand_in_answers_like_the_cloud(provider, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_a_notice_file_being_written_is_read_once_it_is_written(tmp_path):
+    """templates/guard.py as `up` runs it, with a `file:` source whose file appears empty, its writer
+    still holding it open: `echo '{"seconds": 300}' > P` between emptying the file and writing it.
+    The guard waits for the writer, and its record's deadline is the file's, not the window's."""
+    folder, source = tmp_path / "guard", tmp_path / "reclaim"
+    config = {"name": "t", "host": "root@test", "folder": str(folder), "session": f"no-such-session-{os.getpid()}",
+              "pgid_file": str(tmp_path / "pgid"), "status_file": str(tmp_path / "status"),
+              "sources": [f"file:{source}"], "every": 0.2, "signal": "TERM", "stop_timeout": 5, "windows": {},
+              "writing_wait": 300}
+    (tmp_path / "guard.json").write_text(json.dumps(config))
+    with open(source, "w") as writer:                      # emptied, nothing written yet
+        guard = subprocess.Popen([sys.executable, str(HERE.parent / "templates" / "guard.py"),
+                                  str(tmp_path / "guard.json")], env={**os.environ, "TMUX_TMPDIR": str(tmp_path)},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for("the guard to find the file being written (or to end)", lambda: guard.poll() is not None or
+                     "being written" in ((folder / "guard.log").read_text() if (folder / "guard.log").exists() else ""),
+                     timeout=60, every=0.05)
+            writer.write('{"seconds": 300}')
+        except BaseException:
+            guard.kill()
+            raise
+    out, err = guard.communicate(timeout=60)
+    assert guard.returncode == 0, err
+    record = json.loads((folder / "notice.json").read_text())
+    assert record["source"] == f"file:{source}" and record["deadline_from"] == "the notice", record
+    assert 290 < record["deadline"] - record["seen_at"] <= 300, record
