@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e import cli_env, example_recipe, plain_recipe, run_cli, wait_for
+from e2e import cli_env, example_recipe, plain_recipe, run_cli, wait_for, whole
 from relaunch.sandbox import Instance
 from relaunch.sandbox.network import netns
 
@@ -40,17 +41,23 @@ class MetadataService:
     def raise_notice(self, seconds: float) -> float:
         """The provider's reclaim notice, `seconds` ahead; returns when it was raised."""
         now = time.time()
-        self.control.write_text(json.dumps({"deadline": now + seconds}))
+        self._set({"deadline": now + seconds})
         return now
 
     def recommend_rebalance(self) -> float:
         """AWS's rebalance recommendation (no notice); returns when it was raised."""
         now = time.time()
-        self.control.write_text(json.dumps({"rebalance": now}))
+        self._set({"rebalance": now})
         return now
 
+    def _set(self, data: dict) -> None:
+        """The control file, by a rename: the stand-in reads it on every request, never half written."""
+        tmp = self.control.with_name(self.control.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.control)
+
     def requests(self) -> list[dict]:
-        return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in whole(self.log.read_text()).splitlines() if line.strip()]
 
 
 @contextmanager
@@ -112,7 +119,7 @@ def watching(recipe: Path, home: Path, folder: Path, *args: str, env: dict[str, 
 
 def events(folder: Path) -> list[dict]:
     """The watch's events so far: JSON lines on its stderr (--json); stdout gets one document at the end."""
-    return [json.loads(line) for line in (folder / "watch.err").read_text().splitlines()
+    return [json.loads(line) for line in whole((folder / "watch.err").read_text()).splitlines()
             if line.startswith('{"event"')]
 
 
@@ -124,7 +131,7 @@ def watch_document(folder: Path) -> dict:
 
 
 def step_lines(log: str) -> list[int]:
-    return [int(line.split()[1]) for line in log.splitlines() if line.startswith("step ")]
+    return [int(line.split()[1]) for line in whole(log).splitlines() if line.startswith("step ")]
 
 
 def notice_recipe(tmp_path: Path, name: str, key: Path, index_url: str | None) -> Path:
@@ -317,8 +324,8 @@ def test_the_metadata_stand_in_answers_like_the_cloud(provider, tmp_path):
                                  str(service.control), "--log", str(service.log), "--bind", "127.0.0.1", "--port", "0"],
                                 stdout=handle, stderr=subprocess.STDOUT)
     try:
-        port = int(wait_for("the server", lambda: (out.read_text().split(":")[-1].strip() or None)
-                            if "listening" in out.read_text() else None, timeout=30, every=0.1))
+        port = int(wait_for("the server", lambda: re.search(r"^listening on \S+:(\d+)$", whole(out.read_text()), re.M),
+                            timeout=30, every=0.1)[1])
 
         def ask(method: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
