@@ -125,9 +125,11 @@ def test_profile_facts_stop_start_and_destroy(image: str, sandbox, ssh) -> None:
     assert ssh(inst, "cat /proc/1/comm").stdout.strip() == want["pid1"]
     assert open(f"/proc/{sb.pid1(name)}/comm").read().strip() == want["pid1"]
 
-    # a stop: a process that traps TERM writes a marker on a disk that survives
+    # a stop: a process that traps TERM writes a marker on a disk that survives (by a rename: the stop's
+    # SIGKILL may land while it writes, and an emptied marker would shift the words read below)
     keep = survive[0]
-    ssh(inst, f"nohup bash -c 'trap \"echo TERM > {keep}/term; exit 0\" TERM; echo ready > {keep}/ready; "
+    ssh(inst, f"nohup bash -c 'trap \"echo TERM > {keep}/term.new && mv {keep}/term.new {keep}/term; exit 0\" TERM; "
+              f"echo ready > {keep}/ready; "
               "while :; do sleep 0.1; done' >/dev/null 2>&1 &")
     wait_for("the TERM trap installed", lambda: ssh(inst, f"test -e {keep}/ready", check=False).returncode == 0,
              timeout=30, every=0.1)
