@@ -15,7 +15,7 @@ MARK = "=== relaunch: start "
 
 
 def this_run(whole=False):
-    """The log's lines since the last start; `whole`: without a last one that nothing ends yet (the
+    """The lines of the log since the last start; `whole`: without a last one nothing ends yet (the
     training is still writing it: a ready line is read once it is all there)."""
     try:
         with open(log, errors="replace") as f:
