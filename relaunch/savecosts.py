@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass
 from itertools import pairwise
 
-from .scripts import START_MARK
+from .scripts import START_MARK, whole_lines
 from .train import CHECKPOINT_METRIC
 
 READ_LINES = 4000                       # the newest lines of those read; a run saves once per line
@@ -44,9 +44,18 @@ class Save:
 
 
 def read_command(log: str) -> str:
-    """What `status` and `interval` run on the instance: the log's start lines and metric lines."""
+    """What `status` and `interval` run on the instance: the log's start lines and metric lines,
+    of its whole lines only. grep ends every line it prints with a newline, also a last one still
+    being written, which would parse as other numbers (`write_s=0.5` of `write_s=0.5310`): the log
+    is read up to the size it had, and when its last byte then was not a newline, without that line
+    (a log is only appended to: those bytes stay as they were)."""
     pattern = f"^{START_MARK}|{CHECKPOINT_METRIC}".replace(".", r"\.")
-    return f"grep -a -E -e {shlex.quote(pattern)} -- {shlex.quote(log)} 2>/dev/null | tail -n {READ_LINES}"
+    q = shlex.quote(log)
+    upto = f'head -c "$n" -- {q}'
+    return (f"n=$(stat -c %s -- {q} 2>/dev/null) || n=0; "
+            f'{{ if [ "$n" -gt 0 ] && [ -n "$(tail -c +"$n" -- {q} | head -c 1)" ]; '
+            f"then {upto} | sed '$d'; else {upto}; fi; }} 2>/dev/null | "
+            f"grep -a -E -e {shlex.quote(pattern)} | tail -n {READ_LINES}")
 
 
 def parse_line(line: str) -> Save | None:
@@ -66,7 +75,7 @@ def parse_line(line: str) -> Save | None:
 def saves_of(log: str) -> list[Save]:
     """The saves of the newest run (after the last start line) that logged any, in log order."""
     runs: list[list[Save]] = [[]]
-    for line in log.splitlines():
+    for line in whole_lines(log):
         if line.startswith(START_MARK):
             runs.append([])
             continue

@@ -25,6 +25,14 @@ SHIPPED = "shipped"  # the prefix under which an override reaches the shipped sc
 START_MARK = "=== relaunch: start "     # the line run.sh writes into the log at each start
 
 
+def whole_lines(text: str) -> list[str]:
+    """The lines of a log read while training writes it, without the last one when nothing ends it
+    yet: that one is still being written (an append lands in pieces for a reader: a write that
+    crosses a page, a trainer's print cut by a pause), and half of `step 150` reads as `step 1`.
+    A carriage return ends a line too (a progress bar redrawn in place)."""
+    return text[:max(text.rfind("\n"), text.rfind("\r")) + 1].splitlines()
+
+
 def this_run(lines: list[str]) -> list[str]:
     """The log's lines since the last start (a run resumed elsewhere, or before a shrink, printed
     steps of its own that this one may never reach)."""

@@ -52,6 +52,8 @@ CONNECT_TIMEOUT = 1.0 if PROBE else 2.0     # a probe waits on nothing: `up` is 
 READ_TIMEOUT = 3.0 if PROBE else 5.0
 AZURE_FIRST_READ = READ_TIMEOUT if PROBE else 120.0   # Azure documents up to two minutes for the first call
 TRIES = 3                     # looks without a proper answer before a source is switched off
+# seconds a file: source's file may stay open for writing before it is read as it is (a test's writer waits longer)
+WRITING_WAIT = float(CONFIG.get("writing_wait", 10.0))
 
 lock = threading.RLock()
 noticed = threading.Event()
@@ -229,6 +231,42 @@ class Azure:
         return None
 
 
+def open_for_writing(path):
+    """Does a process (one this user may look at) hold `path` open for writing? (/proc/PID/fd, and
+    the access mode in /proc/PID/fdinfo/FD)"""
+    try:
+        want = os.stat(path)
+    except OSError:
+        return False
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                held = os.stat(f"/proc/{pid}/fd/{fd}")
+                if (held.st_dev, held.st_ino) != (want.st_dev, want.st_ino):
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+            except (OSError, StopIteration, ValueError, IndexError):
+                continue
+            if flags & (os.O_WRONLY | os.O_RDWR):
+                return True
+    return False
+
+
+def stat_of(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class File:
     def __init__(self, path):
         self.path = path
@@ -236,12 +274,28 @@ class File:
     def look(self, first):
         if not os.path.exists(self.path):
             return None
-        try:
-            with open(self.path, "rb") as f:
-                body = f.read(4096)
-        except OSError:
-            body = b""
-        return {"kind": "file", "detail": f"{self.path} appeared", "deadline": from_body(body)}
+        return {"kind": "file", "detail": f"{self.path} appeared", "deadline": from_body(self.written())}
+
+    def written(self):
+        """The file's content once whoever writes it is done: a writer that empties the file, then
+        writes (`echo '{"seconds": 60}' > P`), shows it empty or half written for a moment, and read
+        then, the deadline it states is lost (or another one read: `12` of `120`). Read while no
+        process holds it open for writing and it did not change meanwhile; a writer that keeps it
+        open longer than WRITING_WAIT does not hold the notice back further."""
+        end, said = time.monotonic() + WRITING_WAIT, False
+        while True:
+            before = stat_of(self.path)
+            try:
+                with open(self.path, "rb") as f:
+                    body = f.read(4096)
+            except OSError:
+                body = b""
+            if (not open_for_writing(self.path) and stat_of(self.path) == before) or time.monotonic() > end:
+                return body
+            if not said:
+                log(f"file:{self.path}: being written; its deadline is read once it is (up to {WRITING_WAIT:g}s)")
+                said = True
+            time.sleep(0.1)
 
 
 class Url:

@@ -18,12 +18,15 @@ end = time.monotonic() + float(grace)
 MARK = "=== relaunch: start "
 
 
-def this_run():
+def this_run(whole=False):
+    """The lines of the log since the last start; `whole`: without a last one nothing ends yet (the
+    training is still writing it: a ready line is read once it is all there)."""
     try:
         with open(log, errors="replace") as f:
-            lines = f.read().splitlines()
+            text = f.read()
     except OSError:
         return []
+    lines = text[:max(text.rfind("\n"), text.rfind("\r")) + 1].splitlines() if whole else text.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith(MARK)]
     return lines[starts[-1] + 1:] if starts else lines
 
@@ -60,7 +63,7 @@ def status():
 
 state, line, started = "alive", "", time.monotonic()
 while True:
-    lines = this_run()
+    lines = this_run(whole=True)
     if pattern:
         found = [ln for ln in lines if pattern.search(ln)]
         if found:
@@ -72,8 +75,7 @@ while True:
             state, line = "progressing", went_up
             break
     if not alive():
-        time.sleep(0.2)          # the run script writes the exit status as tmux ends
-        code = status()
+        code = status()          # run.sh wrote it before it exited, and the session ended with it
         state = "finished" if code == "0" else "died"
         break
     if time.monotonic() >= end:

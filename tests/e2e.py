@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from relaunch.sandbox import INDEX_PORT
+from relaunch.scripts import whole_lines
 
 REPO = Path(__file__).resolve().parents[1]
 # the package index a sandbox instance serves itself (the `sandbox` fixture gives each one), as it sees it
@@ -133,6 +134,14 @@ def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 300, ever
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}" + (f"\n{explain()}" if explain else ""))
         time.sleep(every)
+
+
+def whole(text: str) -> str:
+    """What a file another process is still writing (a log, an event stream, a record appended to)
+    holds up to its last line end: a read may end inside a line (an append that crosses a page
+    lands in two parts for a reader; a paused or killed writer stops mid-line), and half a line
+    reads as another value: `step 1` of `step 150`, `grad_norm 1.` of `1.25`, JSON cut short."""
+    return "".join(f"{line}\n" for line in whole_lines(text))
 
 
 def local_final_hash(tmp: Path, layout: str, steps: int, save_every: int) -> str:

@@ -42,7 +42,7 @@ import yaml
 
 from chaos_trainer import content
 from conftest import host_side_address
-from e2e import EXAMPLE, cli_env, plain_recipe, stacks, wait_for
+from e2e import EXAMPLE, cli_env, plain_recipe, stacks, wait_for, whole
 from relaunch import sandbox as sb
 from test_faults import in_instance
 from test_guard import metadata_service, set_keys
@@ -194,7 +194,9 @@ class World:
         return found
 
     def lines(self, file: str) -> list[str]:
-        return self.ssh(self.inst, f"cat ~/{file} 2>/dev/null; true", check=False, timeout=30).stdout.splitlines()
+        """The whole lines of a file the trainer appends to (~/starts.log, ~/stops.log)."""
+        out = self.ssh(self.inst, f"cat ~/{file} 2>/dev/null; true", check=False, timeout=30).stdout
+        return whole(out).splitlines()
 
     def starts(self) -> list[str]:
         return self.lines("starts.log")
@@ -223,7 +225,7 @@ class World:
                 log = Path(f"/proc/{pid}/cwd/{self.name}.log").read_text(errors="replace")
             except OSError:
                 continue
-            steps = re.findall(r"^step (\d+) ", log, re.M)
+            steps = re.findall(r"^step (\d+) ", whole(log), re.M)
             return int(steps[-1]) if steps else 0
         return None
 
@@ -655,7 +657,8 @@ def kinds(err: Path) -> list[str]:
 
 def events(err: Path) -> list[dict]:
     """The watch's events so far: JSON lines on its stderr (--json)."""
-    return [json.loads(line) for line in err.read_text(errors="replace").splitlines() if line.startswith('{"event"')]
+    return [json.loads(line) for line in whole(err.read_text(errors="replace")).splitlines()
+            if line.startswith('{"event"')]
 
 
 def one_document(world: World, got: Outcome) -> dict:

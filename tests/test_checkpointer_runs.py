@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from e2e import run_cli, wait_for
+from e2e import run_cli, wait_for, whole
 from relaunch.layouts import LISTING_COMMAND, complete_checkpoints, parse_listing
 from test_guard import guard_file, watching
 
@@ -187,8 +187,9 @@ def test_kill_9_during_a_write_leaves_nothing_complete_and_up_resumes_from_the_s
 
 
 def losses(log: str) -> dict[int, tuple[float, float]]:
+    """step -> (loss, grad_norm) of a log's whole lines (`$` also matches where a line being written stops)."""
     return {int(m[1]): (float(m[2]), float(m[3])) for m in re.finditer(r"^step (\d+) loss ([\d.]+) grad_norm ([\d.]+)$",
-                                                                       log, re.M)}
+                                                                       whole(log), re.M)}
 
 
 def reference(tmp: Path, steps: int) -> dict[int, tuple[float, float]]:

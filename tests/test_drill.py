@@ -87,3 +87,16 @@ def test_interrupt_destroy_is_refused_before_anything_starts(tmp_path):
                   home=home, timeout=60)
     assert two.returncode == 2 and "203.0.113.10" in two.stderr and "is not one" in two.stderr, two.stderr
     assert "connecting" not in one.stderr + two.stderr
+
+
+def test_the_drill_compares_whole_log_lines_only(tmp_path):
+    """The drill reads the log of a training it paused (SIGSTOP), which may stop mid-line: `step 12
+    loss 0.4` of `step 12 loss 0.45 grad_norm 1.2` is not step 12's loss, and is not read as one."""
+    from relaunch.drill.by_hand import _metrics
+    from relaunch.recipe import load_recipe
+
+    recipe = load_recipe(plain_recipe(tmp_path, name="paused", key=tmp_path / "key",
+                                      run={"metrics": {"grad_norm": r"grad_norm ([\d.]+)"}}))
+    log = "=== relaunch: start 2026-01-01T00:00:00Z on box (checkpoint: none)\nstep 11 loss 0.5 grad_norm 1.3\n"
+    assert _metrics(recipe, log + "step 12 loss 0.4") == {11: (0.5, 1.3)}
+    assert _metrics(recipe, log + "step 12 loss 0.45 grad_norm 1.2\n") == {11: (0.5, 1.3), 12: (0.45, 1.2)}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import EXAMPLE, run_cli
+from e2e import EXAMPLE, run_cli, whole
 from relaunch import sandbox as sb
 from relaunch.drill.follow import Line
 from relaunch.drill.timeline import Measured, measure
@@ -62,7 +62,7 @@ def history(store: Path) -> list[dict]:
 
 def steps(log: str) -> list[int]:
     """The step numbers of the last run in a log (after the last start line)."""
-    text = log.rsplit("=== relaunch: start ", 1)[-1]
+    text = whole(log).rsplit("=== relaunch: start ", 1)[-1]
     return [int(line.split()[1]) for line in text.splitlines() if line.startswith("step ")]
 
 

@@ -69,9 +69,13 @@ def is_complete(path: Path, layout: str, step: int) -> bool:
     if layout == "files":  # no marker: the whole zip under its final name, no .tmp left behind
         return path.is_file() and zipfile.is_zipfile(path) and not Path(f"{path}.tmp").exists()
     if layout == "hf-trainer":
+        # written in place, last: a run killed between creating and writing it leaves it empty (not complete)
         state = path / "trainer_state.json"
-        return state.is_file() and json.loads(state.read_text())["global_step"] == step and all(
-            (path / f).is_file() for f in ("model.pt", "optimizer.pt", "rng_state.pth"))
+        try:
+            saved = json.loads(state.read_text())["global_step"] if state.is_file() else None
+        except ValueError:
+            return False
+        return saved == step and all((path / f).is_file() for f in ("model.pt", "optimizer.pt", "rng_state.pth"))
     return (path / ".metadata").is_file() and any(path.glob("*.distcp"))
 
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import zipfile
 from io import BytesIO
 from pathlib import Path
@@ -205,6 +206,25 @@ def test_a_command_dying_8s_in_is_exit_4_with_its_last_lines(tmp_path, sandbox, 
     fine = run_cli("up", str(ready), inst.host, home=home)
     assert fine.returncode == 0, fine.stderr
     assert "its log says 'step 1 loss 0.9'" in fine.stderr
+
+
+def test_up_takes_a_ready_line_only_once_it_is_whole(tmp_path):
+    """templates/watch.py, what `up` runs to see the command start, on a log whose last line is still
+    being written: `step 1` of `step 12 of 100: CUDA out of memory` matches run.ready `^step \\d+$`, the
+    whole line would not. The command is gone (no tmux session): it died, it was never ready."""
+    log, status = tmp_path / "run.log", tmp_path / "exit_status"
+    start = "=== relaunch: start 2026-01-01T00:00:00Z on box (checkpoint: none)\nloading\n"
+
+    def watched(text: str) -> tuple[str, str]:
+        log.write_text(text)
+        out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "templates" / "watch.py"),
+                              "no-such-session", str(log), str(status), r"^step \d+$", "30"], capture_output=True,
+                             text=True, timeout=60, env={**os.environ, "TMUX_TMPDIR": str(tmp_path)})
+        result = json.loads(out.stdout)
+        return result["state"], result["line"]
+
+    assert watched(start + "step 1") == ("died", "")
+    assert watched(start + "step 1\n") == ("ready", "step 1")
 
 
 def test_a_venv_whose_creation_was_cut_short_is_made_again(tmp_path, sandbox, ssh, ssh_key):

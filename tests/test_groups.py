@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import run_cli, wait_for
+from e2e import run_cli, wait_for, whole
 from relaunch import sandbox as sb
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pytorch"
@@ -41,8 +41,9 @@ def dist_recipe(folder: Path, key: Path, index_url: str, steps: int = 400, sleep
 
 
 def losses(log: str) -> dict[int, tuple[float, float]]:
+    """step -> (loss, grad_norm) of a log's whole lines (`$` also matches where a line being written stops)."""
     return {int(m[1]): (float(m[2]), float(m[3])) for m in re.finditer(r"^step (\d+) loss ([\d.]+) grad_norm ([\d.]+)$",
-                                                                       log, re.M)}
+                                                                       whole(log), re.M)}
 
 
 def reference(tmp: Path, steps: int) -> dict[int, tuple[float, float]]:

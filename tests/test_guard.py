@@ -6,6 +6,8 @@ instance's own network namespace (tests/metadata_server.py), the example trainer
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e import cli_env, example_recipe, plain_recipe, run_cli, wait_for
+from e2e import cli_env, example_recipe, plain_recipe, run_cli, wait_for, whole
 from relaunch.sandbox import Instance
 from relaunch.sandbox.network import netns
 
@@ -39,17 +41,23 @@ class MetadataService:
     def raise_notice(self, seconds: float) -> float:
         """The provider's reclaim notice, `seconds` ahead; returns when it was raised."""
         now = time.time()
-        self.control.write_text(json.dumps({"deadline": now + seconds}))
+        self._set({"deadline": now + seconds})
         return now
 
     def recommend_rebalance(self) -> float:
         """AWS's rebalance recommendation (no notice); returns when it was raised."""
         now = time.time()
-        self.control.write_text(json.dumps({"rebalance": now}))
+        self._set({"rebalance": now})
         return now
 
+    def _set(self, data: dict) -> None:
+        """The control file, by a rename: the stand-in reads it on every request, never half written."""
+        tmp = self.control.with_name(self.control.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.control)
+
     def requests(self) -> list[dict]:
-        return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in whole(self.log.read_text()).splitlines() if line.strip()]
 
 
 @contextmanager
@@ -111,7 +119,7 @@ def watching(recipe: Path, home: Path, folder: Path, *args: str, env: dict[str, 
 
 def events(folder: Path) -> list[dict]:
     """The watch's events so far: JSON lines on its stderr (--json); stdout gets one document at the end."""
-    return [json.loads(line) for line in (folder / "watch.err").read_text().splitlines()
+    return [json.loads(line) for line in whole((folder / "watch.err").read_text()).splitlines()
             if line.startswith('{"event"')]
 
 
@@ -123,7 +131,7 @@ def watch_document(folder: Path) -> dict:
 
 
 def step_lines(log: str) -> list[int]:
-    return [int(line.split()[1]) for line in log.splitlines() if line.startswith("step ")]
+    return [int(line.split()[1]) for line in whole(log).splitlines() if line.startswith("step ")]
 
 
 def notice_recipe(tmp_path: Path, name: str, key: Path, index_url: str | None) -> Path:
@@ -316,8 +324,8 @@ def test_the_metadata_stand_in_answers_like_the_cloud(provider, tmp_path):
                                  str(service.control), "--log", str(service.log), "--bind", "127.0.0.1", "--port", "0"],
                                 stdout=handle, stderr=subprocess.STDOUT)
     try:
-        port = int(wait_for("the server", lambda: (out.read_text().split(":")[-1].strip() or None)
-                            if "listening" in out.read_text() else None, timeout=30, every=0.1))
+        port = int(wait_for("the server", lambda: re.search(r"^listening on \S+:(\d+)$", whole(out.read_text()), re.M),
+                            timeout=30, every=0.1)[1])
 
         def ask(method: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -360,3 +368,32 @@ def test_the_metadata_stand_in_answers_like_the_cloud(provider, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_a_notice_file_being_written_is_read_once_it_is_written(tmp_path):
+    """templates/guard.py as `up` runs it, with a `file:` source whose file appears empty, its writer
+    still holding it open: `echo '{"seconds": 300}' > P` between emptying the file and writing it.
+    The guard waits for the writer, and its record's deadline is the file's, not the window's."""
+    folder, source = tmp_path / "guard", tmp_path / "reclaim"
+    config = {"name": "t", "host": "root@test", "folder": str(folder), "session": f"no-such-session-{os.getpid()}",
+              "pgid_file": str(tmp_path / "pgid"), "status_file": str(tmp_path / "status"),
+              "sources": [f"file:{source}"], "every": 0.2, "signal": "TERM", "stop_timeout": 5, "windows": {},
+              "writing_wait": 300}
+    (tmp_path / "guard.json").write_text(json.dumps(config))
+    with open(source, "w") as writer:                      # emptied, nothing written yet
+        guard = subprocess.Popen([sys.executable, str(HERE.parent / "templates" / "guard.py"),
+                                  str(tmp_path / "guard.json")], env={**os.environ, "TMUX_TMPDIR": str(tmp_path)},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for("the guard to find the file being written (or to end)", lambda: guard.poll() is not None or
+                     "being written" in ((folder / "guard.log").read_text() if (folder / "guard.log").exists() else ""),
+                     timeout=60, every=0.05)
+            writer.write('{"seconds": 300}')
+        except BaseException:
+            guard.kill()
+            raise
+    out, err = guard.communicate(timeout=60)
+    assert guard.returncode == 0, err
+    record = json.loads((folder / "notice.json").read_text())
+    assert record["source"] == f"file:{source}" and record["deadline_from"] == "the notice", record
+    assert 290 < record["deadline"] - record["seen_at"] <= 300, record

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e import EXAMPLE, run_cli, wait_for
+from e2e import EXAMPLE, run_cli, wait_for, whole
 from relaunch import sandbox as sb
 from relaunch.recipe import load_recipe
 from relaunch.sandbox.pythons import build_mirror
@@ -96,7 +96,8 @@ def host_of(inst: sb.Instance, provider: str) -> str:
 
 
 def log_text(ssh, inst: sb.Instance) -> str:
-    return ssh(inst, "cat ~/my-run.log 2>/dev/null", check=False).stdout
+    """The training log's whole lines (a `$` in a pattern also matches where a line being written stops)."""
+    return whole(ssh(inst, "cat ~/my-run.log 2>/dev/null", check=False).stdout)
 
 
 def newest_step(ssh, inst: sb.Instance, ckpt_dir: str) -> int:

@@ -125,9 +125,11 @@ def test_profile_facts_stop_start_and_destroy(image: str, sandbox, ssh) -> None:
     assert ssh(inst, "cat /proc/1/comm").stdout.strip() == want["pid1"]
     assert open(f"/proc/{sb.pid1(name)}/comm").read().strip() == want["pid1"]
 
-    # a stop: a process that traps TERM writes a marker on a disk that survives
+    # a stop: a process that traps TERM writes a marker on a disk that survives (by a rename: the stop's
+    # SIGKILL may land while it writes, and an emptied marker would shift the words read below)
     keep = survive[0]
-    ssh(inst, f"nohup bash -c 'trap \"echo TERM > {keep}/term; exit 0\" TERM; echo ready > {keep}/ready; "
+    ssh(inst, f"nohup bash -c 'trap \"echo TERM > {keep}/term.new && mv {keep}/term.new {keep}/term; exit 0\" TERM; "
+              f"echo ready > {keep}/ready; "
               "while :; do sleep 0.1; done' >/dev/null 2>&1 &")
     wait_for("the TERM trap installed", lambda: ssh(inst, f"test -e {keep}/ready", check=False).returncode == 0,
              timeout=30, every=0.1)
@@ -178,12 +180,20 @@ def test_vast_pause_freezes_without_a_signal_and_resume_goes_on(kind: str, sandb
     name = inst.name
     cgroup = freezer.of(name)
     assert [c.kind for c in cgroup] == [kind]
-    # a counter that notes any signal it gets
+    # a counter that notes any signal it gets; each value goes in by a rename, so the pause never
+    # freezes it between emptying the file and writing it (`echo $i > tick` alone read '' once)
     pid = ssh(inst, "nohup bash -c 'trap \"echo signalled >> /workspace/signals\" TERM INT HUP CONT USR1; "
-                    "i=0; while :; do i=$((i + 1)); echo $i > /workspace/tick; sleep 0.05; done' "
+                    "i=0; while :; do i=$((i + 1)); echo $i > /workspace/tick.new; "
+                    "mv /workspace/tick.new /workspace/tick; sleep 0.05; done' "
                     ">/dev/null 2>&1 & echo $!").stdout.strip()
-    wait_for("the counter", lambda: ssh(inst, "cat /workspace/tick", check=False).stdout.strip(), timeout=30,
-             every=0.1)
+
+    def tick() -> int:
+        """The counter's value (0 before its first); a file that is there holds a whole number."""
+        got = ssh(inst, "cat /workspace/tick 2>/dev/null || echo 0").stdout.strip()
+        assert got.isdigit(), f"the counter's file held {got!r}"
+        return int(got)
+
+    wait_for("the counter", tick, timeout=30, every=0.1)
 
     sb.pause(name)
     assert sb.state(name) == "paused" and cgroup[0].frozen()
@@ -192,6 +202,7 @@ def test_vast_pause_freezes_without_a_signal_and_resume_goes_on(kind: str, sandb
     silent = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert silent.returncode == 255 and "timed out" in silent.stderr, silent.stderr
     frozen_at = sb.run_in(name, ["cat", "/workspace/tick"], capture_output=True, text=True).stdout.strip()
+    assert frozen_at.isdigit(), f"the paused counter's file held {frozen_at!r}"
     state = sb.run_in(name, ["cat", f"/proc/{pid}/comm"], capture_output=True, text=True)
     assert state.stdout.strip() == "bash"
     with pytest.raises(UsageError, match="paused"):
@@ -201,9 +212,7 @@ def test_vast_pause_freezes_without_a_signal_and_resume_goes_on(kind: str, sandb
     assert sb.state(name) == "running" and not cgroup[0].frozen()
     # the same process goes on counting from where it was, and never heard a signal
     assert ssh(inst, f"cat /proc/{pid}/cmdline | tr '\\0' ' '").stdout.startswith("bash -c trap")
-    wait_for("the counter to go on after resume",
-             lambda: int(ssh(inst, "cat /workspace/tick").stdout.strip() or 0) > int(frozen_at), timeout=30,
-             every=0.1)
+    wait_for("the counter to go on after resume", lambda: tick() > int(frozen_at), timeout=30, every=0.1)
     assert ssh(inst, "cat /workspace/signals 2>/dev/null || echo none").stdout.strip() == "none"
 
     # destroyed while paused: nothing left, the cgroup neither

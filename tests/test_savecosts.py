@@ -62,6 +62,23 @@ def test_the_command_reads_starts_and_metric_lines_only(tmp_path):
     assert saves_of(out) == saves_of(LOG)
 
 
+def test_a_metric_line_still_being_written_is_not_read(tmp_path):
+    """The log ends inside a metric line, `write_s=0.5` of `write_s=0.5310` (grep would end it with a
+    newline of its own): neither the command on the instance nor the parse of a log read whole (the
+    drill's) takes it; once its newline is there, both do."""
+    line = ("relaunch.checkpoint: step=50 name=step-00000050 blocking_s=0.010 write_s=0.5310 step_s=0.30 "
+            "bytes=3000000 world_size=2\n")
+    cut = line[:line.index("write_s=0.5") + len("write_s=0.5")]
+    log = tmp_path / "run's log"
+    for written, steps in ((cut, [20, 30, 40, 43]), (line, [20, 30, 40, 43, 50])):
+        log.write_text(LOG + written)
+        out = subprocess.run(["bash", "-c", read_command(str(log))], capture_output=True, text=True,
+                             check=True).stdout
+        assert [s.step for s in saves_of(out)] == steps, out
+        assert [s.step for s in saves_of(LOG + written)] == steps
+    assert saves_of(out)[-1].write == 0.531
+
+
 def interruption(at: float, resumed: float) -> Interruption:
     entry = Interruption.start("h", "notice", "aws", at, 5, 5)
     entry.resumed("h", resumed)

@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e import run_cli, wait_for
+from e2e import run_cli, wait_for, whole
 from relaunch import sandbox as sb
 
 pytestmark = pytest.mark.sandbox  # trains with torch, transformers, lightning
@@ -142,8 +142,9 @@ def baselines(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def metrics(log: str) -> dict[int, tuple[float, float]]:
+    """step -> (loss, grad_norm) of a log's whole lines (`$` also matches where a line being written stops)."""
     return {int(m[1]): (float(m[2]), float(m[3]))
-            for m in re.finditer(r"^step (\d+) loss ([\d.]+) grad_norm ([\d.]+)$", log, re.M)}
+            for m in re.finditer(r"^step (\d+) loss ([\d.]+) grad_norm ([\d.]+)$", whole(log), re.M)}
 
 
 def close(a: float, b: float) -> bool:

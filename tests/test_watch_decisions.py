@@ -3,9 +3,17 @@ what counts as a HOST, which log lines are this run's, when a node counts as sil
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 
-from relaunch.host.spec import HostSpec
+from e2e import plain_recipe
+from relaunch.host.facts import HostFacts
+from relaunch.host.spec import HostSpec, Target
+from relaunch.job import Facts, Job, Node
+from relaunch.recipe import load_recipe
+from relaunch.steps.guard import look_command, newest_logged_step, parse_look
 from relaunch.watch.looks import View, this_run
 from relaunch.watch.recover import Rented, looks_like_host, parse_rented
 
@@ -49,6 +57,25 @@ def test_the_newest_step_seen_counts_the_lines_of_this_run_only() -> None:
             "resumed from /root/ckpt/step-00000020 at step 20", "step 21 loss 0.2"]
     assert this_run(tail) == tail[3:]
     assert this_run(tail[:2]) == tail[:2]            # a tail of one run only: all of it
+
+
+@pytest.mark.parametrize("listing", [False, True])
+def test_the_newest_step_seen_is_never_read_from_a_line_still_being_written(tmp_path, listing: bool) -> None:
+    """The look the watch runs on the instance, run here on a log whose last line is still being
+    written: `step 1` of `step 150` is no step; the newest is 149 (also with checkpoint.dir listed)."""
+    recipe = load_recipe(plain_recipe(tmp_path, name="midline", key=tmp_path / "key"))
+    job = Job(recipe, Node(Target("203.0.113.7", "root", 22)), Facts(host=HostFacts(home=str(tmp_path))))
+    (tmp_path / "midline.log").write_text("step 148 loss 0.1\nstep 149 loss 0.1\nstep 1")
+    out = subprocess.run(["bash", "-c", look_command(job, listing)], capture_output=True, timeout=60,
+                         env={**os.environ, "TMUX_TMPDIR": str(tmp_path)}).stdout
+    look = parse_look(out)
+    assert look.log_tail == ["step 148 loss 0.1", "step 149 loss 0.1"], out
+    assert newest_logged_step(this_run(look.log_tail), recipe.run.metrics.step) == 149
+    assert (look.listing is not None) == listing and not look.training
+    (tmp_path / "midline.log").write_text("step 148 loss 0.1\nstep 149 loss 0.1\nstep 150 loss 0.1\n")
+    look = parse_look(subprocess.run(["bash", "-c", look_command(job, listing)], capture_output=True, timeout=60,
+                                     env={**os.environ, "TMUX_TMPDIR": str(tmp_path)}).stdout)
+    assert newest_logged_step(this_run(look.log_tail), recipe.run.metrics.step) == 150
 
 
 def test_a_node_is_silent_once_a_look_failed_or_one_under_way_is_late() -> None:

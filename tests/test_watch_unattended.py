@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from e2e import EXAMPLE, plain_recipe, run_cli, wait_for
+from e2e import EXAMPLE, plain_recipe, run_cli, wait_for, whole
 from relaunch import sandbox as sb
 from relaunch.manifest import CheckpointRecord, FileRecord, StoreManifest, utc_now
 from relaunch.sandbox.instance import RUN_DIR
@@ -73,7 +73,7 @@ def err_of(folder: Path) -> str:
 
 
 def steps_on(ssh, inst: sb.Instance, name: str) -> int:
-    lines = [ln for ln in ssh(inst, f"cat ~/{name}.log 2>/dev/null || true").stdout.splitlines()
+    lines = [ln for ln in whole(ssh(inst, f"cat ~/{name}.log 2>/dev/null || true").stdout).splitlines()
              if ln.startswith("step ")]
     return int(lines[-1].split()[1]) if lines else 0
 
@@ -82,7 +82,7 @@ def steps_inside(inst: sb.Instance, name: str) -> int:
     """steps_on, read from inside the instance (sb.run_in): works while its link is down."""
     out = sb.run_in(inst.name, ["sh", "-c", f"cat {inst.home}/{name}.log 2>/dev/null || true"], capture_output=True,
                     text=True, timeout=30).stdout
-    lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    lines = [ln for ln in whole(out).splitlines() if ln.startswith("step ")]
     return int(lines[-1].split()[1]) if lines else 0
 
 
@@ -398,7 +398,7 @@ def test_steps_lost_are_counted_from_this_runs_log_when_it_is_ahead_of_the_check
     assert f"resumed from /root/ckpt/{saved} at step {verified}" in log
     assert sb.run_in(inst.name, ["ls", "/root/ckpt"], capture_output=True, text=True, timeout=30).stdout.split() == [
         saved]                                                      # nothing newer was ever saved
-    this_run = [int(line.split()[1]) for line in log.split(f"at step {verified}\n", 1)[1].splitlines()
+    this_run = [int(line.split()[1]) for line in whole(log).split(f"at step {verified}\n", 1)[1].splitlines()
                 if line.startswith("step ")]
     [entry] = history(store)
     assert entry["cause"] == "lost" and entry["newest_verified_step"] == verified

@@ -168,6 +168,20 @@ def test_nothing_to_copy_is_compared_with_what_the_store_holds_not_its_records(t
     assert "the log says step 150" in evac.stderr and "destroying loses 150 steps" in evac.stderr
 
 
+def test_nothing_to_copy_reads_the_logs_whole_lines_only(tmp_path, sandbox, ssh, ssh_key):
+    """The log's last line is still being written: `step 2` of `step 202` says no step at all. The
+    whole line before it, step 201, is past the store's 200: destroying the instance loses a step."""
+    home = tmp_path / "state"
+    inst = sandbox()
+    recipe = plain_recipe(tmp_path, name="midline", key=ssh_key)
+    plant(ssh, inst, 200)
+    assert run_cli("evacuate", str(recipe), inst.host, home=home).returncode == 0
+    ssh(inst, "rm -f ~/ckpt/* && printf 'step 201 loss 1.0\\nstep 2' >> ~/midline.log")
+    evac = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert evac.returncode == 6, evac.stderr
+    assert "the log says step 201" in evac.stderr and "destroying loses 1 steps" in evac.stderr
+
+
 def test_nothing_to_copy_reads_this_runs_log_lines_only(tmp_path, sandbox, ssh, ssh_key):
     """An earlier run's higher steps above this run's start line are not this run's progress."""
     home = tmp_path / "state"

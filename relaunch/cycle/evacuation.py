@@ -20,7 +20,7 @@ from ..layouts import Checkpoint, Entry
 from ..manifest import CheckpointRecord
 from ..plan import LOCAL, Action
 from ..recipe import Recipe
-from ..scripts import this_run
+from ..scripts import this_run, whole_lines
 from ..steps.checkpoint import instance_checkpoints
 from ..steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan_copy, plan_meta, plan_unpin
 from ..steps.group import tag
@@ -199,8 +199,9 @@ def _progress(job: Job, executor: Executor) -> verdicts.Progress:
                   command=f"if [ -d {q(job.paths.ckpt_dir)} ]; then echo dir=1; else echo dir=0; fi; "
                           f"echo now=$(date +%s); {tail_command(job.paths.log, LOG_TAIL_LINES)} || true",
                   produces="progress", parse="text", fails_as="evacuate")
-    text = str(executor.run([read]).get("progress") or "")
-    head, lines = text.splitlines()[:2], text.splitlines()[2:]
+    # whole lines: a last one still being written says another step (`step 1` of `step 150`)
+    read_lines = whole_lines(str(executor.run([read]).get("progress") or ""))
+    head, lines = read_lines[:2], read_lines[2:]
     # this run's lines: an earlier run's higher steps above its start line are not this one's progress
     lines = this_run(lines)
     words = dict(line.partition("=")[::2] for line in head)

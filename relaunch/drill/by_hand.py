@@ -94,11 +94,12 @@ def _num(value: float | None, fmt: str = ".6f") -> str:
 
 
 def _metrics(recipe: Recipe, log: str) -> dict[int, tuple[float | None, float | None]]:
-    """step -> (loss, grad_norm) of the last run in a log (after the last start marker)."""
+    """step -> (loss, grad_norm) of the last run in a log (after the last start marker), from its
+    whole lines: the training paused (SIGSTOP) mid-line leaves `step 12 loss 0.4` of `0.45`."""
     text = log[log.rfind(MARK):] if MARK in log else log
     m = recipe.run.metrics
     found: dict[int, tuple[float | None, float | None]] = {}
-    for line in text.splitlines():
+    for line in scripts.whole_lines(text):
         step = re.search(m.step, line)
         if not step:
             continue

@@ -36,6 +36,7 @@ from ..layouts import LISTING_COMMAND, Entry, parse_listing
 from ..plan import Action
 from ..recipe import Recipe, load_providers, render_at
 from ..resources import templates_dir
+from ..scripts import whole_lines
 
 SCRIPT = "guard.py"
 # the documented notice windows (recipes/providers.yaml), for notices that carry no time
@@ -190,19 +191,19 @@ def _json(text: str) -> dict[str, Any] | None:
 
 def parse_look(stdout: bytes) -> Look:
     head, marked, tail = stdout.partition(MARK)
-    text = head.decode(errors="replace")
+    text, _, log_text = head.decode(errors="replace").partition("\n--log\n")
     lines = text.split("\n")
     words = dict(line.split(" ", 1) for line in lines[:3] if " " in line)
     texts = {"--state": "", "--notice": "", "--rebalance": ""}
-    log: list[str] = []
     section = ""
     for line in lines[3:]:
-        if (line in texts or line == "--log") and section != "--log":
+        if line in texts:
             section = line
         elif section in texts:
             texts[section] += line
-        elif section == "--log" and line:
-            log.append(line)
+    # the log's tail, then the newline the look adds (MARK's first one when a listing follows):
+    # a last line without a newline of its own is still being written
+    log = [line for line in whole_lines(log_text if marked else log_text.removesuffix("\n")) if line]
     state, notice, rebalance = (_json(texts[k]) if texts[k].strip() else None
                                 for k in ("--state", "--notice", "--rebalance"))
     return Look(training=words.get("training") == "1", guard=words.get("guard") == "1",
