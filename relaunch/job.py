@@ -312,4 +312,6 @@ def normalize(name: str) -> str:
 
 
 def read_lock(path: Path | None) -> list[str]:
-    return path.read_text().splitlines() if path else []
+    """The lock's lines; [] when the recipe names none, or names one not written yet (`up` refuses
+    that before it connects; `status`, `evacuate`, `freeze` go on without it)."""
+    return path.read_text().splitlines() if path is not None and path.is_file() else []

@@ -13,7 +13,7 @@ from .history import Interruption, read_history
 from .host.remote import Remote
 from .host.spec import HostSpec
 from .interval import badput_now
-from .job import Lag, StoreState, drift
+from .job import Job, Lag, StoreState, drift
 from .recipe import Recipe
 from .savecosts import read_command, saves_of, summarize
 from .steps.checkpoint import instance_checkpoints
@@ -41,6 +41,7 @@ class Status(Lag):
     gpus: list[str] = field(default_factory=list)
     free_bytes: int = 0
     drift: list[str] = field(default_factory=list)
+    env: str = ""                                # the venv against the lock, in words (drift: the differences)
     guard: dict[str, Any] | None = None          # the guard's own state: running, its sources
     notice: dict[str, Any] | None = None         # the guard's notice record, when one came
     interruptions: list[dict[str, Any]] = field(default_factory=list)   # the last ones, from the store
@@ -88,8 +89,7 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
         stored = manifest.newest() if manifest else None
         if stored is not None:
             result.stored, result.stored_step, result.stored_written_at = stored.name, stored.step, stored.written_at
-        if job.facts.lock and facts.venv_freeze is not None:
-            result.drift = drift(job.facts.lock, facts.venv_freeze)
+        result.env, result.drift = env_state(job)
         look = remote.exec(look_command(job), deadline=GUARD_LOOK_DEADLINE)
         if look.ok:
             seen = parse_look(look.stdout)
@@ -106,6 +106,21 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
         result.badput = saving_costs(remote, paths.log, entries)
         result.watch = read_state(recipe.name, store.label)
         return result
+
+
+def env_state(job: Job) -> tuple[str, list[str]]:
+    """(the venv against the lock, in words; the differences): never "matches" without a lock or a venv."""
+    lock, installed = job.recipe.env.lock, job.facts.host.venv_freeze
+    if installed is None:
+        return f"no venv at {job.paths.venv}", []
+    if lock is None:
+        return "no lock (env.lock is not set; `relaunch freeze RECIPE` writes one from this venv)", []
+    if not job.facts.lock:
+        return f"no lock yet ({lock} does not exist; `relaunch freeze RECIPE` writes it from this venv)", []
+    differences = drift(job.facts.lock, installed)
+    if not differences:
+        return "matches the lock", []
+    return f"{len(differences)} difference(s) from the lock: " + "; ".join(differences[:5]), differences
 
 
 def saving_costs(remote: Remote, log: str, entries: list[Interruption]) -> dict[str, Any] | None:
@@ -145,8 +160,7 @@ def render(s: Status, recipe: Recipe) -> str:
         minutes = f", {s.lag_seconds / 60:.1f} min" if s.lag_seconds is not None else ""
         out.append(f"  a loss right now would cost: {s.lag_steps} steps{minutes}")
     out.append(f"  free disk under checkpoint.dir: {human(s.free_bytes)}")
-    out.append("  env: " + ("matches the lock" if not s.drift else f"{len(s.drift)} difference(s) from the lock: "
-                            + "; ".join(s.drift[:5])))
+    out.append(f"  env: {s.env}")
     out += _guard_lines(s, recipe)
     if s.notices:
         out.append("  notices that can reach this run:")
@@ -188,8 +202,7 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
                 one.newest_mtime = max((e.mtime for e in group[-1].files), default=None)
             if stored is not None:
                 one.stored, one.stored_step, one.stored_written_at = stored.name, stored.step, stored.written_at
-            if job.facts.lock and facts.venv_freeze is not None:
-                one.drift = drift(job.facts.lock, facts.venv_freeze)
+            one.env, one.drift = env_state(job)
             found.append(one)
         entries: list[Interruption] = []
         try:
@@ -206,7 +219,7 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     rows = [("node", "tmux " + recipe.run.session, "GPUs", "free disk", "env")]
     for s in statuses:
         state = f"ALIVE since {s.since}" if s.alive and s.since else ("ALIVE" if s.alive else "NOT RUNNING")
-        env = "matches the lock" if not s.drift else f"{len(s.drift)} difference(s)"
+        env = f"{len(s.drift)} difference(s)" if s.drift else s.env.partition(" (")[0]
         rows.append((s.host, state, str(len(s.gpus)), human(s.free_bytes), env))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
