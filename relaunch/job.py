@@ -236,6 +236,12 @@ class Job:
         return expand_home(path, self.facts.host.home)
 
 
+def paths_before_facts(recipe: Recipe, node: Node, home: str) -> InstancePaths:
+    """The recipe's instance paths rendered for this node when nothing but its home is known yet
+    (a log to follow): the same values as a gathered Job's, never the recipe's templates."""
+    return Job(recipe, node, Facts(host=HostFacts(home=home))).paths
+
+
 @dataclass(kw_only=True)
 class Lag:
     """Newest complete checkpoint on the instance vs newest verified in the store."""

@@ -42,6 +42,7 @@ class Status(Lag):
     free_bytes: int = 0
     drift: list[str] = field(default_factory=list)
     env: str = ""                                # the venv against the lock, in words (drift: the differences)
+    log: str = ""                                # run.log on the instance, rendered
     guard: dict[str, Any] | None = None          # the guard's own state: running, its sources
     notice: dict[str, Any] | None = None         # the guard's notice record, when one came
     interruptions: list[dict[str, Any]] = field(default_factory=list)   # the last ones, from the store
@@ -75,7 +76,7 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
         if facts.session_since.isdigit():
             result.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
         tail = remote.exec(tail_command(paths.log, lines), deadline=LOOK_DEADLINE)
-        result.log_tail = tail.text.splitlines() if tail.ok else []
+        result.log, result.log_tail = paths.log, tail.text.splitlines() if tail.ok else []
         if facts.tools.get("nvidia-smi"):
             gpus = remote.exec(GPU_QUERY, deadline=LOOK_DEADLINE)
             result.gpus = (gpus.text.splitlines() if gpus.ok
@@ -171,7 +172,7 @@ def render(s: Status, recipe: Recipe) -> str:
         out.append(f"  interruptions (the last {len(s.interruptions)}, .relaunch/history.jsonl in the store):")
         out += ["    " + Interruption.from_dict(e).line() for e in s.interruptions]
     if s.log_tail:
-        out.append(f"  last lines of {recipe.run.log}:")
+        out.append(f"  last lines of {s.log}:")
         out += ["    " + line for line in s.log_tail]
     return "\n".join(out)
 
@@ -196,7 +197,7 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
             if facts.session_since.isdigit():
                 one.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
             tail = remotes[job.host].exec(tail_command(job.paths.log, lines), deadline=LOOK_DEADLINE)
-            one.log_tail = tail.text.splitlines() if tail.ok else []
+            one.log, one.log_tail = job.paths.log, tail.text.splitlines() if tail.ok else []
             if group:
                 one.newest, one.newest_step = group[-1].name, group[-1].step
                 one.newest_mtime = max((e.mtime for e in group[-1].files), default=None)
@@ -237,7 +238,7 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     out += badput_lines(first.badput)
     out += [line[2:] for line in watch_lines(first.watch)]
     if first.log_tail:
-        out.append(f"last lines of {recipe.run.log} on {first.host}:")
+        out.append(f"last lines of {first.log} on {first.host}:")
         out += ["  " + line for line in first.log_tail]
     return "\n".join(out)
 

@@ -217,3 +217,41 @@ def test_sync_on_a_full_local_disk_exits_6_and_deletes_nothing(tmp_path, sandbox
         assert ssh(inst, "ls ~/ckpt").stdout.split() == ["ckpt-00000005.pt", "ckpt-00000010.pt"]
     finally:
         subprocess.run(["umount", str(store)], check=True)
+
+
+def test_no_message_shows_a_template_of_the_recipe(tmp_path, sandbox, ssh, ssh_key):
+    """Every instance path of this recipe is a template (as a team's base recipe writes them): what
+    evacuate, up, status, sync and freeze say names the rendered paths, never `{{ ... }}`."""
+    home, inst = tmp_path / "state", sandbox()
+    (tmp_path / "notes.txt").write_text("read me\n")
+    recipe = plain_recipe(tmp_path, name="tpl", key=ssh_key, command="echo training; sleep 600",
+                          env={"venv": "~/venvs/{{ name }}",
+                               "files": {"notes.txt": "{{ home }}/work-{{ name }}/notes.txt"}},
+                          checkpoint={"dir": "{{ home }}/ckpt/{{ name }}"},
+                          run={"workdir": "{{ home }}/work-{{ name }}", "log": "~/{{ name }}.log"})
+    said = []
+
+    def cli(*args: str, code: int = 0) -> str:
+        out = run_cli(*args, home=home)
+        assert out.returncode == code, out.stderr
+        said.append(out.stdout + out.stderr)
+        return said[-1]
+
+    # an empty new box: nothing to copy, the rendered folder named
+    assert "/root/ckpt/tpl does not exist, and training has made no progress" in cli("evacuate", str(recipe), inst.host)
+    cli("plan", str(recipe), inst.host)
+    cli("up", str(recipe), inst.host)
+    assert ssh(inst, "cat /root/work-tpl/notes.txt").stdout == "read me\n"      # env.files went where it says
+    assert "last lines of /root/tpl.log:" in cli("status", str(recipe))
+    cli("status", str(recipe), "--json")
+    cli("sync", str(recipe), "--once")
+    age = "echo $(( $(date +%s) - $(tmux display-message -p -t =tpl: '#{session_created}') ))"
+    wait_for("training to outlive run.grace (3s)", lambda: int(ssh(inst, age).stdout) > 3)
+    # the issue's message: training ran, nothing saved yet
+    refused = cli("evacuate", str(recipe), code=6)
+    assert "/root/ckpt/tpl does not exist: destroying loses all of it" in refused
+    frozen = cli("freeze", str(recipe))
+    # the diff of the recipe file freeze edits shows that file's own lines, templates and all
+    said[-1] = "\n".join(line for line in frozen.splitlines() if not line.startswith((" ", "+", "-", "@@")))
+    cli("evacuate", str(recipe), "--stop", "--allow-empty")
+    assert not [text for text in said if "{{" in text or "{%" in text]

@@ -207,7 +207,7 @@ def _progress(job: Job, executor: Executor) -> verdicts.Progress:
     host = job.facts.host
     since, now = host.session_since, words.get("now", "")
     age = float(now) - float(since) if since.isdigit() and now.isdigit() else None
-    return verdicts.Progress(ckpt_dir=str(job.recipe.checkpoint.dir), dir_exists=words.get("dir") == "1",
+    return verdicts.Progress(ckpt_dir=job.paths.ckpt_dir, dir_exists=words.get("dir") == "1",
                              log_step=newest_logged_step(lines, job.recipe.run.metrics.step),
                              session_alive=host.session_alive, session_age=age, grace=job.recipe.run.grace)
 
