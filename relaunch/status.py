@@ -262,7 +262,8 @@ def _guard_lines(s: Status, recipe: Recipe) -> list[str]:
     out = []
     guard = s.guard or {}
     state = guard.get("state") or {}
-    sources = "; ".join(source_lines(state))
+    probed = (s.notices or {}).get("sources") or {}
+    sources = "; ".join(source_lines(state, [n for n, found in probed.items() if found.get("fires") is False]))
     if guard.get("running"):
         out.append(f"  guard: running (tmux session {guard['session']}): {sources or 'starting'}")
     elif not recipe.guard.enabled:
