@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -255,3 +256,31 @@ def test_no_message_shows_a_template_of_the_recipe(tmp_path, sandbox, ssh, ssh_k
     said[-1] = "\n".join(line for line in frozen.splitlines() if not line.startswith((" ", "+", "-", "@@")))
     cli("evacuate", str(recipe), "--stop", "--allow-empty")
     assert not [text for text in said if "{{" in text or "{%" in text]
+
+
+def test_the_attach_line_up_prints_works_pasted_into_a_shell(tmp_path, sandbox, ssh, ssh_key):
+    """`attach: ssh ...` as printed, run by plain ssh in a terminal (script(1) gives it one): it
+    trusts the host key relaunch recorded, uses its port and key, and attaches to the session."""
+    home, inst = tmp_path / "state", sandbox(image="runpod")           # a mapped port, as RunPod's
+    recipe = plain_recipe(tmp_path, name="attaching", key=ssh_key, command="echo training; sleep 600")
+    up = run_cli("up", str(recipe), inst.host, home=home)
+    assert up.returncode == 0, up.stderr
+    line = next(ln for ln in up.stderr.splitlines() if ln.startswith("  attach: ")).split("attach: ", 1)[1]
+    argv = shlex.split(line)
+    assert argv[:2] == ["ssh", "-t"] and "BatchMode=yes" not in line
+    assert f"UserKnownHostsFile={home / 'known_hosts'}" in argv and ["-p", str(inst.port)] == argv[4:6]
+    assert argv[-4:] == ["tmux", "attach", "-t", "=attaching"]
+    # exactly as printed (UserKnownHostsFile replaces ~/.ssh/known_hosts: only relaunch's file vouches for
+    # the host key; an unknown key would prompt, and the attach below never come)
+    attached = subprocess.Popen(["script", "-qec", line, "/dev/null"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_for("the pasted line to attach", lambda: ssh(inst, "tmux list-clients -t =attaching").stdout.strip(),
+                 timeout=60)
+        ssh(inst, "tmux detach-client -s =attaching")
+        out, _ = attached.communicate(timeout=60)
+    finally:
+        if attached.poll() is None:
+            attached.kill()
+            attached.wait()
+    assert attached.returncode == 0 and b"[detached" in out, out
