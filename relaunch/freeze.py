@@ -19,6 +19,7 @@ from typing import Any
 from .cycle import open_host
 from .errors import EnvError, UsageError
 from .gather import gather, read_indexes
+from .host.facts import unseen_run
 from .host.indexes import Indexes, combined
 from .host.spec import HostSpec
 from .job import normalize
@@ -35,10 +36,15 @@ def instance_freeze(recipe: Recipe, spec: HostSpec, ui: UI) -> tuple[list[str], 
     node, remote = open_host(recipe, spec, ui)
     with remote:
         job = gather(remote, recipe, node, listing=False)
-        if job.facts.host.venv_freeze is None:
+        host = job.facts.host
+        if host.venv_freeze is None:
+            unseen = None if host.session_alive else unseen_run(host, recipe.run.session)
+            if unseen is not None:
+                raise EnvError(f"{job.host}: freeze: there is no venv at {job.paths.venv}, and {unseen.why}",
+                               unseen.hint("freeze", job.target))
             raise EnvError(f"{job.host}: freeze: there is no venv at {job.paths.venv}",
                            "run `relaunch up` first, or fix env.venv")
-        lines = [line for line in job.facts.host.venv_freeze
+        lines = [line for line in host.venv_freeze
                  if normalize(line.split("==", 1)[0]) not in _TOOLING and line.strip()]
         doc = read_indexes(remote, job)
         # the URLs may hold tokens: never on screen from here on

@@ -10,6 +10,7 @@ from .cycle import connected, open_group, open_host
 from .errors import RelaunchError, shorten
 from .gather import gather, gather_group
 from .history import Interruption, read_history
+from .host.facts import unseen_run
 from .host.remote import Remote
 from .host.spec import HostSpec
 from .interval import badput_now
@@ -43,6 +44,9 @@ class Status(Lag):
     drift: list[str] = field(default_factory=list)
     env: str = ""                                # the venv against the lock, in words (drift: the differences)
     log: str = ""                                # run.log on the instance, rendered
+    user: str = ""                               # who looked (the login)
+    unseen: str = ""                             # not alive for this login, but a run of this recipe is there
+    unseen_hint: str = ""                        # what to do then (never `relaunch up`)
     guard: dict[str, Any] | None = None          # the guard's own state: running, its sources
     notice: dict[str, Any] | None = None         # the guard's notice record, when one came
     interruptions: list[dict[str, Any]] = field(default_factory=list)   # the last ones, from the store
@@ -73,6 +77,7 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
         facts, paths = job.facts.host, job.paths
         result = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt,
                         store_error=store_error, notices=notices.as_dict())
+        see_unseen(result, job)
         if facts.session_since.isdigit():
             result.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
         tail = remote.exec(tail_command(paths.log, lines), deadline=LOOK_DEADLINE)
@@ -107,6 +112,21 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
         result.badput = saving_costs(remote, paths.log, entries)
         result.watch = read_state(recipe.name, store.label)
         return result
+
+
+def see_unseen(status: Status, job: Job) -> None:
+    """A session not alive for this login is "not running" only when no run of this recipe is there
+    for another login (or outside the session): else that is said, and `relaunch up` never hinted."""
+    status.user = job.facts.host.user
+    found = None if status.alive else unseen_run(job.facts.host, job.recipe.run.session)
+    if found is not None:
+        status.unseen, status.unseen_hint = found.why, found.hint("status", job.target)
+
+
+def session_state(s: Status) -> str:
+    if s.alive:
+        return f"ALIVE since {s.since}" if s.since else "ALIVE"
+    return f"NOT SEEN as {s.user or 'this user'}" if s.unseen else "NOT RUNNING"
 
 
 def env_state(job: Job) -> tuple[str, list[str]]:
@@ -146,9 +166,9 @@ def in_store_unknown(s: Status) -> str:
 
 
 def render(s: Status, recipe: Recipe) -> str:
-    out = []
-    state = f"ALIVE since {s.since}" if s.alive and s.since else ("ALIVE" if s.alive else "NOT RUNNING")
-    out.append(f"{s.host}  tmux session {recipe.run.session}: {state}")
+    out = [f"{s.host}  tmux session {recipe.run.session}: {session_state(s)}"]
+    if s.unseen:
+        out.append(f"  {s.unseen}")
     if s.gpus:
         out += [f"  gpu  {g}" for g in s.gpus]
     else:
@@ -194,6 +214,7 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
             facts = job.facts.host
             one = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt, gpus=facts.gpus,
                          store_error=store_error, notices=protection(job, job.facts.notices).as_dict())
+            see_unseen(one, job)
             if facts.session_since.isdigit():
                 one.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
             tail = remotes[job.host].exec(tail_command(job.paths.log, lines), deadline=LOOK_DEADLINE)
@@ -219,7 +240,7 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     """One table of the nodes, then the group's checkpoints and node 0's last log lines."""
     rows = [("node", "tmux " + recipe.run.session, "GPUs", "free disk", "env")]
     for s in statuses:
-        state = f"ALIVE since {s.since}" if s.alive and s.since else ("ALIVE" if s.alive else "NOT RUNNING")
+        state = session_state(s)
         env = f"{len(s.drift)} difference(s)" if s.drift else s.env.partition(" (")[0]
         rows.append((s.host, state, str(len(s.gpus)), human(s.free_bytes), env))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -232,6 +253,9 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     if first.lag_steps is not None:
         minutes = f", {first.lag_seconds / 60:.1f} min" if first.lag_seconds is not None else ""
         out.append(f"a loss right now would cost: {first.lag_steps} steps{minutes}")
+    for s in statuses:
+        if s.unseen:
+            out.append(f"{s.host}: {s.unseen}")
     for s in statuses:
         if s.notices:
             out.append(f"notices that can reach {s.host}: {s.notices['said'][-1]}")
@@ -271,6 +295,8 @@ def _guard_lines(s: Status, recipe: Recipe) -> list[str]:
     elif state:
         saw = f"; it saw: {sources}" if sources else ""
         out.append(f"  guard: not running ({state.get('stopped') or 'ended'}){saw}")
+    elif s.unseen:
+        out.append(f"  guard: not seen as {s.user or 'this user'} (see above)")
     else:
         out.append("  guard: not started on this instance (`relaunch up` starts it)")
     advice = guard.get("rebalance")

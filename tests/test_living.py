@@ -284,3 +284,42 @@ def test_the_attach_line_up_prints_works_pasted_into_a_shell(tmp_path, sandbox, 
             attached.kill()
             attached.wait()
     assert attached.returncode == 0 and b"[detached" in out, out
+
+
+def test_a_login_that_cannot_see_the_run_is_told_so_and_never_offered_a_second_training(
+        tmp_path, sandbox, ssh, ssh_key):
+    """The issue: `ubuntu@` on a box whose run is root's. status said "NOT RUNNING", exit 4, and hinted
+    `relaunch up`, which would start a second training beside the running one; evacuate called the box
+    safe to destroy. Now each says whose run it is, and up refuses to start another."""
+    home, box = tmp_path / "state", sandbox(image="runpod")      # root's, a PID namespace of its own
+    sandbox(user="ubuntu")          # the `ubuntu` user on this machine (instances share /etc): it logs in to box too
+    recipe = plain_recipe(tmp_path, name="roots", key=ssh_key, command="echo training; sleep 600")
+    assert run_cli("up", str(recipe), box.host, home=home).returncode == 0
+    as_ubuntu, as_root = f"ubuntu@{box.address}:{box.port}", f"root@{box.address}:{box.port}"
+    whose = "no run of this recipe is visible as ubuntu, but root runs it on this box (pid "
+    said = []
+
+    status = run_cli("status", str(recipe), as_ubuntu, home=home)
+    said.append(status.stdout + status.stderr)
+    assert status.returncode == 4, status.stderr
+    assert "tmux session roots: NOT SEEN as ubuntu" in status.stdout and whose in status.stdout
+    assert f"look as root: `relaunch status RECIPE {as_root}`" in status.stderr
+
+    evacuate = run_cli("evacuate", str(recipe), as_ubuntu, home=home)
+    said.append(evacuate.stdout + evacuate.stderr)
+    assert evacuate.returncode == 6 and whose in evacuate.stderr and "safe to destroy" not in evacuate.stderr
+    assert f"look as root: `relaunch evacuate RECIPE {as_root}`" in evacuate.stderr
+
+    freeze = run_cli("freeze", str(recipe), as_ubuntu, home=home)
+    said.append(freeze.stdout + freeze.stderr)
+    assert freeze.returncode == 4 and whose in freeze.stderr
+
+    up = run_cli("up", str(recipe), as_ubuntu, home=home)
+    said.append(up.stdout + up.stderr)
+    assert up.returncode == 4 and f"{whose}" in up.stderr and "starting it here would train twice" in up.stderr
+    assert ssh(box, "pgrep -u ubuntu", check=False).stdout == ""          # nothing started as ubuntu
+    # never a hint to start it: only "no `relaunch up` while that run is there"
+    assert not [text for text in said if "relaunch up` starts" in text or "run `relaunch up` first" in text]
+
+    # as root, the run is there, and the hints are the usual ones
+    assert run_cli("status", str(recipe), as_root, home=home).returncode == 0

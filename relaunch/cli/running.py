@@ -193,6 +193,11 @@ def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str
         else:
             click.echo(render_group(statuses, r))
         down = [s.host for s in statuses if not s.alive]
+        unseen = [s for s in statuses if s.unseen]
+        if unseen:
+            raise EnvError(f"{unseen[0].host}: {unseen[0].unseen}"
+                           + (f" (and {len(down) - 1} more node(s) not seen running)" if len(down) > 1 else ""),
+                           unseen[0].unseen_hint)
         if down:
             raise EnvError(f"training is not running on {', '.join(down)} (tmux session {r.run.session})",
                            "`relaunch up RECIPE HOST...` starts the group again from the newest checkpoint")
@@ -202,6 +207,8 @@ def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str
         emit(True, result.as_dict())
     else:
         click.echo(render(result, r))
+    if result.unseen:
+        raise EnvError(f"{result.host}: {result.unseen}", result.unseen_hint)
     if not result.alive:
         raise EnvError(f"{result.host}: training is not running (tmux session {r.run.session})",
                        "see the log lines above; `relaunch up` starts it again from the newest checkpoint")
