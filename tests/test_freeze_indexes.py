@@ -328,6 +328,16 @@ def test_freeze_after_init_and_up_works_as_the_readme_writes_it(tmp_path, sandbo
     status = run_cli("status", str(path), home=home)
     assert "  env: matches the lock" in status.stdout, status.stdout
 
+    # the other way there: env.lock named, its file not written yet
+    lock.unlink()
+    status = run_cli("status", str(path), home=home)
+    assert status.returncode == 0 and f"  env: no lock yet ({lock} does not exist;" in status.stdout, status.stderr
+    refused = run_cli("up", str(path), inst.host, home=home)
+    assert refused.returncode == 2 and f"env.lock: the lock file {lock} does not exist" in refused.stderr
+    again = run_cli("freeze", str(path), home=home, input="")
+    assert again.returncode == 0, again.stderr
+    assert lock.read_text() == "mpmath==1.3.0\n" and "internal error" not in again.stderr
+
     # changing the lock it made is another matter: the diff, and a prompt (none from a script)
     lock.write_text("mpmath==1.2.0\n")
     refused = run_cli("freeze", str(path), home=home, input="")

@@ -261,10 +261,14 @@ def freeze(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: b
                              "terminal to ask on", "rerun with --yes to replace it")
         if not click.confirm(f"write {what}?", default=True, err=True):
             raise UsageError("nothing written")
-    if plan.writes_lock:
-        write_lock(path, new)
-        ui.ok(f"wrote {plan.lock_words()}")
-    if change is not None:
-        write_text(change.path, change.new)
-        ui.ok(f"wrote {plan.recipe_words()}")
+    try:
+        if plan.writes_lock:
+            write_lock(path, new)
+            ui.ok(f"wrote {plan.lock_words()}")
+        if change is not None:
+            write_text(change.path, change.new)
+            ui.ok(f"wrote {plan.recipe_words()}")
+    except OSError as exc:           # a read-only folder, a full disk: the user's to fix, not a crash
+        raise UsageError(f"could not write {exc.filename or path}: {exc.strerror or exc}",
+                         "make the recipe's folder writable (or free space), then rerun `relaunch freeze`") from exc
     emit(as_json, result)
