@@ -39,7 +39,7 @@ def listing_command(ckpt_dir: str) -> str:
 def read_host(remote: Remote, job: Job) -> HostFacts:
     recipe, paths = job.recipe, job.paths
     script = facts_script(recipe.env.python, paths.venv, paths.ckpt_dir, recipe.run.session, list(recipe.env.apt),
-                          templates=recipe.templates, run_info=paths.run_info)
+                          templates=recipe.templates, run_info=paths.run_info, name=recipe.name)
     result = remote.exec("bash -s", stdin=script.encode(), deadline=FACTS_DEADLINE)
     _check(remote, result, "reading facts (facts.sh)", EnvError, FACTS_DEADLINE)
     facts = parse_facts(result.text)

@@ -236,6 +236,12 @@ class Job:
         return expand_home(path, self.facts.host.home)
 
 
+def paths_before_facts(recipe: Recipe, node: Node, home: str) -> InstancePaths:
+    """The recipe's instance paths rendered for this node when nothing but its home is known yet
+    (a log to follow): the same values as a gathered Job's, never the recipe's templates."""
+    return Job(recipe, node, Facts(host=HostFacts(home=home))).paths
+
+
 @dataclass(kw_only=True)
 class Lag:
     """Newest complete checkpoint on the instance vs newest verified in the store."""
@@ -312,4 +318,6 @@ def normalize(name: str) -> str:
 
 
 def read_lock(path: Path | None) -> list[str]:
-    return path.read_text().splitlines() if path else []
+    """The lock's lines; [] when the recipe names none, or names one not written yet (`up` refuses
+    that before it connects; `status`, `evacuate`, `freeze` go on without it)."""
+    return path.read_text().splitlines() if path is not None and path.is_file() else []

@@ -10,10 +10,11 @@ from .cycle import connected, open_group, open_host
 from .errors import RelaunchError, shorten
 from .gather import gather, gather_group
 from .history import Interruption, read_history
+from .host.facts import unseen_run
 from .host.remote import Remote
 from .host.spec import HostSpec
 from .interval import badput_now
-from .job import Lag, StoreState, drift
+from .job import Job, Lag, StoreState, drift
 from .recipe import Recipe
 from .savecosts import read_command, saves_of, summarize
 from .steps.checkpoint import instance_checkpoints
@@ -41,6 +42,11 @@ class Status(Lag):
     gpus: list[str] = field(default_factory=list)
     free_bytes: int = 0
     drift: list[str] = field(default_factory=list)
+    env: str = ""                                # the venv against the lock, in words (drift: the differences)
+    log: str = ""                                # run.log on the instance, rendered
+    user: str = ""                               # who looked (the login)
+    unseen: str = ""                             # not alive for this login, but a run of this recipe is there
+    unseen_hint: str = ""                        # what to do then (never `relaunch up`)
     guard: dict[str, Any] | None = None          # the guard's own state: running, its sources
     notice: dict[str, Any] | None = None         # the guard's notice record, when one came
     interruptions: list[dict[str, Any]] = field(default_factory=list)   # the last ones, from the store
@@ -71,10 +77,11 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
         facts, paths = job.facts.host, job.paths
         result = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt,
                         store_error=store_error, notices=notices.as_dict())
+        see_unseen(result, job)
         if facts.session_since.isdigit():
             result.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
         tail = remote.exec(tail_command(paths.log, lines), deadline=LOOK_DEADLINE)
-        result.log_tail = tail.text.splitlines() if tail.ok else []
+        result.log, result.log_tail = paths.log, tail.text.splitlines() if tail.ok else []
         if facts.tools.get("nvidia-smi"):
             gpus = remote.exec(GPU_QUERY, deadline=LOOK_DEADLINE)
             result.gpus = (gpus.text.splitlines() if gpus.ok
@@ -88,8 +95,7 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
         stored = manifest.newest() if manifest else None
         if stored is not None:
             result.stored, result.stored_step, result.stored_written_at = stored.name, stored.step, stored.written_at
-        if job.facts.lock and facts.venv_freeze is not None:
-            result.drift = drift(job.facts.lock, facts.venv_freeze)
+        result.env, result.drift = env_state(job)
         look = remote.exec(look_command(job), deadline=GUARD_LOOK_DEADLINE)
         if look.ok:
             seen = parse_look(look.stdout)
@@ -106,6 +112,36 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
         result.badput = saving_costs(remote, paths.log, entries)
         result.watch = read_state(recipe.name, store.label)
         return result
+
+
+def see_unseen(status: Status, job: Job) -> None:
+    """A session not alive for this login is "not running" only when no run of this recipe is there
+    for another login (or outside the session): else that is said, and `relaunch up` never hinted."""
+    status.user = job.facts.host.user
+    found = None if status.alive else unseen_run(job.facts.host, job.recipe.run.session)
+    if found is not None:
+        status.unseen, status.unseen_hint = found.why, found.hint("status", job.target)
+
+
+def session_state(s: Status) -> str:
+    if s.alive:
+        return f"ALIVE since {s.since}" if s.since else "ALIVE"
+    return f"NOT SEEN as {s.user or 'this user'}" if s.unseen else "NOT RUNNING"
+
+
+def env_state(job: Job) -> tuple[str, list[str]]:
+    """(the venv against the lock, in words; the differences): never "matches" without a lock or a venv."""
+    lock, installed = job.recipe.env.lock, job.facts.host.venv_freeze
+    if installed is None:
+        return f"no venv at {job.paths.venv}", []
+    if lock is None:
+        return "no lock (env.lock is not set; `relaunch freeze RECIPE` writes one from this venv)", []
+    if not job.facts.lock:
+        return f"no lock yet ({lock} does not exist; `relaunch freeze RECIPE` writes it from this venv)", []
+    differences = drift(job.facts.lock, installed)
+    if not differences:
+        return "matches the lock", []
+    return f"{len(differences)} difference(s) from the lock: " + "; ".join(differences[:5]), differences
 
 
 def saving_costs(remote: Remote, log: str, entries: list[Interruption]) -> dict[str, Any] | None:
@@ -130,9 +166,9 @@ def in_store_unknown(s: Status) -> str:
 
 
 def render(s: Status, recipe: Recipe) -> str:
-    out = []
-    state = f"ALIVE since {s.since}" if s.alive and s.since else ("ALIVE" if s.alive else "NOT RUNNING")
-    out.append(f"{s.host}  tmux session {recipe.run.session}: {state}")
+    out = [f"{s.host}  tmux session {recipe.run.session}: {session_state(s)}"]
+    if s.unseen:
+        out.append(f"  {s.unseen}")
     if s.gpus:
         out += [f"  gpu  {g}" for g in s.gpus]
     else:
@@ -145,8 +181,7 @@ def render(s: Status, recipe: Recipe) -> str:
         minutes = f", {s.lag_seconds / 60:.1f} min" if s.lag_seconds is not None else ""
         out.append(f"  a loss right now would cost: {s.lag_steps} steps{minutes}")
     out.append(f"  free disk under checkpoint.dir: {human(s.free_bytes)}")
-    out.append("  env: " + ("matches the lock" if not s.drift else f"{len(s.drift)} difference(s) from the lock: "
-                            + "; ".join(s.drift[:5])))
+    out.append(f"  env: {s.env}")
     out += _guard_lines(s, recipe)
     if s.notices:
         out.append("  notices that can reach this run:")
@@ -157,7 +192,7 @@ def render(s: Status, recipe: Recipe) -> str:
         out.append(f"  interruptions (the last {len(s.interruptions)}, .relaunch/history.jsonl in the store):")
         out += ["    " + Interruption.from_dict(e).line() for e in s.interruptions]
     if s.log_tail:
-        out.append(f"  last lines of {recipe.run.log}:")
+        out.append(f"  last lines of {s.log}:")
         out += ["    " + line for line in s.log_tail]
     return "\n".join(out)
 
@@ -179,17 +214,17 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
             facts = job.facts.host
             one = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt, gpus=facts.gpus,
                          store_error=store_error, notices=protection(job, job.facts.notices).as_dict())
+            see_unseen(one, job)
             if facts.session_since.isdigit():
                 one.since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(int(facts.session_since)))
             tail = remotes[job.host].exec(tail_command(job.paths.log, lines), deadline=LOOK_DEADLINE)
-            one.log_tail = tail.text.splitlines() if tail.ok else []
+            one.log, one.log_tail = job.paths.log, tail.text.splitlines() if tail.ok else []
             if group:
                 one.newest, one.newest_step = group[-1].name, group[-1].step
                 one.newest_mtime = max((e.mtime for e in group[-1].files), default=None)
             if stored is not None:
                 one.stored, one.stored_step, one.stored_written_at = stored.name, stored.step, stored.written_at
-            if job.facts.lock and facts.venv_freeze is not None:
-                one.drift = drift(job.facts.lock, facts.venv_freeze)
+            one.env, one.drift = env_state(job)
             found.append(one)
         entries: list[Interruption] = []
         try:
@@ -205,8 +240,8 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     """One table of the nodes, then the group's checkpoints and node 0's last log lines."""
     rows = [("node", "tmux " + recipe.run.session, "GPUs", "free disk", "env")]
     for s in statuses:
-        state = f"ALIVE since {s.since}" if s.alive and s.since else ("ALIVE" if s.alive else "NOT RUNNING")
-        env = "matches the lock" if not s.drift else f"{len(s.drift)} difference(s)"
+        state = session_state(s)
+        env = f"{len(s.drift)} difference(s)" if s.drift else s.env.partition(" (")[0]
         rows.append((s.host, state, str(len(s.gpus)), human(s.free_bytes), env))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
@@ -219,12 +254,15 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
         minutes = f", {first.lag_seconds / 60:.1f} min" if first.lag_seconds is not None else ""
         out.append(f"a loss right now would cost: {first.lag_steps} steps{minutes}")
     for s in statuses:
+        if s.unseen:
+            out.append(f"{s.host}: {s.unseen}")
+    for s in statuses:
         if s.notices:
             out.append(f"notices that can reach {s.host}: {s.notices['said'][-1]}")
     out += badput_lines(first.badput)
     out += [line[2:] for line in watch_lines(first.watch)]
     if first.log_tail:
-        out.append(f"last lines of {recipe.run.log} on {first.host}:")
+        out.append(f"last lines of {first.log} on {first.host}:")
         out += ["  " + line for line in first.log_tail]
     return "\n".join(out)
 
@@ -248,7 +286,8 @@ def _guard_lines(s: Status, recipe: Recipe) -> list[str]:
     out = []
     guard = s.guard or {}
     state = guard.get("state") or {}
-    sources = "; ".join(source_lines(state))
+    probed = (s.notices or {}).get("sources") or {}
+    sources = "; ".join(source_lines(state, [n for n, found in probed.items() if found.get("fires") is False]))
     if guard.get("running"):
         out.append(f"  guard: running (tmux session {guard['session']}): {sources or 'starting'}")
     elif not recipe.guard.enabled:
@@ -256,6 +295,8 @@ def _guard_lines(s: Status, recipe: Recipe) -> list[str]:
     elif state:
         saw = f"; it saw: {sources}" if sources else ""
         out.append(f"  guard: not running ({state.get('stopped') or 'ended'}){saw}")
+    elif s.unseen:
+        out.append(f"  guard: not seen as {s.user or 'this user'} (see above)")
     else:
         out.append("  guard: not started on this instance (`relaunch up` starts it)")
     advice = guard.get("rebalance")

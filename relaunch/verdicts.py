@@ -81,6 +81,7 @@ class Progress:
     session_alive: bool
     session_age: float | None        # seconds the tmux session has been alive
     grace: float                     # run.grace
+    unseen: str = ""                 # a run of this recipe this login cannot see (host.facts.unseen_run)
 
 
 def nothing_to_copy(progress: Progress, stored_step: int | None, allow_empty: bool) -> Verdict:
@@ -90,6 +91,9 @@ def nothing_to_copy(progress: Progress, stored_step: int | None, allow_empty: bo
     its log) its session has been alive for longer than run.grace."""
     where = (f"{progress.ckpt_dir} does not exist" if not progress.dir_exists
              else f"{progress.ckpt_dir} holds no complete checkpoint")
+    if progress.unseen:
+        # nothing here to copy says nothing of a run that is not here for this login: never "safe"
+        return Verdict(False, f"{where}, and {progress.unseen}")
     lost: str | None = None
     if progress.log_step is not None and progress.log_step > (stored_step or 0):
         steps = progress.log_step - (stored_step or 0)

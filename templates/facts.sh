@@ -1,5 +1,5 @@
 # relaunch: read-only facts about this instance. Changes nothing.
-# Inputs (set above this line by relaunch, shell-quoted): py_want venv ckpt session apt run_info freeze_py
+# Inputs (set above this line by relaunch, shell-quoted): py_want venv ckpt session apt run_info freeze_py name
 set -u
 echo "home=$HOME"
 echo "user=$(id -un)"
@@ -36,6 +36,28 @@ if command -v tmux >/dev/null 2>&1 && tmux has-session -t "=$session" 2>/dev/nul
 else
   echo "session_alive=0"
 fi
+# A run this login cannot see in its tmux: this recipe's run.sh (how relaunch starts training) in any
+# user's process, other users' tmux servers, a checkpoint folder this user cannot look into. Only
+# processes of this box count: its mount namespace (a machine of containers, or the sandbox, shows
+# other boxes' processes too). The pattern's [.] keeps grep from finding its own command line.
+if [ -n "${name:-}" ]; then
+  mnt=$(cat /proc/self/mountinfo 2>/dev/null)
+  for f in $(grep -l -s -e "/[.]relaunch/$name/run[.]sh" /proc/[0-9]*/cmdline 2>/dev/null); do
+    d=${f%/cmdline}
+    case "$(cat "$d/comm" 2>/dev/null)" in tmux*|"") continue ;; esac   # a tmux server keeps its first argv
+    [ "$(cat "$d/mountinfo" 2>/dev/null)" = "$mnt" ] || continue
+    echo "run_process=$(stat -c '%u %U' "$d" 2>/dev/null) ${d#/proc/}"
+  done
+  for f in $(grep -l -s -x "tmux: server" /proc/[0-9]*/comm 2>/dev/null); do
+    d=${f%/comm}
+    [ "$(stat -c %u "$d" 2>/dev/null)" != "$(id -u)" ] || continue
+    [ "$(cat "$d/mountinfo" 2>/dev/null)" = "$mnt" ] || continue
+    echo "other_tmux=$(stat -c '%u %U' "$d" 2>/dev/null) ${d#/proc/}"
+  done
+fi
+hidden_at() { d=$1; while [ ! -e "$d" ] && [ "$d" != / ]; do d=$(dirname "$d"); done
+  if [ -d "$d" ] && { [ ! -r "$d" ] || [ ! -x "$d" ]; }; then echo "$(stat -c %U "$d" 2>/dev/null) $d"; fi; }
+echo "ckpt_hidden=$(hidden_at "$ckpt")"
 if command -v nvidia-smi >/dev/null 2>&1; then
   # a broken driver makes nvidia-smi hang for minutes: ask once, briefly
   gpus=$(timeout -k 2 10 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)

@@ -168,3 +168,14 @@ def plain_recipe(folder: Path, *, name: str, key: Path, command: str = "sleep 60
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
     return write_recipe(folder, data)
+
+
+def watched_and_refused(stderr: str) -> tuple[set[str], set[str]]:
+    """From what `up` printed: the sources its guard line says it watches, and those the probe's lines
+    say cannot reach the run."""
+    line = next(ln for ln in stderr.splitlines() if "launch: guard: " in ln)
+    words = line.split("launch: guard: ", 1)[1]
+    watched = set(words[len("watching "):].split(" every ")[0].split(", ")) if words.startswith("watching ") else set()
+    refused = {ln.split("guard: ", 1)[1].split(" cannot reach this run:")[0] for ln in stderr.splitlines()
+               if "] guard: " in ln and " cannot reach this run:" in ln}
+    return watched, refused

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from relaunch.errors import UsageError
-from relaunch.freeze import index_change
+from relaunch.freeze import index_change, plan_freeze
 from relaunch.host.indexes import combined, pip_indexes, uv_indexes
 from relaunch.recipe import load_recipe
 from relaunch.recipe.edit import Edit, apply, scalar
@@ -205,6 +205,63 @@ def test_a_url_with_a_credential_of_any_shape_is_written_as_a_variable_and_the_w
     assert index_change(load_recipe(path), doc) == (None, [])
 
 
+# -- the lock: made where the recipe names none, replaced only with a prompt ------------------------
+
+def starter(folder: Path) -> Path:
+    """What `relaunch init recipe.yaml --provider runpod` writes (its env.lock commented out)."""
+    from relaunch.recipe.providers import starter_recipe
+
+    return recipe_at(folder, starter_recipe("runpod"))
+
+
+def test_a_recipe_without_a_lock_gets_one_beside_it_and_env_lock_in_place_of_its_example(tmp_path: Path) -> None:
+    path = starter(tmp_path)
+    text = path.read_text()
+    plan = plan_freeze(load_recipe(path), ["mpmath==1.3.0"], {})
+    assert plan.lock == tmp_path / "requirements.lock" and plan.old is None and plan.writes_lock
+    assert plan.change is not None and plan.change.lock == "requirements.lock" and not plan.change.indexes
+    assert not plan.asks                        # a new file and a new key replace nothing: no prompt
+    example = next(line for line in text.splitlines() if line.lstrip().startswith("# lock:"))
+    written = next(line for line in plan.change.new.splitlines() if line.lstrip().startswith("lock:"))
+    # the example line became the key, its comment kept in its column; nothing else changed
+    assert plan.change.new.replace(written, example) == text
+    assert written.index("#") == example.index("# a pinned")
+    path.write_text(plan.change.new)
+    assert load_recipe(path).env.lock == tmp_path / "requirements.lock"
+
+
+def test_a_named_lock_not_written_yet_is_created_without_a_prompt(tmp_path: Path) -> None:
+    path = recipe_at(tmp_path, RECIPE)
+    plan = plan_freeze(load_recipe(path), ["mpmath==1.3.0"], {})
+    assert (plan.old, plan.change, plan.asks) == (None, None, False)
+    assert plan.what() == f"1 packages to {tmp_path / 'requirements.lock'} (a new file)"
+
+
+def test_changing_an_existing_lock_or_a_value_the_recipe_had_shows_the_diff_and_asks(tmp_path: Path) -> None:
+    path = recipe_at(tmp_path, RECIPE)
+    (tmp_path / "requirements.lock").write_text("mpmath==1.2.0\n")
+    plan = plan_freeze(load_recipe(path), ["mpmath==1.3.0"], {})
+    assert plan.asks and "-mpmath==1.2.0" in plan.diff() and "+mpmath==1.3.0" in plan.diff()
+    (tmp_path / "requirements.lock").write_text("mpmath==1.3.0\n\n")
+    assert not plan_freeze(load_recipe(path), ["mpmath==1.3.0"], {}).writes_lock
+    # an index added to a list the recipe had changes that value: asked too
+    extended = plan_freeze(load_recipe(path), ["mpmath==1.3.0"], {"pip_config": f"global.extra-index-url='{CU}'\n"})
+    assert not extended.writes_lock and extended.change is not None and extended.change.replaces and extended.asks
+
+
+def test_up_plan_and_check_refuse_a_named_lock_that_does_not_exist_before_any_host(tmp_path: Path) -> None:
+    from e2e import run_cli
+
+    path = recipe_at(tmp_path, RECIPE)
+    for args in (["up", str(path), "root@203.0.113.7"], ["plan", str(path), "root@203.0.113.7"],
+                 ["check", str(path)]):
+        out = run_cli(*args, "--set", "ssh.wait=1", home=tmp_path / "state")
+        assert out.returncode == 2, out.stderr
+        assert f"{path}:11: env.lock: the lock file {tmp_path / 'requirements.lock'} does not exist" in out.stderr
+        assert "relaunch freeze" in out.stderr and "internal error" not in out.stderr
+        assert "connecting" not in out.stderr
+
+
 # -- on a sandbox instance -------------------------------------------------------------------------
 
 def test_freeze_writes_the_indexes_of_the_instances_pip_conf_and_uv_toml_into_the_recipe(
@@ -263,3 +320,59 @@ def test_freeze_writes_the_indexes_of_the_instances_pip_conf_and_uv_toml_into_th
     assert again.returncode == 0, again.stderr
     assert '"changed": false' in again.stdout and "the recipe names its indexes" in again.stderr
     assert token not in again.stdout + again.stderr
+
+
+def test_freeze_after_init_and_up_works_as_the_readme_writes_it(tmp_path, sandbox, ssh, ssh_key):
+    """README: `relaunch init recipe.yaml --provider runpod`, edit, `relaunch up recipe.yaml $HOST`,
+    `relaunch freeze recipe.yaml`, from a script (no terminal): the lock is made and named, no prompt."""
+    from e2e import INDEX_URL, run_cli
+
+    inst = sandbox(image="runpod")
+    home = tmp_path / "state"
+    path = tmp_path / "recipe.yaml"
+    assert run_cli("init", str(path), "--provider", "runpod", home=home).returncode == 0
+    text = path.read_text()
+    for line, edited in (('command: python train.py --resume "{{ checkpoint }}"', "command: sleep 600"),
+                         ("# key: ~/.ssh/id_ed25519", f"key: {ssh_key}"),
+                         ("# index_url: https://download.pytorch.org/whl/cu124", f"index_url: {INDEX_URL}")):
+        assert line in text
+        text = text.replace(line, edited)
+    path.write_text(text)
+    up = run_cli("up", str(path), inst.host, "--set", "run.grace=3", home=home)
+    assert up.returncode == 0, up.stderr
+    ssh(inst, f"/workspace/venvs/my-run/bin/python -m pip install -q --index-url {INDEX_URL} mpmath==1.3.0")
+    status = run_cli("status", str(path), home=home)
+    assert status.returncode == 0, status.stderr
+    assert "  env: no lock (env.lock is not set; `relaunch freeze RECIPE` writes one from this venv)" in status.stdout
+
+    freeze = run_cli("freeze", str(path), home=home, input="")
+    assert freeze.returncode == 0, freeze.stderr
+    lock = tmp_path / "requirements.lock"
+    assert lock.read_text() == "mpmath==1.3.0\n"
+    assert f"wrote 1 packages to {lock} (a new file)" in freeze.stderr
+    assert f"wrote env.lock to {path}" in freeze.stderr
+    assert "  lock: requirements.lock       # a pinned `pip freeze`" in path.read_text()
+    assert load_recipe(path).env.lock == lock
+    status = run_cli("status", str(path), home=home)
+    assert "  env: matches the lock" in status.stdout, status.stdout
+
+    # the issue's other way there: env.lock named, its file not written yet
+    lock.unlink()
+    status = run_cli("status", str(path), home=home)
+    assert status.returncode == 0 and f"  env: no lock yet ({lock} does not exist;" in status.stdout, status.stderr
+    refused = run_cli("up", str(path), inst.host, home=home)
+    assert refused.returncode == 2 and f"env.lock: the lock file {lock} does not exist" in refused.stderr
+    again = run_cli("freeze", str(path), home=home, input="")
+    assert again.returncode == 0, again.stderr
+    assert lock.read_text() == "mpmath==1.3.0\n" and "internal error" not in again.stderr
+
+    # changing the lock it made is another matter: the diff, and a prompt (none from a script)
+    lock.write_text("mpmath==1.2.0\n")
+    refused = run_cli("freeze", str(path), home=home, input="")
+    assert refused.returncode == 2, refused.stderr
+    assert "-mpmath==1.2.0" in refused.stdout and "+mpmath==1.3.0" in refused.stdout
+    assert f"not writing 1 packages to {lock}: it replaces what is there (the diff above), and there is no " \
+           "terminal to ask on" in refused.stderr and "rerun with --yes" in refused.stderr
+    assert lock.read_text() == "mpmath==1.2.0\n"
+    assert run_cli("freeze", str(path), "--yes", home=home).returncode == 0
+    assert lock.read_text() == "mpmath==1.3.0\n"

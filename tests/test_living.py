@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -217,3 +218,108 @@ def test_sync_on_a_full_local_disk_exits_6_and_deletes_nothing(tmp_path, sandbox
         assert ssh(inst, "ls ~/ckpt").stdout.split() == ["ckpt-00000005.pt", "ckpt-00000010.pt"]
     finally:
         subprocess.run(["umount", str(store)], check=True)
+
+
+def test_no_message_shows_a_template_of_the_recipe(tmp_path, sandbox, ssh, ssh_key):
+    """Every instance path of this recipe is a template (as a team's base recipe writes them): what
+    evacuate, up, status, sync and freeze say names the rendered paths, never `{{ ... }}`."""
+    home, inst = tmp_path / "state", sandbox()
+    (tmp_path / "notes.txt").write_text("read me\n")
+    recipe = plain_recipe(tmp_path, name="tpl", key=ssh_key, command="echo training; sleep 600",
+                          env={"venv": "~/venvs/{{ name }}",
+                               "files": {"notes.txt": "{{ home }}/work-{{ name }}/notes.txt"}},
+                          checkpoint={"dir": "{{ home }}/ckpt/{{ name }}"},
+                          run={"workdir": "{{ home }}/work-{{ name }}", "log": "~/{{ name }}.log"})
+    said = []
+
+    def cli(*args: str, code: int = 0) -> str:
+        out = run_cli(*args, home=home)
+        assert out.returncode == code, out.stderr
+        said.append(out.stdout + out.stderr)
+        return said[-1]
+
+    # an empty new box: nothing to copy, the rendered folder named
+    assert "/root/ckpt/tpl does not exist, and training has made no progress" in cli("evacuate", str(recipe), inst.host)
+    cli("plan", str(recipe), inst.host)
+    cli("up", str(recipe), inst.host)
+    assert ssh(inst, "cat /root/work-tpl/notes.txt").stdout == "read me\n"      # env.files went where it says
+    assert "last lines of /root/tpl.log:" in cli("status", str(recipe))
+    cli("status", str(recipe), "--json")
+    cli("sync", str(recipe), "--once")
+    age = "echo $(( $(date +%s) - $(tmux display-message -p -t =tpl: '#{session_created}') ))"
+    wait_for("training to outlive run.grace (3s)", lambda: int(ssh(inst, age).stdout) > 3)
+    # the issue's message: training ran, nothing saved yet
+    refused = cli("evacuate", str(recipe), code=6)
+    assert "/root/ckpt/tpl does not exist: destroying loses all of it" in refused
+    frozen = cli("freeze", str(recipe))
+    # the diff of the recipe file freeze edits shows that file's own lines, templates and all
+    said[-1] = "\n".join(line for line in frozen.splitlines() if not line.startswith((" ", "+", "-", "@@")))
+    cli("evacuate", str(recipe), "--stop", "--allow-empty")
+    assert not [text for text in said if "{{" in text or "{%" in text]
+
+
+def test_the_attach_line_up_prints_works_pasted_into_a_shell(tmp_path, sandbox, ssh, ssh_key):
+    """`attach: ssh ...` as printed, run by plain ssh in a terminal (script(1) gives it one): it
+    trusts the host key relaunch recorded, uses its port and key, and attaches to the session."""
+    home, inst = tmp_path / "state", sandbox(image="runpod")           # a mapped port, as RunPod's
+    recipe = plain_recipe(tmp_path, name="attaching", key=ssh_key, command="echo training; sleep 600")
+    up = run_cli("up", str(recipe), inst.host, home=home)
+    assert up.returncode == 0, up.stderr
+    line = next(ln for ln in up.stderr.splitlines() if ln.startswith("  attach: ")).split("attach: ", 1)[1]
+    argv = shlex.split(line)
+    assert argv[:2] == ["ssh", "-t"] and "BatchMode=yes" not in line
+    assert f"UserKnownHostsFile={home / 'known_hosts'}" in argv and ["-p", str(inst.port)] == argv[4:6]
+    assert argv[-4:] == ["tmux", "attach", "-t", "=attaching"]
+    # exactly as printed (UserKnownHostsFile replaces ~/.ssh/known_hosts: only relaunch's file vouches for
+    # the host key; an unknown key would prompt, and the attach below never come)
+    attached = subprocess.Popen(["script", "-qec", line, "/dev/null"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_for("the pasted line to attach", lambda: ssh(inst, "tmux list-clients -t =attaching").stdout.strip(),
+                 timeout=60)
+        ssh(inst, "tmux detach-client -s =attaching")
+        out, _ = attached.communicate(timeout=60)
+    finally:
+        if attached.poll() is None:
+            attached.kill()
+            attached.wait()
+    assert attached.returncode == 0 and b"[detached" in out, out
+
+
+def test_a_login_that_cannot_see_the_run_is_told_so_and_never_offered_a_second_training(
+        tmp_path, sandbox, ssh, ssh_key):
+    """The issue: `ubuntu@` on a box whose run is root's. status said "NOT RUNNING", exit 4, and hinted
+    `relaunch up`, which would start a second training beside the running one; evacuate called the box
+    safe to destroy. Now each says whose run it is, and up refuses to start another."""
+    home, box = tmp_path / "state", sandbox(image="runpod")      # root's, a PID namespace of its own
+    sandbox(user="ubuntu")          # the `ubuntu` user on this machine (instances share /etc): it logs in to box too
+    recipe = plain_recipe(tmp_path, name="roots", key=ssh_key, command="echo training; sleep 600")
+    assert run_cli("up", str(recipe), box.host, home=home).returncode == 0
+    as_ubuntu, as_root = f"ubuntu@{box.address}:{box.port}", f"root@{box.address}:{box.port}"
+    whose = "no run of this recipe is visible as ubuntu, but root runs it on this box (pid "
+    said = []
+
+    status = run_cli("status", str(recipe), as_ubuntu, home=home)
+    said.append(status.stdout + status.stderr)
+    assert status.returncode == 4, status.stderr
+    assert "tmux session roots: NOT SEEN as ubuntu" in status.stdout and whose in status.stdout
+    assert f"look as root: `relaunch status RECIPE {as_root}`" in status.stderr
+
+    evacuate = run_cli("evacuate", str(recipe), as_ubuntu, home=home)
+    said.append(evacuate.stdout + evacuate.stderr)
+    assert evacuate.returncode == 6 and whose in evacuate.stderr and "safe to destroy" not in evacuate.stderr
+    assert f"look as root: `relaunch evacuate RECIPE {as_root}`" in evacuate.stderr
+
+    freeze = run_cli("freeze", str(recipe), as_ubuntu, home=home)
+    said.append(freeze.stdout + freeze.stderr)
+    assert freeze.returncode == 4 and whose in freeze.stderr
+
+    up = run_cli("up", str(recipe), as_ubuntu, home=home)
+    said.append(up.stdout + up.stderr)
+    assert up.returncode == 4 and f"{whose}" in up.stderr and "starting it here would train twice" in up.stderr
+    assert ssh(box, "pgrep -u ubuntu", check=False).stdout == ""          # nothing started as ubuntu
+    # never a hint to start it: only "no `relaunch up` while that run is there"
+    assert not [text for text in said if "relaunch up` starts" in text or "run `relaunch up` first" in text]
+
+    # as root, the run is there, and the hints are the usual ones
+    assert run_cli("status", str(recipe), as_root, home=home).returncode == 0

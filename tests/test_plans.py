@@ -673,3 +673,25 @@ def test_an_install_failure_names_the_indexes_searched_and_a_python_uv_could_not
     assert error is not None and error.message == (f"{job.host}: env: uv could not provide Python 3.11: No download "
                                                    "found for request: cpython-3.12-linux-x86_64-gnu")
     assert "uv's default download source" in (error.hint or "")
+
+
+# every instance path of the recipe written as a template, as a team's base recipe writes them
+TEMPLATED = ["env.venv=~/venvs/{{ name }}", "checkpoint.dir='{{ home }}/ckpt/{{ name }}'",
+             "run.workdir='{{ home }}/work-{{ name }}'", "run.log=~/{{ name }}.log",
+             f"env.files={{{FIX / 'train.py'}: '{{{{ home }}}}/work-{{{{ name }}}}/train.py'}}"]
+
+
+def test_nothing_up_or_plan_says_shows_a_template_of_the_recipe(state: Path) -> None:
+    """The facts `up` says, the guard's words, every action as `relaunch plan` shows it, and the
+    attach line name the rendered paths (the sandbox layer's test_living does the same on a box)."""
+    from relaunch.steps.launch import attach_command
+    from relaunch.steps.notices import protection
+    from relaunch.steps.preflight import summary
+
+    job, store = job_for({"facts": "facts-root.json", "store": "local", "set": TEMPLATED}, state)
+    plan, started = plan_up(job, store)
+    said = "\n".join([*summary(job), *protection(job, {}).lines(), plan.render(), attach_command(started)])
+    assert "{{" not in said and "{%" not in said
+    upload = next(a for a in plan.actions if a.title.startswith("upload ") and "train.py" in a.title)
+    assert upload.title.endswith("-> /root/work-planned/train.py")
+    assert "/root/venvs/planned" in said and "/root/planned.log" in said

@@ -491,6 +491,23 @@ def test_shipped_recipes_load_and_render() -> None:
         check_recipe(r)
 
 
+def test_the_store_and_the_pattern_are_rendered_once_with_the_name(tmp_path: Path) -> None:
+    """checkpoint.remote and checkpoint.pattern name one thing for every host: a team's base recipe
+    writes `./store/{{ name }}`, and every use and message gets the rendered value, never the template."""
+    base = write(tmp_path, "base.yaml", "env: {python: '3.11'}\ncheckpoint: {remote: './store/{{ name }}', "
+                                        "pattern: '{{ name }}-*.pt'}\n")
+    r = load_recipe(write(tmp_path, "r.yaml", f"name: run1\nextends: [{base}]\nrun: {{command: x}}\n"))
+    assert (r.checkpoint.remote, r.checkpoint.pattern) == (tmp_path / "store" / "run1", "run1-*.pt")
+    hub = load_recipe(write(tmp_path, "h.yaml", "name: run2\nenv: {python: '3.11'}\nrun: {command: x}\n"
+                                                "checkpoint: {remote: 'hf:team/ckpts/{{ name }}'}\n"))
+    assert hub.checkpoint.remote == "hf:team/ckpts/run2"
+    with pytest.raises(RecipeError) as info:
+        load_recipe(write(tmp_path, "x.yaml", "name: x\nenv: {python: '3.11'}\n"
+                                              "checkpoint:\n  remote: 'rclone:r2:b/{{ host }}'\nrun: {command: x}\n"))
+    assert str(info.value) == (f"{tmp_path / 'x.yaml'}:4: checkpoint.remote: 'host' is undefined: it is the same for "
+                               "every host, so it may use {{ name }} only")
+
+
 def test_checkpoint_dir_is_a_template_variable(tmp_path: Path) -> None:
     """A command written once for every provider's disks: `{{ checkpoint_dir }}` is checkpoint.dir
     rendered (with the other variables), `~` expanded where the home is known; it may not name itself."""

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 
 from relaunch.errors import UsageError
-from relaunch.host.facts import facts_script, parse_facts
+from relaunch.host.facts import HostFacts, facts_script, parse_facts
 from relaunch.host.spec import HostSpec
 from relaunch.job import drift, pins
 from relaunch.steps.preflight import apt_command
@@ -50,6 +51,44 @@ def test_facts_script_runs_here_and_parses(tmp_path) -> None:
     assert facts.venv_freeze is None
     assert facts.missing_apt == ["nonexistent-pkg-x"]
     assert facts.uid == os.getuid() and facts.is_root == (os.getuid() == 0)   # the quick layer runs rootless
+
+
+def test_facts_find_this_recipes_run_outside_its_session_and_say_so(tmp_path) -> None:
+    """A process running this recipe's run.sh, with no tmux session of it for this login: facts.sh
+    finds it (this box's processes only), and "not running" is never the verdict."""
+    from relaunch.host.facts import unseen_run
+    from relaunch.host.spec import Target
+
+    run_sh = f"{tmp_path}/.relaunch/unseen-run/run.sh"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", run_sh])
+    try:
+        def facts_of(name: str) -> HostFacts:
+            script = facts_script("3.11", str(tmp_path / "v"), str(tmp_path / "ck"), name, [], name=name)
+            return parse_facts(subprocess.run(["bash", "-s"], input=script, capture_output=True, text=True).stdout)
+
+        facts = facts_of("unseen-run")
+        assert {"uid": os.getuid(), "user": facts.user, "pid": proc.pid} in facts.runs
+        found = unseen_run(facts, "unseen-run")
+        assert found is not None and found.certain and found.owner == ""
+        assert found.why.startswith("this recipe's training still runs on this box outside its tmux session "
+                                    f"unseen-run (pid {proc.pid}")
+        assert "relaunch up`, which would start a second training" in found.hint("status", Target("h", "root", 22))
+        assert facts_of("unseen-other").runs == []                   # another recipe's run is not this one's
+    finally:
+        proc.kill()
+        proc.wait()
+    # another user's run: named, and the hint says how to look as that user, never to start one
+    other = HostFacts(user="ubuntu", uid=1000, runs=[{"uid": 0, "user": "root", "pid": 42}])
+    found = unseen_run(other, "s")
+    assert found is not None and found.why == ("no run of this recipe is visible as ubuntu, but root runs it on this "
+                                               "box (pid 42: its run.sh): the box's run is root's")
+    assert found.hint("status", Target("203.0.113.7", "ubuntu", 40022)).startswith(
+        "look as root: `relaunch status RECIPE root@203.0.113.7:40022`")
+    tmux = unseen_run(HostFacts(user="ubuntu", uid=1000, other_tmux=[{"uid": 0, "user": "root", "pid": 7}]), "s")
+    assert tmux is not None and not tmux.certain and "root has a tmux server on this box" in tmux.why
+    hidden = unseen_run(HostFacts(user="ubuntu", uid=1000, ckpt_hidden="root /root"), "s")
+    assert hidden is not None and hidden.why.startswith("ubuntu cannot look into /root (root's)")
+    assert unseen_run(HostFacts(user="ubuntu", uid=1000), "s") is None
 
 
 def test_facts_of_a_venv_list_its_packages(tmp_path) -> None:

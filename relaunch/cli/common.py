@@ -40,11 +40,13 @@ def common(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def load(recipe_path: str, overrides: tuple[str, ...]) -> Any:
+def load(recipe_path: str, overrides: tuple[str, ...], lock_needed: bool = True) -> Any:
+    """The recipe, checked (exit 2 before any host is contacted); `lock_needed` False for the commands
+    that install nothing and so can do without env.lock's file (freeze writes it)."""
     from ..recipe import check_recipe, load_recipe, variables
 
     recipe = load_recipe(recipe_path, list(overrides))
-    check_recipe(recipe)        # templates too: a typo is exit 2 before any host is contacted
+    check_recipe(recipe, lock_needed)   # templates too: a typo is exit 2 before any host is contacted
     # secret values never reach the screen or the debug log, whatever prints them
     redact.add(os.environ.get(name, "") for name in recipe.env.secrets)
     urls, taken = variables.secrets(recipe)

@@ -200,7 +200,7 @@ def interval(recipe: str | None, host: str | None, step_time: str | None, save_t
     c = iv.parse_duration(copy_time, "--copy-time") if copy_time is not None else None
     b = iv.parse_fraction(budget, "--badput")
     iv.check_inputs(t, s, m if m is not None else 1.0, blocking or 0.0)
-    r = load(recipe, overrides) if recipe is not None else None
+    r = load(recipe, overrides, lock_needed=False) if recipe is not None else None
     gaps, entries = 0, None
     if r is not None and m is None:
         entries = iv.history_of(r)

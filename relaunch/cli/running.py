@@ -95,7 +95,7 @@ def evacuate(recipe: str, hosts: tuple[str, ...], stop: bool, allow_empty: bool,
     failure, or training progress with no checkpoint to copy: exit 6, DO NOT destroy."""
     from .. import cycle
 
-    r = load(recipe, overrides)
+    r = load(recipe, overrides, lock_needed=False)
     ui = UI(verbose=verbose)
     specs = hosts_or_last(r, hosts, ui)
     spec = " ".join(map(str, specs))
@@ -121,7 +121,7 @@ def sync(recipe: str, hosts: tuple[str, ...], every: float | None, once: bool, o
     round (the same copy + verify as evacuate). One line per round; Ctrl-C stops cleanly."""
     from ..sync import sync as sync_loop
 
-    r = load(recipe, overrides)
+    r = load(recipe, overrides, lock_needed=False)
     ui = UI(verbose=verbose)
     specs = hosts_or_last(r, hosts, ui)
     rounds: list[dict[str, Any]] = []
@@ -183,7 +183,7 @@ def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str
     from ..status import group_status, render, render_group
     from ..status import status as get_status
 
-    r = load(recipe, overrides)
+    r = load(recipe, overrides, lock_needed=False)
     ui = UI(verbose=verbose)
     specs = hosts_or_last(r, hosts, ui)
     if len(specs) > 1:
@@ -193,6 +193,11 @@ def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str
         else:
             click.echo(render_group(statuses, r))
         down = [s.host for s in statuses if not s.alive]
+        unseen = [s for s in statuses if s.unseen]
+        if unseen:
+            raise EnvError(f"{unseen[0].host}: {unseen[0].unseen}"
+                           + (f" (and {len(down) - 1} more node(s) not seen running)" if len(down) > 1 else ""),
+                           unseen[0].unseen_hint)
         if down:
             raise EnvError(f"training is not running on {', '.join(down)} (tmux session {r.run.session})",
                            "`relaunch up RECIPE HOST...` starts the group again from the newest checkpoint")
@@ -202,6 +207,8 @@ def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str
         emit(True, result.as_dict())
     else:
         click.echo(render(result, r))
+    if result.unseen:
+        raise EnvError(f"{result.host}: {result.unseen}", result.unseen_hint)
     if not result.alive:
         raise EnvError(f"{result.host}: training is not running (tmux session {r.run.session})",
                        "see the log lines above; `relaunch up` starts it again from the newest checkpoint")
@@ -213,56 +220,55 @@ def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str
 @common
 def freeze(recipe: str, host: str | None, overrides: tuple[str, ...], as_json: bool, verbose: bool,
            yes: bool) -> None:
-    """Write the instance venv's `pip freeze` into the recipe's lock file, and the package indexes
-    its pip and uv use into the recipe (env.index_url, env.extra_index_urls), showing the diffs first."""
+    """Write the instance venv's `pip freeze` into the recipe's lock file (requirements.lock beside a
+    recipe that names none, and env.lock added to it), and the package indexes its pip and uv use into
+    the recipe (env.index_url, env.extra_index_urls). Writing what did not exist needs no prompt;
+    replacing what exists shows the diff first and asks (or needs --yes)."""
     from .. import cycle
-    from ..freeze import (
-        index_change,
-        instance_freeze,
-        local_version_warning,
-        lock_diff,
-        lock_path,
-        write_lock,
-        write_text,
-    )
+    from ..freeze import instance_freeze, plan_freeze, write_lock, write_text
 
-    r = load(recipe, overrides)
+    r = load(recipe, overrides, lock_needed=False)
     ui = UI(verbose=verbose)
-    path = lock_path(r)
     spec = HostSpec.parse(host) if host else cycle.last_host(r, ui)
     new, found = instance_freeze(r, spec, ui)
-    old = path.read_text().splitlines() if path.exists() else []
-    diff = lock_diff(old, new, path)
-    change, warnings = index_change(r, found)
-    for text in warnings:
+    plan = plan_freeze(r, new, found)
+    for text in plan.warnings:
         ui.warn(text)
-    warning = local_version_warning(r, new, change.index_url if change else None)
-    if warning:
-        ui.warn(warning)
-    indexes: dict[str, Any] = {"recipe": str(r.source), "changed": change is not None,
+    change, path = plan.change, plan.lock
+    indexes: dict[str, Any] = {"recipe": str(r.source), "changed": change is not None and change.indexes,
                                "index_url": change.index_url if change else r.env.index_url,
                                "extra_index_urls": change.extra if change else r.env.extra_index_urls,
-                               "found_on_instance": change.found.where if change else {}}
-    if not diff and change is None:
+                               "found_on_instance": change.found.where if change and change.indexes else {}}
+    result = {"lock": str(path), "changed": plan.writes_lock, "created": plan.old is None, "packages": len(new),
+              "lock_added_to_recipe": bool(change and change.lock), "indexes": indexes}
+    if not plan.writes_lock and change is None:
         ui.say(f"{path} already matches the instance ({len(new)} packages), and the recipe names its indexes")
-        emit(as_json, {"lock": str(path), "changed": False, "packages": len(new), "indexes": indexes})
+        emit(as_json, result)
         return
-    shown = [*diff, *(change.diff() if change else [])]
+    if change is not None and change.lock:
+        ui.say(f"the recipe names no lock (env.lock): the instance's packages go to {path}, and "
+               f"`lock: {change.lock}` under env: in {change.path}")
     # on stderr with --json: stdout holds the one JSON document
-    click.echo(redact("\n".join(shown)), err=as_json)
-    if change is not None:
+    shown = plan.diff()
+    if shown:
+        click.echo(redact("\n".join(shown)), err=as_json)
+    if change is not None and change.indexes:
         ui.say(f"the instance's indexes: {change.found.shown()}")
-    what = " and ".join(([f"{len(new)} packages to {path}"] if diff else []) +
-                        ([f"the indexes to {change.path}"] if change else []))
-    if not yes:
+    what = plan.what()
+    if plan.asks and not yes:
         if not sys.stdin.isatty():
-            raise UsageError(f"not writing {what} without a prompt", "rerun with --yes")
+            raise UsageError(f"not writing {what}: it replaces what is there (the diff above), and there is no "
+                             "terminal to ask on", "rerun with --yes to replace it")
         if not click.confirm(f"write {what}?", default=True, err=True):
             raise UsageError("nothing written")
-    if diff:
-        write_lock(path, new)
-        ui.ok(f"wrote {path} ({len(new)} packages)")
-    if change is not None:
-        write_text(change.path, change.new)
-        ui.ok(f"wrote env.index_url / env.extra_index_urls in {change.path}")
-    emit(as_json, {"lock": str(path), "changed": bool(diff), "packages": len(new), "indexes": indexes})
+    try:
+        if plan.writes_lock:
+            write_lock(path, new)
+            ui.ok(f"wrote {plan.lock_words()}")
+        if change is not None:
+            write_text(change.path, change.new)
+            ui.ok(f"wrote {plan.recipe_words()}")
+    except OSError as exc:           # a read-only folder, a full disk: the user's to fix, not a crash
+        raise UsageError(f"could not write {exc.filename or path}: {exc.strerror or exc}",
+                         "make the recipe's folder writable (or free space), then rerun `relaunch freeze`") from exc
+    emit(as_json, result)

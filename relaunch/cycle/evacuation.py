@@ -13,6 +13,7 @@ from .. import verdicts
 from ..errors import EvacuationError, Interrupted, RelaunchError, UsageError
 from ..executor import Executor
 from ..gather import gather_group, read_listing, share_listings
+from ..host.facts import unseen_run
 from ..host.remote import Remote
 from ..host.spec import HostSpec
 from ..job import Job
@@ -125,16 +126,20 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
             target = newest
         if target is not None and target.name in report.copied + report.already:
             _check_in_store(jobs, store, executor, target, report, reverify)
-        empty = None
+        empty, unseen = None, None
         if newest is None and require_newest:
             held = _newest_held(store, executor)
-            empty = verdicts.nothing_to_copy(_progress(job, executor), held.step if held else None, allow_empty)
+            # no checkpoint here may mean a run this login does not see (another user's): never "safe" then
+            unseen = None if job.facts.host.session_alive else unseen_run(job.facts.host, job.recipe.run.session)
+            progress = _progress(job, executor, unseen.why if unseen is not None else "")
+            empty = verdicts.nothing_to_copy(progress, held.step if held else None, allow_empty)
         verdict = (verdicts.evacuation(report.newest, report.verified_now, empty) if require_newest else
                    verdicts.sync_round(target.name if target else None, report.verified_now, report.newest,
                                        began=at_start.name if at_start else None))
         report.safe, report.why = verdict.ok, verdict.why
         if require_newest and not report.safe:
-            refusal = EvacuationError(f"{job.host}: {verdict.why}")
+            refusal = EvacuationError(f"{job.host}: {verdict.why}",
+                                      unseen.hint("evacuate", job.target) if unseen is not None else None)
             refusal.result = report.as_dict()
             raise refusal
     except OSError as exc:
@@ -191,7 +196,7 @@ def _newest_held(store: Store, executor: Executor) -> CheckpointRecord | None:
     return None
 
 
-def _progress(job: Job, executor: Executor) -> verdicts.Progress:
+def _progress(job: Job, executor: Executor, unseen: str = "") -> verdicts.Progress:
     """What training did on an instance with nothing to copy: checkpoint.dir there or not, the
     step its log shows, how long its session has been alive."""
     q = shlex.quote
@@ -208,9 +213,10 @@ def _progress(job: Job, executor: Executor) -> verdicts.Progress:
     host = job.facts.host
     since, now = host.session_since, words.get("now", "")
     age = float(now) - float(since) if since.isdigit() and now.isdigit() else None
-    return verdicts.Progress(ckpt_dir=str(job.recipe.checkpoint.dir), dir_exists=words.get("dir") == "1",
+    return verdicts.Progress(ckpt_dir=job.paths.ckpt_dir, dir_exists=words.get("dir") == "1",
                              log_step=newest_logged_step(lines, job.recipe.run.metrics.step),
-                             session_alive=host.session_alive, session_age=age, grace=job.recipe.run.grace)
+                             session_alive=host.session_alive, session_age=age, grace=job.recipe.run.grace,
+                             unseen=unseen)
 
 
 def relist(jobs: list[Job], remotes: dict[str, Remote]) -> None:

@@ -22,7 +22,7 @@ from .. import processes, scripts
 from ..cycle import connected, evacuate, open_group, up
 from ..errors import CheckpointError, UsageError
 from ..host.spec import HostSpec
-from ..job import pgid_file, state_folder
+from ..job import paths_before_facts, pgid_file, state_folder
 from ..manifest import utc_now
 from ..recipe import Recipe
 from ..savecosts import saves_of, summarize
@@ -130,7 +130,7 @@ class _Watch:
         pairs = open_group(self.recipe, self.specs[:1], self.ui)
         with connected(pairs) as remotes:
             remote = next(iter(remotes.values()))
-            log = remote.expand(self.recipe.run.log)
+            log = paths_before_facts(self.recipe, pairs[0][0], remote.home).log
             while True:
                 result = remote.exec(f"cat -- {shlex.quote(log)} 2>/dev/null || true", deadline=60)
                 self.text = result.text

@@ -28,6 +28,7 @@ from ..errors import Interrupted, RelaunchError
 from ..host.connection import connect
 from ..host.remote import Remote
 from ..host.spec import HostSpec
+from ..job import Node, paths_before_facts
 from ..recipe import Recipe
 
 log = logging.getLogger("relaunch.drill")
@@ -94,7 +95,7 @@ class Follower:
             self.why = exc.message.splitlines()[0]       # not up yet, or its key not accepted yet (HostKeyError)
             return
         with remote:
-            path = remote.expand(self.recipe.run.log)
+            path = paths_before_facts(self.recipe, Node(remote.target), remote.home).log
             size = remote.exec(f"stat -c %s -- {shlex.quote(path)} 2>/dev/null || echo 0", deadline=30)
             if size.status != 0:
                 return

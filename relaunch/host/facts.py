@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..scripts import plain, with_inputs
+from .spec import Target
 
 FACTS_DEADLINE = 90.0       # the script bounds each slow probe itself (nvidia-smi on a broken box hangs)
 
@@ -35,6 +37,12 @@ class HostFacts:
     venv_python: str = ""                           # the venv's Python version, read by running it
     missing_apt: list[str] = field(default_factory=list)
     run: dict[str, Any] = field(default_factory=dict)  # run.json: how the last `up` started training
+    # what this login cannot see through its tmux (facts.sh): processes of this box running this
+    # recipe's run.sh, other users' tmux servers ({"uid", "user", "pid"} each), and the folder on the
+    # way to checkpoint.dir this user cannot look into ("OWNER PATH", "" when none)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    other_tmux: list[dict[str, Any]] = field(default_factory=list)
+    ckpt_hidden: str = ""
 
     @property
     def is_root(self) -> bool:
@@ -63,20 +71,35 @@ FREEZE_PY = (
 
 
 def facts_script(python: str, venv: str, ckpt: str, session: str, apt: list[str],
-                 templates: Path | None = None, run_info: str = "") -> str:
+                 templates: Path | None = None, run_info: str = "", name: str = "") -> str:
     return with_inputs(plain("facts.sh", templates), py_want=python, venv=venv, ckpt=ckpt, session=session,
                        run_info=run_info,
-                       apt=" ".join(apt), freeze_py=FREEZE_PY)
+                       apt=" ".join(apt), freeze_py=FREEZE_PY, name=name)
+
+
+def _processes(lines: list[str]) -> list[dict[str, Any]]:
+    """`UID USER PID` lines, as facts.sh writes them."""
+    found = []
+    for line in lines:
+        words = line.split()
+        if len(words) == 3 and words[0].isdigit() and words[2].isdigit():
+            found.append({"uid": int(words[0]), "user": words[1], "pid": int(words[2])})
+    return found
 
 
 def parse_facts(text: str) -> HostFacts:
     facts = HostFacts()
     values: dict[str, str] = {}
     sections: dict[str, list[str]] = {}
+    lists: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in text.splitlines():
         if line.startswith("missing_apt="):
             facts.missing_apt.append(line.partition("=")[2].strip())
+            continue
+        if line.startswith(("run_process=", "other_tmux=")):
+            key, _, value = line.partition("=")
+            lists.setdefault(key, []).append(value.strip())
             continue
         if line.startswith("--- "):
             name = line[4:].strip()
@@ -113,6 +136,9 @@ def parse_facts(text: str) -> HostFacts:
     except ValueError:
         run = {}
     facts.run = run if isinstance(run, dict) else {}
+    facts.runs = _processes(lists.get("run_process", []))
+    facts.other_tmux = _processes(lists.get("other_tmux", []))
+    facts.ckpt_hidden = values.get("ckpt_hidden", "")
     return facts
 
 
@@ -121,3 +147,50 @@ def _number(text: str | None) -> int:
         return int(float(text or 0))
     except ValueError:
         return 0
+
+
+@dataclass(frozen=True)
+class Unseen:
+    """A run of this recipe on the instance that this login does not see in its tmux session."""
+
+    why: str                         # in words: what was seen
+    owner: str                       # whose run it is ("": this login's own, outside its session)
+    certain: bool                    # its run.sh runs (else only signs of one: a tmux, a folder)
+
+    def hint(self, command: str, target: Target) -> str:
+        """What to do instead: never `relaunch up`, which would start a second training."""
+        if self.owner:
+            other = dataclasses.replace(target, user=self.owner, alias=None)
+            return (f"look as {self.owner}: `relaunch {command} RECIPE {other.endpoint}` (or ssh.user: "
+                    f"{self.owner}); no `relaunch up` while that run is there: it would start a second training")
+        return ("it may be ending (a stop, a save): look again in a moment; stop it before any `relaunch up`, "
+                "which would start a second training beside it")
+
+
+def unseen_run(facts: HostFacts, session: str) -> Unseen | None:
+    """Why "training is not running" would be a verdict on what this login cannot see: a run of this
+    recipe on the instance outside this user's tmux session (facts.sh: this recipe's run.sh in any
+    user's process, another user's tmux server, a folder on the way to checkpoint.dir this user cannot
+    look into). None when nothing says so. For an instance whose session is not alive."""
+    me = facts.user or "this user"
+
+    def pids(found: list[dict[str, object]]) -> str:
+        return ", ".join(str(r["pid"]) for r in found[:3]) + (", ..." if len(found) > 3 else "")
+
+    others = [r for r in facts.runs if r["uid"] != facts.uid]
+    if others:
+        owner = str(others[0]["user"])
+        return Unseen(f"no run of this recipe is visible as {me}, but {owner} runs it on this box (pid "
+                      f"{pids(others)}: its run.sh): the box's run is {owner}'s", owner, True)
+    if facts.runs:
+        return Unseen(f"this recipe's training still runs on this box outside its tmux session {session} "
+                      f"(pid {pids(facts.runs)}: its run.sh)", "", True)
+    if facts.other_tmux:
+        owner = str(facts.other_tmux[0]["user"])
+        return Unseen(f"no run of this recipe is visible as {me}, but {owner} has a tmux server on this box "
+                      f"(pid {pids(facts.other_tmux)}): the box's run may be {owner}'s", owner, False)
+    owner, _, folder = facts.ckpt_hidden.partition(" ")
+    if folder and owner != me:
+        return Unseen(f"{me} cannot look into {folder} ({owner}'s), on the way to checkpoint.dir: the box's run "
+                      f"may be {owner}'s", owner, False)
+    return None

@@ -1,8 +1,9 @@
 """Small edits of a recipe file in place, keeping its comments and layout (for `relaunch freeze`).
 
 A key the file writes in block style is changed on its own line (the value replaced, a comment after
-it kept; a block list gains items after its last one); a key it does not write gets a new line at the
-end of its top-level `env:` block (or a new `env:` block at the end of the file). Anything else
+it kept; a block list gains items after its last one); a key it does not write takes the place of its
+commented-out example in the top-level `env:` block (`# lock: ...`, as `relaunch init` writes them),
+else gets a new line at the end of that block (or a new `env:` block at the end of the file). Anything else
 (a flow mapping, a list spread over lines in flow style) is refused with where and what to write
 by hand: relaunch never rewrites a user's file wholesale.
 """
@@ -126,6 +127,7 @@ def _add_under_env(lines: list[str], path: str, edit: Edit) -> None:
         lines += ["env:", f"  {edit.key}: {rendered}"]
         return
     indent, last = None, start
+    example = None                        # `# key: ...`, the key commented out (a starter recipe's)
     for j in range(start + 1, len(lines)):
         stripped = lines[j].strip()
         if not stripped:
@@ -135,7 +137,17 @@ def _add_under_env(lines: list[str], path: str, edit: Edit) -> None:
             break                         # the next top-level key (or a comment about it)
         if indent is None and not stripped.startswith("#"):
             indent = own
+        if example is None and re.match(rf"#\s*{edit.key}\s*:", stripped):
+            example = j
         last = j
+    if example is not None and len(lines[example]) - len(lines[example].lstrip()) == (indent or 2):
+        # the commented-out example becomes the key, its comment after the value kept in its column
+        _, comment = _split_comment(lines[example].split(":", 1)[1])
+        line = f"{' ' * (indent or 2)}{edit.key}: {rendered}"
+        column = len(lines[example]) - len(comment.lstrip())
+        lines[example] = line + (comment.lstrip().rjust(len(comment.lstrip()) + max(column - len(line), 1))
+                                 if comment else "")
+        return
     lines.insert(last + 1, f"{' ' * (indent or 2)}{edit.key}: {rendered}")
 
 

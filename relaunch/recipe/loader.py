@@ -459,6 +459,32 @@ def _cross_checks(recipe: Recipe) -> None:
         )
 
 
+# Keys that name one thing for every host and node (the store, which files are checkpoints):
+# rendered once, here, with the recipe's name alone, so that every use and every message has the
+# value itself; the other strings are rendered per host (render.py).
+ONE_FOR_EVERY_HOST = (("checkpoint", "remote"), ("checkpoint", "pattern"))
+
+
+def _render_one_for_every_host(data: dict[str, Any], origins: Origins) -> None:
+    import jinja2
+
+    section = data.get("checkpoint")
+    name = data.get("name")
+    if not isinstance(section, dict):
+        return
+    for path in ONE_FOR_EVERY_HOST:
+        value = section.get(path[1])
+        if not isinstance(value, str) or "{" not in value:
+            continue
+        try:
+            section[path[1]] = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(value).render(
+                name=name)
+        except jinja2.TemplateError as exc:
+            file, line = _locate(origins, path)
+            raise RecipeError(f"{exc.message}: it is the same for every host, so it may use {{{{ name }}}} only",
+                              file=file, line=line, key=".".join(path)) from None
+
+
 def overrides_data(overrides: Sequence[str]) -> dict[str, Any]:
     """What `--set KEY.PATH=VALUE` options say, as nested data (local paths made absolute from
     the current directory): for a command that writes a recipe rather than reads one (`adopt`)."""
@@ -474,6 +500,7 @@ def load_data(data: dict[str, Any], overrides: Sequence[str] = (), display: str 
     origins: Origins = {(): (display, None)}
     for spec in overrides:
         data, origins = _apply_override(data, origins, spec)
+    _render_one_for_every_host(data, origins)
     try:
         recipe = Recipe.model_validate(_drop_nulls(data))
     except ValidationError as exc:
@@ -500,6 +527,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     origins[()] = (display, None)
     for spec in overrides:
         data, origins = _apply_override(data, origins, spec)
+    _render_one_for_every_host(data, origins)
     try:
         recipe = Recipe.model_validate(_drop_nulls(data))
     except ValidationError as exc:

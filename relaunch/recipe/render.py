@@ -260,12 +260,13 @@ def disk_findings(recipe: Recipe) -> tuple[list[str], list[str]]:
     return recipe_disk_warnings(recipe, home, paths)
 
 
-def check_recipe(recipe: Recipe) -> list[str]:
+def check_recipe(recipe: Recipe, lock_needed: bool = True) -> list[str]:
     """Render every string with a sample context and check the local files the recipe names.
 
     Raises RecipeError (file:line, key) on an undefined variable, a template syntax error,
-    or a missing local file that `up` would need. Returns notes worth a look that are not
-    errors (no lock, a secret not set in this shell, ...).
+    or a missing local file that `up` would need (the lock too, unless `lock_needed` is False:
+    `freeze` writes it, and the commands that install nothing can do without it). Returns notes
+    worth a look that are not errors (no lock, a secret not set in this shell, ...).
     """
     ctx = sample_context(recipe)
     shell_keys = {"run.command", "recover.command", "recover.alive"} | {f"env.setup.{n}"
@@ -290,8 +291,12 @@ def check_recipe(recipe: Recipe) -> list[str]:
     lock = recipe.env.lock
     if lock is None:
         notes.append("no env.lock: nothing pins the environment; once it works, "
-                     "`relaunch freeze RECIPE HOST` writes one")
-    elif not lock.exists():
+                     "`relaunch freeze RECIPE` writes one and names it here")
+    elif not lock.is_file():
+        if lock_needed:
+            raise _error(recipe, "env.lock", f"the lock file {lock} does not exist",
+                         hint="`relaunch freeze RECIPE HOST` writes it from an instance whose env works (one that "
+                              "`relaunch up` brought up before env.lock was set); or fix the path, or remove env.lock")
         notes.append(f"env.lock {lock} does not exist yet (`relaunch freeze RECIPE HOST` writes it)")
     for name in recipe.env.secrets:
         if name not in os.environ:

@@ -12,6 +12,7 @@ from ..host.remote import upload_command
 from ..job import Job, drift
 from ..plan import LOCAL, Action, Ref
 from ..recipe import render_shell_at, variables
+from ..recipe.render import render_text
 from ..scripts import export_lines
 from ..transports import rsync
 from ..transports.tools import index_exports, indexes_searched, tool_action
@@ -128,7 +129,7 @@ def plan_env(job: Job) -> list[Action]:
                            hint="the full output is in the debug log (relaunch -v shows it live)"))
 
     for local, remote_path in recipe.env.files.items():
-        dest = job.expand(str(remote_path))
+        dest = job.expand(render_text(recipe, str(remote_path), job.context(), f"env.files.{local}"))
         mode = facts.modes.get(str(local), 0o644)
         actions.append(act(f"upload {local} -> {dest}", command=upload_command(dest, mode), stdin=local,
                            deadline=upload_deadline(facts.sizes.get(str(local), 0)),

@@ -98,6 +98,31 @@ def sources(job: Job) -> list[str]:
     return out
 
 
+def classify(names: list[str], probed: dict[str, dict[str, Any]]) -> tuple[list[str], list[str], list[str]]:
+    """(the sources that can fire here, those that depend on the user (file:), those that cannot), as
+    the guard's probe found them (steps/notices.py): what `up` and `status` say, in one place. A
+    source the probe did not answer for cannot."""
+    fire: list[str] = []
+    depends: list[str] = []
+    cannot: list[str] = []
+    for name in names:
+        fires = (probed.get(name) or {"fires": False}).get("fires")
+        (fire if fires is True else depends if fires is None else cannot).append(name)
+    return fire, depends, cannot
+
+
+def started_line(job: Job, names: list[str], session: str) -> str:
+    """What `up` says once the guard runs: the sources it watches that can reach this run, and never
+    one that the probe's lines above said cannot as if it protected the run."""
+    fire, depends, cannot = classify(names, job.facts.notices)
+    listening = [n for n in names if n in fire or n in depends]
+    if not listening:
+        return (f"guard: started (tmux session {session}), but none of {', '.join(cannot)} can reach this "
+                "run: no notice protects it (see above)")
+    said = f"guard: watching {', '.join(listening)} every {job.recipe.guard.every:g}s (tmux session {session})"
+    return said + (f"; {', '.join(cannot)} cannot reach this run" if cannot else "")
+
+
 def guard_config(job: Job) -> dict[str, Any]:
     recipe, paths = job.recipe, job.paths
     return {"name": recipe.name, "host": job.host, "folder": guard_paths(job).folder, "session": recipe.run.session,
@@ -131,8 +156,7 @@ def plan_guard(job: Job) -> list[Action]:
                command=upload_command(where.config, 0o600),
                stdin=(json.dumps(config, indent=2, sort_keys=True) + "\n").encode()),
         Action("launch", f"start the guard in tmux session {session}", command=start,
-               done=f"guard: watching {', '.join(config['sources'])} every {guard.every:g}s "
-                    f"(tmux session {session})"),
+               done=started_line(job, config["sources"], session)),
     ]
 
 
@@ -229,8 +253,9 @@ def record_command(job: Job) -> str:
     return upload_command(guard_paths(job).notice, 0o600)
 
 
-def source_lines(state: dict[str, Any] | None) -> list[str]:
-    """The guard's sources, in words (`status`): on, off and why, or still being asked."""
+def source_lines(state: dict[str, Any] | None, cannot: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The guard's sources, in words (`status`): on, off and why, or still being asked; `cannot`: the
+    sources the probe found cannot reach this run (a guard listening to one protects nothing)."""
     if not state:
         return []
     out = []
@@ -243,5 +268,5 @@ def source_lines(state: dict[str, Any] | None) -> list[str]:
         elif what == "checking":
             out.append(f"{name} not answered yet")
         else:
-            out.append(f"{name} {what}")
+            out.append(f"{name} {what}" + (" (but it cannot reach this run)" if name in cannot else ""))
     return out

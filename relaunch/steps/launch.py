@@ -10,6 +10,7 @@ from pathlib import Path
 from .. import scripts, train
 from ..host.remote import upload_command
 from ..job import Job
+from ..paths import known_hosts_file
 from ..plan import Action
 from ..recipe import render_shell_at
 from .env import exports
@@ -56,12 +57,18 @@ def tail_command(path: str, lines: int = 20) -> str:
 
 
 def attach_command(job: Job) -> str:
+    """The line `up` prints to look at training, as it works pasted into a shell: the host key
+    relaunch recorded (plain ssh reads ~/.ssh/known_hosts, where it is not), the port and key
+    relaunch used, a terminal (no BatchMode: the user is there), the session by its exact name."""
     target = job.target
-    parts = ["ssh", "-t"]
+    parts = ["ssh", "-t", "-o", f"UserKnownHostsFile={known_hosts_file()}"]
     if target.port != 22:
         parts += ["-p", str(target.port)]
     if target.key:
-        parts += ["-i", target.key]
+        parts += ["-i", str(Path(target.key).expanduser())]
+        parts += ["-o", "IdentitiesOnly=yes"] if target.key_only else []
+    if target.jump is not None and not target.alias:
+        parts += ["-J", target.jump.endpoint]
     # an ssh config alias, so that the user's own ssh finds its HostName and ProxyJump again
     parts += [f"{target.user}@{target.alias or target.address}", "tmux", "attach", "-t", f"={job.recipe.run.session}"]
     return shlex.join(parts)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..job import Job
 from ..resources import templates_dir
-from .guard import SCRIPT, sources
+from .guard import SCRIPT, classify, sources
 
 PROBE_DEADLINE = 60.0
 _END = "RELAUNCH_GUARD_PY"
@@ -88,15 +88,15 @@ class Protection:
 def protection(job: Job, probed: dict[str, dict[str, Any]]) -> Protection:
     """From the probe's findings: which sources protect this run, and what bounds a loss."""
     guard = job.recipe.guard
-    fire: dict[str, str] = {}
-    cannot: dict[str, str] = {}
-    depends: dict[str, str] = {}
     off = ("the guard is off (guard.enabled: false)" if not guard.enabled else
            "guard.sources is empty: the guard listens to nothing" if not guard.sources else "")
-    for name in sources(job) if not off else []:
-        found = probed.get(name) or {"fires": False, "why": "the instance did not say (no python3 to ask with?)"}
-        why, fires = str(found.get("why") or ""), found.get("fires")
-        (fire if fires is True else depends if fires is None else cannot)[name] = why
+    names = sources(job) if not off else []
+
+    def why(name: str) -> str:
+        found = probed.get(name)
+        return str(found.get("why") or "") if found else "the instance did not say (no python3 to ask with?)"
+
+    fire, depends, cannot = ({n: why(n) for n in group} for group in classify(names, probed))
     store = job.facts.store
     record = store.manifest.newest() if store and store.manifest else None
     stored = f"{record.name}, step {record.step}" if record else "none yet"

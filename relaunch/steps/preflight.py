@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 
 from ..errors import EnvError
+from ..host.facts import unseen_run
 from ..job import Job
 from ..plan import Action
 from ..recipe.disks import recipe_disk_warnings, too_small
@@ -77,6 +78,12 @@ def summary(job: Job) -> list[str]:
 def plan_preflight(job: Job, checkpoint_bytes: int) -> list[Action]:
     """Raise EnvError (exit 4) when the instance cannot work; else plan the missing system packages."""
     recipe, facts, paths = job.recipe, job.facts.host, job.paths
+    unseen = unseen_run(facts, recipe.run.session)
+    if unseen is not None and unseen.certain:
+        # its session is not this login's, but this recipe's training runs on the box: a second one
+        # would share its GPUs and checkpoint.dir
+        raise EnvError(f"{job.host}: preflight: {unseen.why}; starting it here would train twice",
+                       unseen.hint("status", job.target))
     found = f"python3 is {facts.python3_version}" if facts.python3_version else "no python3 at all"
     if not facts.python and not provides_python(job):
         raise EnvError(
