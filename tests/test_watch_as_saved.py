@@ -11,6 +11,7 @@ import json
 import time
 
 from e2e import run_cli, wait_for
+from relaunch import sandbox as sb
 from relaunch.sandbox import network
 from relaunch.sandbox.instance import RUN_DIR
 from test_guard import watching
@@ -20,10 +21,11 @@ SAVE_EVERY = 25              # steps between saves; a step every 0.2 s: a save e
 SAMPLING = 75.0              # seconds of samples
 
 
-def newest_on(ssh, inst, folder: str = "~/ckpt") -> int:
-    """The instance's newest complete checkpoint (spot_trainer renames each into place whole)."""
-    names = ssh(inst, f"ls {folder} 2>/dev/null || true").stdout.split()
-    steps = [int(n[len("ckpt-"):-len(".pt")]) for n in names if n.startswith("ckpt-") and n.endswith(".pt")]
+def newest_on(inst: sb.Instance) -> int:
+    """The instance's newest complete checkpoint (spot_trainer renames each into place whole), read
+    from inside it: no SSH connection per sample."""
+    names = sb.run_in(inst.name, ["ls", f"{inst.home}/ckpt"], capture_output=True, text=True, timeout=30).stdout
+    steps = [int(n[len("ckpt-"):-len(".pt")]) for n in names.split() if n.startswith("ckpt-") and n.endswith(".pt")]
     return max(steps, default=0)
 
 
@@ -40,9 +42,11 @@ def test_each_checkpoint_is_copied_as_it_is_saved_with_the_default_checkpoint_ev
     fall behind and again when they catch up, and `status` shows what the watch measured."""
     home, inst = tmp_path / "state", sandbox()
     name = "assaved"
-    # a look every second (guard.every): a round starts within about a second of a save
+    # a look every second (guard.every): a round starts within about a second of a save; the store
+    # keeps one checkpoint, so a round copies one (on two loaded cores a round takes seconds, and
+    # its length, not when it starts, is what bounds the exposure at a save every 5 s)
     recipe = spot_recipe(tmp_path, name, ssh_key, size=200_000, every=SAVE_EVERY, keep=3, sleep=0.2,
-                         guard={"every": 1})
+                         guard={"every": 1}, checkpoint={"keep": 1})
     store = tmp_path / "store"
     assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
     with watching(recipe, home, tmp_path) as watch:
@@ -51,7 +55,7 @@ def test_each_checkpoint_is_copied_as_it_is_saved_with_the_default_checkpoint_ev
         samples: list[tuple[int, int]] = []
         end = time.monotonic() + SAMPLING
         while time.monotonic() < end:
-            on_instance = newest_on(ssh, inst)        # first: the store read after it can only be newer
+            on_instance = newest_on(inst)             # first: the store read after it can only be newer
             samples.append((on_instance, stored_newest(store)))
             time.sleep(0.5)
         behind = [(i, s) for i, s in samples if i - s > 2 * SAVE_EVERY]

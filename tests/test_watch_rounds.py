@@ -143,11 +143,12 @@ def test_a_save_starts_a_round_at_once_and_a_burst_of_saves_one_round_after_the_
     def rounds_begun() -> int:
         return len(runs.read_text().split()) if runs.exists() else 0
 
-    def copies(step: int) -> None:
-        """The running round ends, having verified `step`; the loop takes it."""
-        name = f"ckpt-{step}.pt"
-        answer.write_text(json.dumps(Report(store=str(tmp_path / "store"), newest=name, newest_step=step,
-                                            stored=name, stored_step=step, safe=True).as_dict()))
+    def copies(step: int, newest: int) -> None:
+        """The running round ends, having verified `step`, the instance's newest then being `newest`
+        (saved while it copied); the loop takes it."""
+        answer.write_text(json.dumps(Report(store=str(tmp_path / "store"), newest=f"ckpt-{newest}.pt",
+                                            newest_step=newest, stored=f"ckpt-{step}.pt", stored_step=step,
+                                            safe=True).as_dict()))
         go.touch()
         wait_for("the round to end", lambda: not watch.rounds.busy, timeout=30, every=0.02)
         watch.drain()
@@ -156,7 +157,7 @@ def test_a_save_starts_a_round_at_once_and_a_burst_of_saves_one_round_after_the_
         sees(25)
         watch.tick()                                    # the first round, as the watch starts
         wait_for("the first round", lambda: rounds_begun() == 1, timeout=30, every=0.02)
-        copies(25)
+        copies(25, 25)
         watch.tick()
         assert not watch.rounds.busy and rounds_begun() == 1            # nothing new: no round
         sees(25, 50)
@@ -166,10 +167,10 @@ def test_a_save_starts_a_round_at_once_and_a_burst_of_saves_one_round_after_the_
             sees(*burst)
             watch.tick()
         assert rounds_begun() == 2                      # not doubled while it runs
-        copies(50)
+        copies(50, 125)
         watch.tick()                                    # one round after it, for the newest
         wait_for("one round after the burst", lambda: rounds_begun() == 3, timeout=30, every=0.02)
-        copies(125)
+        copies(125, 125)
         watch.tick()
         assert not watch.rounds.busy and rounds_begun() == 3
     finally:

@@ -120,8 +120,6 @@ class Watch(NoticeHandling, Replacing):
         self.last_stored = report.stored_step
         self.stored = report
         self.given_up = False
-        if report.newest_step is not None:          # what the round saw, perhaps newer than the look before it
-            self.round_newest = max(report.newest_step, self.round_newest or report.newest_step)
         for looker in self.lookers.values():
             looker.answered(started)        # a round that worked heard from every node, when it began
         self.ui.ok(round_line(report))
