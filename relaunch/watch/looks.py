@@ -8,7 +8,8 @@ latest `View` of each node whenever it likes.
 Why the look lists checkpoint.dir rather than the guard reporting new checkpoints: which
 checkpoint is complete is decided per layout by relaunch/layouts/ on this machine (the guard runs
 alone on the instance and imports nothing of relaunch), and the same listing is what a round reads.
-A `find` of checkpoint.dir every few seconds costs the instance little beside a training.
+A `find` of checkpoint.dir every few seconds costs the instance little beside a training, and the
+link a line per file.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class View:
     silent_since: float | None = None  # monotonic time the node stopped answering; None: it answers
     why: str = ""                     # why the last attempt had no answer
     newest_seen: int | None = None    # the newest step its log or its checkpoints showed
-    complete: tuple[Checkpoint, ...] = ()   # the complete checkpoints in checkpoint.dir, oldest first (lists only)
+    complete: tuple[Checkpoint, ...] = ()   # complete checkpoints in checkpoint.dir, oldest first (if it lists)
     fatal: RelaunchError | None = None   # another machine answers there (a host key refused)
     looks: int = 0                    # answered looks so far (a fresh one is looks > n)
 
