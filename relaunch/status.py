@@ -25,6 +25,7 @@ from .steps.notices import protection
 from .transports import open_store
 from .transports.base import Store
 from .ui import UI, human
+from .watch.exposure import Exposure
 from .watch.holder import read_state
 
 GPU_QUERY = ("timeout -k 2 10 nvidia-smi --query-gpu=name,utilization.gpu,memory.used,memory.total "
@@ -277,8 +278,19 @@ def watch_lines(w: dict[str, Any] | None) -> list[str]:
            else f"  watch: not running (the last one, pid {w.get('pid')}, ended {w.get('ended') or 'without a word'})"]
     if w.get("last_round"):
         out.append(f"    last round at {w['last_round'].get('at')}: {w['last_round'].get('line')}")
+    out += exposure_lines(w.get("exposure"), w.get("exposure_most"))
     if w.get("last_error"):
         out.append(f"    last error at {w['last_error'].get('at')}: {w['last_error'].get('message')}")
+    return out
+
+
+def exposure_lines(now: dict[str, Any] | None, most: dict[str, Any] | None) -> list[str]:
+    """What the watch measured at its looks: the exposure then, and the most it has been."""
+    if not now:
+        return []
+    out = [f"    exposure at {now.get('at')}: {Exposure.from_dict(now).words()}"]
+    if most:
+        out.append(f"    the most since the watch started: {Exposure.from_dict(most).words()}, at {most.get('at')}")
     return out
 
 

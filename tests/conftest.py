@@ -381,8 +381,8 @@ _REGISTRY = pytest.StashKey[Path]()
 # the long tests start on the first workers at once, and the others, done with their quick shares,
 # steal from those queues: no long test is left to start alone at the end.
 LONGEST_FIRST = ("test_watch_unattended", "test_chaos", "test_checkpointer_runs", "test_groups", "test_team_recipes",
-                 "test_demo", "test_adopt", "test_adopt_trainers", "test_hf_store", "test_watch_faults", "test_cycle",
-                 "test_profiles", "test_trainers", "test_living")
+                 "test_demo", "test_adopt", "test_adopt_trainers", "test_hf_store", "test_watch_faults",
+                 "test_watch_as_saved", "test_cycle", "test_profiles", "test_trainers", "test_living")
 
 
 @pytest.hookimpl(trylast=True)           # after tests/layers.py has marked the sandbox tests

@@ -27,8 +27,9 @@ def test_the_words_for_each_finding() -> None:
     assert not alone.protected
     assert alone.lines()[-1] == (
         "no notice can protect this run unless file:/x is written: a loss costs what was saved after the store's "
-        "newest verified checkpoint (none yet); keep `relaunch watch` or `relaunch sync` running and that is at "
-        "most checkpoint.every = 600s of copies plus one save interval")
+        "newest verified checkpoint (none yet); keep `relaunch watch` running and that is at most one save "
+        "interval plus a copy (it copies each checkpoint as it is saved), with `relaunch sync` alone "
+        "checkpoint.every = 600s of copies plus one save interval")
     assert alone.as_dict()["sources"]["file:/x"]["fires"] is None
     assert alone.as_dict()["loss_bound"]["every"] == 600
 
@@ -101,8 +102,9 @@ def test_up_and_status_say_which_sources_protect_the_run(tmp_path, sandbox, ssh_
     watched, refused = watched_and_refused(up.stderr)
     assert "file:/root/RECLAIM" in watched and {"aws", "gcp"} <= refused and not watched & refused
     assert ("no notice can protect this run unless file:/root/RECLAIM is written: a loss costs what was saved after "
-            "the store's newest verified checkpoint (none yet); keep `relaunch watch` or `relaunch sync` running and "
-            "that is at most checkpoint.every = 300s of copies plus one save interval") in up.stderr
+            "the store's newest verified checkpoint (none yet); keep `relaunch watch` running and that is at most one "
+            "save interval plus a copy (it copies each checkpoint as it is saved), with `relaunch sync` alone "
+            "checkpoint.every = 300s of copies plus one save interval") in up.stderr
     status = run_cli("status", str(recipe), "--json", "--set", "checkpoint.every=300", home=home)
     notices = json.loads(status.stdout)["notices"]
     assert notices["protected"] is False and notices["loss_bound"]["every"] == 300

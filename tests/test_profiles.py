@@ -169,8 +169,9 @@ def assert_notices(image: str, up_err: str, status: dict[str, Any]) -> None:
             assert "PID 1 is start.sh" in said, said
         # the loss bound, named: the copy-off interval of init's recipe (the default, 600 s)
         assert ("no notice can protect this run: a loss costs what was saved after the store's newest verified "
-                "checkpoint (none yet); keep `relaunch watch` or `relaunch sync` running and that is at most "
-                "checkpoint.every = 600s of copies plus one save interval") in up_err, up_err
+                "checkpoint (none yet); keep `relaunch watch` running and that is at most one save interval plus a "
+                "copy (it copies each checkpoint as it is saved), with `relaunch sync` alone checkpoint.every = 600s "
+                "of copies plus one save interval") in up_err, up_err
         assert notices["loss_bound"]["every"] == 600
 
 

@@ -1,5 +1,6 @@
 """The watch's pure decisions, from values (no instance): what a recover.command's output allows,
-what counts as a HOST, which log lines are this run's, when a node counts as silent."""
+what counts as a HOST, which log lines are this run's, when a node counts as silent, what the
+exposure is and when it is worth a line."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 from e2e import plain_recipe
 from relaunch.host.facts import HostFacts
 from relaunch.host.spec import HostSpec, Target
-from relaunch.job import Facts, Job, Node
+from relaunch.job import Facts, Job, Lag, Node
+from relaunch.layouts import Checkpoint, Entry
 from relaunch.recipe import load_recipe
 from relaunch.steps.guard import look_command, newest_logged_step, parse_look
+from relaunch.watch.exposure import Exposure, Meter
 from relaunch.watch.looks import View, this_run
 from relaunch.watch.recover import Rented, looks_like_host, parse_rented
 
@@ -85,3 +88,48 @@ def test_a_node_is_silent_once_a_look_failed_or_one_under_way_is_late() -> None:
     assert answered.silent_for(106.0, hang_after=5.0) == 6.0          # the look under way is late: silent since 100
     failed = View(spec, answered_at=100.0, silent_since=100.0)
     assert failed.silent_for(101.0, hang_after=5.0) == 1.0
+
+
+def listed(*steps: int) -> tuple[Checkpoint, ...]:
+    """Complete checkpoints as node 0's look lists them: ckpt-STEP.pt, saved at second STEP."""
+    return tuple(Checkpoint(f"ckpt-{s}.pt", s, (Entry(f"ckpt-{s}.pt", "f", 10, float(s)),)) for s in steps)
+
+
+def stored_at(step: int) -> Lag:
+    """The last round's report: the store's newest verified is `step` (the instance's newest then too)."""
+    return Lag(newest=f"ckpt-{step}.pt", newest_step=step, newest_mtime=float(step), stored=f"ckpt-{step}.pt",
+               stored_step=step, stored_written_at=float(step))
+
+
+def test_the_exposure_is_said_when_the_copies_fall_behind_the_saves_and_once_when_they_catch_up() -> None:
+    meter = Meter()
+    said = []
+
+    def look(complete: tuple[Checkpoint, ...], stored: Lag) -> Exposure | None:
+        now = meter.measure(complete, stored)
+        said.append(meter.news())
+        return now
+
+    now = look(listed(25), stored_at(25))
+    assert now is not None and (now.lag_steps, now.lag_seconds, now.behind) == (0, 0.0, 0)
+    now = look(listed(25, 50), stored_at(25))          # a save a round is copying: not worth a line
+    assert now is not None and (now.lag_steps, now.lag_seconds, now.behind) == (25, 25.0, 1)
+    now = look(listed(25, 50, 75), stored_at(25))      # the next save before it was verified
+    assert now is not None and (now.lag_steps, now.behind) == (50, 2)
+    look(listed(25, 50, 75), stored_at(25))           # the same again: not every look
+    look(listed(50, 75, 100), stored_at(50))          # a round verified one, a save came: still behind
+    look(listed(75, 100, 125), stored_at(50))         # and another; ckpt-75 rotated away unverified still counts
+    assert meter.now is not None and meter.now.behind == 3
+    now = look(listed(75, 100, 125), stored_at(125))
+    assert now is not None and now.lag_steps == 0
+    look(listed(100, 125), stored_at(125))
+    assert said == [None, None, "behind", None, "behind", "behind", "caught up", None]
+    assert meter.worst is not None and (meter.worst.lag_steps, meter.worst.newest_step) == (75, 125)
+
+
+def test_the_exposure_takes_the_rounds_newest_when_the_look_before_it_is_older() -> None:
+    """A save came between the look and the round that copied it: the instance's newest is the
+    round's, never a store ahead of the instance."""
+    now = Meter().measure(listed(25), stored_at(50))
+    assert now is not None and (now.newest_step, now.lag_steps, now.behind) == (50, 0, 0)
+    assert Exposure.from_dict(now.as_dict()) == now

@@ -1,12 +1,13 @@
 """The watch's copy-off rounds as the loop sees them, with real children (no instance): a child
 that exits 1 is an internal error, said once and never tried again; a round that worked heard
-from the nodes when it began, not when it ended."""
+from the nodes when it began, not when it ended; a save starts a round, never two at once."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from e2e import plain_recipe, wait_for
 from relaunch import processes
 from relaunch.errors import RelaunchError
 from relaunch.host.spec import HostSpec
+from relaunch.layouts import Checkpoint, Entry
 from relaunch.recipe.loader import load_recipe
 from relaunch.steps.evacuate import Report
 from relaunch.ui import UI
@@ -113,3 +115,64 @@ def test_a_round_document_with_its_report_and_its_error_is_the_report() -> None:
                 "hint": None, "exit": 6, "refused": False}
     answer = parse(6, json.dumps(document, indent=2).encode(), b"")
     assert isinstance(answer, Report) and answer.copied == ["ckpt-2.pt"]
+
+
+def test_a_save_starts_a_round_at_once_and_a_burst_of_saves_one_round_after_the_running_one(tmp_path,
+                                                                                             monkeypatch) -> None:
+    """checkpoint.every at its default (600 s): a new complete checkpoint in node 0's look starts a
+    round on the next tick; saves while it runs start none beside it, and one after it, which copies
+    whatever is newest then; no new checkpoint, no round."""
+    monkeypatch.setenv("RELAUNCH_HOME", str(tmp_path / "state"))
+    recipe = load_recipe(str(plain_recipe(tmp_path, name="assaved", key=tmp_path / "key")))
+    spec = HostSpec.parse("root@203.0.113.7")
+    watch = Watch(recipe, [spec], UI(quiet=True))
+    looker = Looker(watch.current(), spec, 1.0, watch.wake)       # never started: the test says what it sees
+    watch.lookers = {str(spec): looker}
+    runs, answer, go = tmp_path / "runs", tmp_path / "report.json", tmp_path / "go"
+    # each round: one line in `runs`, then waits for `go`, then reports what `report.json` says
+    code = ("import os, sys, time; open(sys.argv[1], 'a').write('round\\n')\n"
+            "while not os.path.exists(sys.argv[2]): time.sleep(0.02)\n"
+            "os.unlink(sys.argv[2]); print(open(sys.argv[3]).read())")
+    watch.rounds = Rounds(lambda: [sys.executable, "-c", code, str(runs), str(go), str(answer)], watch._post,
+                          ended=watch.wake.set)
+
+    def sees(*steps: int) -> None:
+        complete = tuple(Checkpoint(f"ckpt-{s}.pt", s, (Entry(f"ckpt-{s}.pt", "f", 1, float(s)),)) for s in steps)
+        looker._view = replace(looker.view(), complete=complete, answered_at=time.monotonic())
+
+    def rounds_begun() -> int:
+        return len(runs.read_text().split()) if runs.exists() else 0
+
+    def copies(step: int, newest: int) -> None:
+        """The running round ends, having verified `step`, the instance's newest then being `newest`
+        (saved while it copied); the loop takes it."""
+        answer.write_text(json.dumps(Report(store=str(tmp_path / "store"), newest=f"ckpt-{newest}.pt",
+                                            newest_step=newest, stored=f"ckpt-{step}.pt", stored_step=step,
+                                            safe=True).as_dict()))
+        go.touch()
+        wait_for("the round to end", lambda: not watch.rounds.busy, timeout=30, every=0.02)
+        watch.drain()
+
+    try:
+        sees(25)
+        watch.tick()                                    # the first round, as the watch starts
+        wait_for("the first round", lambda: rounds_begun() == 1, timeout=30, every=0.02)
+        copies(25, 25)
+        watch.tick()
+        assert not watch.rounds.busy and rounds_begun() == 1            # nothing new: no round
+        sees(25, 50)
+        watch.tick()                                    # a save: a round at once, not after 600 s
+        wait_for("a round for the save", lambda: rounds_begun() == 2, timeout=30, every=0.02)
+        for burst in ((25, 50, 75), (50, 75, 100), (75, 100, 125)):
+            sees(*burst)
+            watch.tick()
+        assert rounds_begun() == 2                      # not doubled while it runs
+        copies(50, 125)
+        watch.tick()                                    # one round after it, for the newest
+        wait_for("one round after the burst", lambda: rounds_begun() == 3, timeout=30, every=0.02)
+        copies(125, 125)
+        watch.tick()
+        assert not watch.rounds.busy and rounds_begun() == 3
+    finally:
+        go.touch()
+        watch.rounds.abort()

@@ -145,7 +145,9 @@ def sync(recipe: str, hosts: tuple[str, ...], every: float | None, once: bool, o
 def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple[str, ...], as_json: bool,
           verbose: bool, yes: bool) -> None:
     """Everything `sync` does, plus: a look at every node's guard every guard.every seconds, never held
-    up by a copy; on a reclaim notice, the save after it is evacuated at once and whether it made the
+    up by a copy; a sync round as each checkpoint is saved (at least every checkpoint.every seconds),
+    and the exposure (the steps the store is behind the instance) said when the copies fall behind
+    the saves; on a reclaim notice, the save after it is evacuated at once and whether it made the
     deadline is said; when an instance is lost (recover.lost_after, and recover.alive if set), run
     recover.command and `up` on the HOST it prints (a node group with recover.shrink goes on on the
     nodes left and grows back), then watch that. One watch per recipe and store. One line per step
@@ -178,7 +180,9 @@ def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple
 def status(recipe: str, hosts: tuple[str, ...], lines: int, overrides: tuple[str, ...], as_json: bool,
            verbose: bool, yes: bool) -> None:
     """Is training alive, its last log lines, GPUs, newest checkpoint on the instance vs newest
-    verified in the store (the lag), free disk, env drift. Exit 0 alive, 4 not, 3 unreachable."""
+    verified in the store (the lag: what a loss right now would cost), free disk, env drift, and
+    the watch of this run on this machine (its last round, the exposure it measured). Exit 0 alive,
+    4 not, 3 unreachable."""
     from ..errors import EnvError
     from ..status import group_status, render, render_group
     from ..status import status as get_status

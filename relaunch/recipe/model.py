@@ -209,7 +209,8 @@ class Checkpoint(_Section):
     via: Literal["local", "instance"] = _key("local: bytes pass through this machine, no credentials on the "
                                              "instance; instance: the instance talks to the remote itself.",
                                              "local", "local", shown_default="local (instance for hf:)")
-    every: float = _key("Seconds between copies in `relaunch sync`.", 600, 600, gt=0)
+    every: float = _key("Seconds between copies in `relaunch sync`; in `relaunch watch`, the longest time "
+                        "between two rounds (a round also starts as each checkpoint is saved).", 600, 600, gt=0)
     streams: int = _key("rsync streams at once (each its own SSH connection) for a checkpoint of several large "
                         "files, so that a link one stream cannot fill (far away: SSH's window / the round trip) "
                         "is filled; a single file is one stream. A via: local evacuation uses one unless this "
@@ -334,7 +335,8 @@ class Guard(_Section):
                               "notice, `watch` copies at once and training goes on). A source that does not "
                               "answer is switched off, said once in `relaunch status`.",
                               ["aws", "sigterm", "file:~/RECLAIM"], list(GUARD_SOURCES))
-    every: float = _key("Seconds between the guard's looks at each source.", 5, 5, gt=0)
+    every: float = _key("Seconds between the guard's looks at each source, and between `relaunch watch`'s looks "
+                        "at the instance (a new complete checkpoint starts a round at the next one).", 5, 5, gt=0)
 
     @field_validator("sources")
     @classmethod

@@ -73,8 +73,9 @@ class Protection:
 
     def bound(self) -> str:
         return (f"a loss costs what was saved after the store's newest verified checkpoint ({self.stored}); keep "
-                f"`relaunch watch` or `relaunch sync` running and that is at most checkpoint.every = {self.every:g}s "
-                "of copies plus one save interval")
+                "`relaunch watch` running and that is at most one save interval plus a copy (it copies each "
+                f"checkpoint as it is saved), with `relaunch sync` alone checkpoint.every = {self.every:g}s of copies "
+                "plus one save interval")
 
     def as_dict(self) -> dict[str, Any]:
         return {"sources": {**{n: {"fires": True, "why": w} for n, w in self.fire.items()},

@@ -1,8 +1,15 @@
 """Looks at the nodes, each in a thread of its own: a slow or silent node, a copy or a recovery
 never delays the look at another. Every `guard.every` seconds one read-only look over a kept SSH
 connection (the training's and the guard's tmux sessions, training's exit status, the guard's
-notice and rebalance records, the log's tail, now and then checkpoint.dir); the loop reads the
+notice and rebalance records, the log's tail, and on node 0 checkpoint.dir: which checkpoints are
+complete, by the recipe's layout, is what starts a round as each one is saved); the loop reads the
 latest `View` of each node whenever it likes.
+
+Why the look lists checkpoint.dir rather than the guard reporting new checkpoints: which
+checkpoint is complete is decided per layout by relaunch/layouts/ on this machine (the guard runs
+alone on the instance and imports nothing of relaunch), and the same listing is what a round reads.
+A `find` of checkpoint.dir every few seconds costs the instance little beside a training, and the
+link a line per file.
 """
 
 from __future__ import annotations
@@ -19,14 +26,13 @@ from ..host.facts import HostFacts
 from ..host.remote import Remote
 from ..host.spec import HostSpec
 from ..job import Facts, Job, Node
-from ..layouts import complete_checkpoints
+from ..layouts import Checkpoint, complete_checkpoints
 from ..recipe import Recipe
 from ..scripts import this_run
 from ..steps.guard import LOOK_DEADLINE, Look, look_command, newest_logged_step, parse_look
 from ..ui import redact
 
 CONNECT_WAIT = 10.0        # seconds one reconnection for a look may take
-LISTING_EVERY = 10.0       # seconds between looks that also list checkpoint.dir (newest step seen)
 
 
 @dataclass(frozen=True)
@@ -42,13 +48,18 @@ class View:
     silent_since: float | None = None  # monotonic time the node stopped answering; None: it answers
     why: str = ""                     # why the last attempt had no answer
     newest_seen: int | None = None    # the newest step its log or its checkpoints showed
-    newest_complete: int | None = None   # the newest complete checkpoint's step in checkpoint.dir
+    complete: tuple[Checkpoint, ...] = ()   # complete checkpoints in checkpoint.dir, oldest first (if it lists)
     fatal: RelaunchError | None = None   # another machine answers there (a host key refused)
     looks: int = 0                    # answered looks so far (a fresh one is looks > n)
 
     @property
     def host(self) -> str:
         return str(self.spec)
+
+    @property
+    def newest_complete(self) -> int | None:
+        """The newest complete checkpoint's step in checkpoint.dir (None: none, or not listed)."""
+        return self.complete[-1].step if self.complete else None
 
     def silent_for(self, now: float, hang_after: float) -> float:
         """Seconds since its last answer, once it is silent: a look failed, or the one under way is
@@ -58,19 +69,19 @@ class View:
 
 
 class Looker:
-    """Looks at one node every `every` seconds in a daemon thread; `view()` is the latest."""
+    """Looks at one node every `every` seconds in a daemon thread; `view()` is the latest. `lists`:
+    each look also lists checkpoint.dir (node 0, and a replaced instance that answers again)."""
 
     def __init__(self, recipe: Recipe, spec: HostSpec, every: float, wake: threading.Event,
-                 listing_every: float = LISTING_EVERY) -> None:
+                 lists: bool = True) -> None:
         self.recipe, self.spec, self.every, self.wake = recipe, spec, every, wake
-        self.listing_every = listing_every
+        self.lists = lists
         now = time.monotonic()
         self._view = View(spec, answered_at=now, answered_epoch=time.time())
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._remote: Remote | None = None
         self._job: Job | None = None
-        self._next_listing = 0.0
         self._thread = threading.Thread(target=self._run, name=f"look {spec}", daemon=True)
 
     def start(self) -> Looker:
@@ -139,8 +150,7 @@ class Looker:
             self._job = Job(self.recipe, Node(target), Facts(host=HostFacts(home=remote.home)))
         assert self._remote is not None and self._job is not None
         sent = time.monotonic()
-        listing = sent >= self._next_listing
-        result = self._remote.exec(look_command(self._job, listing), deadline=LOOK_DEADLINE,
+        result = self._remote.exec(look_command(self._job, self.lists), deadline=LOOK_DEADLINE,
                                    cancelled=lambda: self._stop.is_set() or processes.CANCEL.is_set())
         if result.status is None:
             self._close()
@@ -149,18 +159,16 @@ class Looker:
         look = parse_look(result.stdout)
         with self._lock:
             v = self._view
-            seen, complete = v.newest_seen, v.newest_complete
+            seen, complete = v.newest_seen, v.complete
             logged = newest_logged_step(this_run(look.log_tail), self.recipe.run.metrics.step)
             if logged is not None:
                 seen = max(logged, seen or 0)
             if look.listing is not None:
-                self._next_listing = time.monotonic() + self.listing_every
                 c = self.recipe.checkpoint
-                found = complete_checkpoints(look.listing, c.layout, c.pattern)
-                complete = found[-1].step if found else None
-                if found:
-                    seen = max(found[-1].step, seen or 0)
+                complete = tuple(complete_checkpoints(look.listing, c.layout, c.pattern))
+                if complete:
+                    seen = max(complete[-1].step, seen or 0)
             now = time.monotonic()
             self._view = replace(v, look=look, looked_at=now, answered_at=now, answered_epoch=time.time(),
-                                 sent_at=sent, silent_since=None, why="", newest_seen=seen, newest_complete=complete,
+                                 sent_at=sent, silent_since=None, why="", newest_seen=seen, complete=complete,
                                  looks=v.looks + 1)

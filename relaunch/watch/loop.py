@@ -2,6 +2,10 @@
 recovery in replacing.py): it reads the latest look at every node (looks.py), starts and collects the
 copy-off rounds (rounds.py), and decides, from what the nodes show now:
 
+- a new complete checkpoint on node 0 (its look lists checkpoint.dir): a round at once, unless one
+  runs (the next one then starts when it ends and copies whatever is newest then); without a new
+  one, a round after checkpoint.every; the exposure (exposure.py) measured at every look, said
+  when the copies fall behind the saves;
 - a reclaim notice on any node: the round copying meanwhile is ended (the save after the notice
   goes first), the guard's save is waited for (in a node group every node is asked to save), the
   newest checkpoint is evacuated and verified (its bytes hashed on the instance again, whatever
@@ -65,8 +69,9 @@ class Watch(NoticeHandling, Replacing):
 
     def _loop(self) -> WatchEnd:
         recover = self.recipe.recover
-        self.say(f"watching {self.host}: a look every {self.every:g}s, a sync round every "
-                 f"{self.recipe.checkpoint.every:g}s, lost after {recover.lost_after:g}s without an answer"
+        self.say(f"watching {self.host}: a look every {self.every:g}s, a sync round as each checkpoint is saved "
+                 f"(at least every {self.recipe.checkpoint.every:g}s), lost after {recover.lost_after:g}s without an "
+                 "answer"
                  + (f" (and recover.alive `{recover.alive}` saying it is gone)" if recover.alive else "")
                  + "; recover: " + (f"`{recover.command}`" + (", shrinking the group meanwhile" if recover.shrink
                                                              and self.group else "")
@@ -92,7 +97,9 @@ class Watch(NoticeHandling, Replacing):
             if outcome.report is not None:
                 self.after_round(outcome.report, outcome.started)
             elif outcome.failed is not None:
-                self.next_round = time.monotonic() + self.recipe.checkpoint.every   # its tries are used up
+                # its tries are used up: the next round at checkpoint.every, a new checkpoint or not
+                self.next_round = time.monotonic() + self.recipe.checkpoint.every
+                self.given_up = True
         if self.ending is not None and self.ending.done():
             exc = self.ending.exception()
             if isinstance(exc, RelaunchError):
@@ -111,6 +118,8 @@ class Watch(NoticeHandling, Replacing):
     def after_round(self, report: Report, started: float) -> None:
         self.plan_next_round(started)
         self.last_stored = report.stored_step
+        self.stored = report
+        self.given_up = False
         for looker in self.lookers.values():
             looker.answered(started)        # a round that worked heard from every node, when it began
         self.ui.ok(round_line(report))
@@ -150,9 +159,43 @@ class Watch(NoticeHandling, Replacing):
             return outcome
         self.look_at_replaced()
         self.grow_back()
-        if now >= self.next_round and not self.rounds.busy:
-            self.rounds.start()
+        newest = views[0].newest_complete
+        if (now >= self.next_round or self.saved_since_round(views[0])) and self.rounds.start():
+            self.round_newest = newest          # a round already running is not doubled: start() says so
+        self.follow_exposure(views[0])
         return None
+
+    def saved_since_round(self, view: View) -> bool:
+        """Node 0 holds a complete checkpoint newer than both the store's newest verified and its
+        newest when the last round began: a round now (not after a round that used up its tries:
+        that waits for checkpoint.every). What the look saw only says when to copy; what the round
+        copies is what it finds newest then, verified by the store's bytes."""
+        newest = view.newest_complete
+        if newest is None or self.given_up:
+            return False
+        return all(newest > known for known in (self.last_stored, self.round_newest) if known is not None)
+
+    def follow_exposure(self, view: View) -> None:
+        """The exposure at this look, once a round said what the store holds; a line (and an
+        `exposure` event) when the copies fall behind the saves or catch up again; status's copy in
+        the watch's state file when it changed."""
+        if self.stored is None:
+            return
+        before = self.meter.now
+        now = self.meter.measure(view.complete, self.stored)
+        if now is None:
+            return
+        news = self.meter.news()
+        if news == "behind":
+            self.warn(f"exposure {now.words()}: {now.behind} checkpoints not verified in the store yet; the copies "
+                      "fall behind the saves")
+        elif news == "caught up":
+            self.say(f"exposure back to {now.words()}: the copies keep up with the saves again")
+        if news is not None:
+            self.emit("exposure", **now.as_dict())
+        if before is None or (before.newest_step, before.stored_step) != (now.newest_step, now.stored_step):
+            worst = self.meter.worst
+            self.holder.note(exposure=now.as_dict(), exposure_most=worst.as_dict() if worst else None)
 
     def say_silences(self, views: list[View], now: float) -> None:
         for view in views:

@@ -290,8 +290,7 @@ class Replacing(WatchBase):
         for spec in specs:
             if self._taken(spec):
                 continue
-            looker = Looker(self.current(5), spec, max(REPLACED_LOOKS * self.every, 10.0), self.wake,
-                            listing_every=0).start()
+            looker = Looker(self.current(5), spec, max(REPLACED_LOOKS * self.every, 10.0), self.wake).start()
             self.replaced[str(spec)] = looker
 
     def _taken(self, spec: HostSpec) -> bool:

@@ -113,9 +113,11 @@ def parse(status: int | None, stdout: bytes, stderr: bytes) -> Report | Relaunch
 class Rounds:
     """At most one round at a time, in a thread of its own; the loop polls `take()`."""
 
-    def __init__(self, argv: Callable[[], list[str]], say: Callable[[str, str], None]) -> None:
+    def __init__(self, argv: Callable[[], list[str]], say: Callable[[str, str], None],
+                 ended: Callable[[], None] = lambda: None) -> None:
         self._argv = argv                    # the child's command line, made when a round starts
         self._say = say                      # (kind, text) to the loop's queue: "warn" | "say"
+        self._ended = ended                  # called once a round's outcome is there (the loop wakes)
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
         self._outcome: RoundOutcome | None = None
@@ -196,6 +198,7 @@ class Rounds:
                     EvacuationError(exc.error.message, exc.error.hint, refused=True)
         with self._lock:
             self._outcome = outcome
+        self._ended()
 
 
 def child_argv(recipe_path: str, hosts: list[str], sets: list[str]) -> list[str]:

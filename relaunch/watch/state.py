@@ -18,11 +18,13 @@ from typing import Any
 from .. import history
 from ..errors import Interrupted, RelaunchError, UsageError
 from ..host.spec import HostSpec
+from ..job import Lag
 from ..recipe import Recipe
 from ..retry import RECONNECT_WAIT
 from ..transports import open_store
 from ..ui import UI, redact
 from . import recover as rent
+from .exposure import Meter
 from .failures import first_line
 from .holder import Holder
 from .looks import Looker, View
@@ -53,7 +55,7 @@ class WatchBase:
         self.hang_after = max(3 * self.every, 5.0)     # a look this much past the last answer: silent
         self.wake = threading.Event()
         self.messages: queue.Queue[tuple[str, str]] = queue.Queue()
-        self.rounds = Rounds(self._round_argv, lambda kind, text: self._post(kind, text))
+        self.rounds = Rounds(self._round_argv, lambda kind, text: self._post(kind, text), ended=self.wake.set)
         self.background = ThreadPoolExecutor(max_workers=3, thread_name_prefix="background")
         self.store = open_store(recipe)
         self.holder = Holder(recipe.name, self.store, [str(s) for s in self.specs])
@@ -67,6 +69,8 @@ class WatchBase:
         self.said_ready = False
         self.grow_after = 0                                      # the step the shrunk group resumed from
         self.last_stored: int | None = None                      # the newest verified, as the last round saw
+        self.stored: Lag | None = None                           # ... its name, step and time, for the exposure
+        self.meter = Meter()                                     # the exposure, look by look
         self.asking: dict[str, Future[rent.Alive]] = {}         # recover.alive in flight, by host
         self.alive_after: dict[str, float] = {}                 # ... and when to ask it again
         self.alive_said: dict[str, bool | None] = {}            # its last answer, said once
@@ -75,7 +79,9 @@ class WatchBase:
         self.ending_seen: dict[str, int] | None = None          # training gone: the looks when first seen
         self.waiting: history.Interruption | None = None       # lost, no recover.command: back?
         self.waiting_since = 0.0                                # ... since when (monotonic)
-        self.next_round = 0.0
+        self.next_round = 0.0                   # the latest a round starts: checkpoint.every after the last
+        self.round_newest: int | None = None    # node 0's newest complete step when the last round began
+        self.given_up = False                   # the last round used up its tries: no round before next_round
         self.round_asked: float | None = None   # a round wanted at once (monotonic): owed until one begins after it
         self.said_silent: set[str] = set()
 
@@ -148,11 +154,14 @@ class WatchBase:
         for looker in self.lookers.values():
             looker.stop()
         self.specs = list(specs)
-        # only node 0 lists checkpoint.dir (the newest step seen); the others' logs and guards suffice
-        self.lookers = {str(s): Looker(self.current(), s, self.every, self.wake,
-                                       **({} if n == 0 else {"listing_every": 1e9})).start()
+        # only node 0 lists checkpoint.dir (what starts a round, the exposure); the others' logs and
+        # guards suffice
+        self.lookers = {str(s): Looker(self.current(), s, self.every, self.wake, lists=n == 0).start()
                         for n, s in enumerate(self.specs)}
         self.ending_seen = None
+        self.round_newest = None                # other instances: their steps go on from what they restored,
+        self.stored = None                      # and their exposure is measured from their first round
+        self.meter.reset()
         self.said_silent.clear()
         self.holder.hosts = [str(s) for s in self.specs]
         self.holder.note(hosts=self.holder.hosts)
