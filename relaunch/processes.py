@@ -39,6 +39,9 @@ _DIE_WITH_US = (["setpriv", "--pdeathsig", "TERM", "--"]
 
 
 _relaying = False
+# the signals whose arrival sets CANCEL; `relaunch run` empties it while training runs, where a
+# SIGTERM is the engine's stop (a save, its copy), not an interruption of what relaunch is doing
+RELAYED = {int(signal.SIGINT), int(signal.SIGTERM)}
 
 
 def relay_signals() -> None:
@@ -54,14 +57,13 @@ def relay_signals() -> None:
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     _relaying = True
-    wanted = {int(signal.SIGINT), int(signal.SIGTERM)}
 
     def relay() -> None:
         while True:
             got = os.read(read, 64)
             if not got:
                 return
-            if wanted.intersection(got):
+            if RELAYED.intersection(got):
                 CANCEL.set()
 
     threading.Thread(target=relay, name="signals", daemon=True).start()
