@@ -1,0 +1,175 @@
+"""`relaunch run` inside a real Slurm (tests/slurm.py, started by the session's fixture): a job whose
+command is relaunch run is requeued, preempted, signalled before its time limit, killed with
+SIGKILL in the middle of a save, and run on two nodes then requeued onto one; each time the next
+run resumes from the newest verified checkpoint in the store.
+
+The trainer of the one-node jobs is tests/spot_trainer.py (standard library only): a step every
+0.1 s, a checkpoint every 10 steps whose bytes depend only on its step (a resume checks them, and
+fails on any other bytes), a save of the step it is at on SIGTERM. Each run of a job gets an empty
+home folder (`home-RESTARTS`): a requeued job lands on a fresh node as far as its disk goes, and
+can only resume from the store.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from e2e import wait_for, write_recipe
+from relaunch.manifest import StoreManifest
+
+HERE = Path(__file__).resolve().parent
+RELAUNCH = Path(sys.executable).parent / "relaunch"
+
+
+def one_node_job(folder: Path, *trainer_args: str) -> tuple[Path, Path]:
+    """The recipe and the batch script of a one-node job (exec: relaunch run is the batch shell, so
+    `--signal=B:...` reaches it); returns (script, store)."""
+    store = folder / "store"
+    write_recipe(folder, {
+        "name": "slurmjob",
+        "env": {"python": "3.11"},
+        "checkpoint": {"dir": "~/ckpt", "layout": "files", "pattern": "ckpt-*.pt", "keep": 2, "remote": str(store)},
+        "run": {"command": f"python3 {HERE / 'spot_trainer.py'} \"{{{{ checkpoint }}}}\" --out ~/ckpt --every 10 "
+                           f"--sleep 0.1 --size 50000 --keep 2 {' '.join(trainer_args)}",
+                "workdir": "~/work", "log": str(folder / "train.log"), "stop": {"signal": "TERM", "timeout": 10}},
+        "guard": {"enabled": False},
+    })
+    script = folder / "job.sh"
+    script.write_text("#!/bin/bash\n"
+                      f"export HOME={folder}/home-${{SLURM_RESTART_COUNT:-0}}\n"
+                      "mkdir -p \"$HOME\"\n"
+                      f"exec {RELAUNCH} run {folder / 'recipe.yaml'}\n")
+    script.chmod(0o755)
+    return script, store
+
+
+def stored(store: Path) -> StoreManifest | None:
+    path = store / ".relaunch" / "manifest.json"
+    return StoreManifest.from_json(path.read_text(), str(path)) if path.exists() else None
+
+
+def newest_step(store: Path) -> int:
+    manifest = stored(store)
+    newest = manifest.newest() if manifest else None
+    return newest.step if newest else 0
+
+
+def history(store: Path) -> list[dict[str, object]]:
+    path = store / ".relaunch" / "history.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def log(folder: Path) -> str:
+    path = folder / "train.log"
+    return path.read_text() if path.exists() else ""
+
+
+def output(folder: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted(folder.glob("out-*.txt")))
+
+
+def resumes(folder: Path) -> list[int]:
+    return [int(step) for step in re.findall(r"resumed from \S+ at step (\d+)", log(folder))]
+
+
+def stops(folder: Path) -> list[int]:
+    return [int(step) for step in re.findall(r"stopped at step (\d+)", log(folder))]
+
+
+def submit(cluster, folder: Path, script: Path, *options: str) -> str:  # type: ignore[no-untyped-def]
+    return cluster.sbatch(script, "--requeue", "-N1", "-p", "main", f"--chdir={folder}",
+                          f"--output={folder}/out-%j.txt", "--open-mode=append", *options)
+
+
+def check_resumed_whole(folder: Path, store: Path, cluster, job: str, runs: int) -> None:  # type: ignore[no-untyped-def]
+    """The run after the stop resumed from the stop's save, the newest verified in the store, and
+    trains on; the stop's interruption is in the store's history with no step lost."""
+    wait_for("the requeued run to resume", lambda: len(resumes(folder)) >= runs - 1, timeout=120,
+             explain=lambda: output(folder))
+    saved = stops(folder)[-1]
+    assert resumes(folder)[-1] == saved, output(folder)          # no step lost after a signal with time to save
+    wait_for("a step after the resume", lambda: f"step {saved + 1} " in log(folder), timeout=60)
+    entry = history(store)[-1]
+    assert entry["cause"] == "signal" and entry["steps_lost"] == 0 and entry["made_deadline"] is True, entry
+    wait_for("the history to say training ran again", lambda: history(store)[-1].get("resumed_epoch"), timeout=60)
+
+
+@pytest.fixture
+def job_folder(tmp_path: Path, slurm_cluster):  # type: ignore[no-untyped-def]
+    """A folder every node sees (this machine's disk); the jobs of the test cancelled at its end."""
+    folder = tmp_path / "job"
+    folder.mkdir()
+    yield folder
+    slurm_cluster.cancel_all()
+
+
+def test_requeued_job_resumes_from_the_save_its_stop_made(slurm_cluster, job_folder: Path) -> None:
+    cluster, folder = slurm_cluster, job_folder
+    script, store = one_node_job(folder)
+    job = submit(cluster, folder, script)
+    wait_for("a checkpoint verified in the store", lambda: newest_step(store) >= 20, timeout=120,
+             explain=lambda: output(folder))
+    cluster.run("scontrol", "requeue", job)          # SIGTERM to every process of the job, then requeue
+    cluster.requeued(job, 1)
+    check_resumed_whole(folder, store, cluster, job, runs=2)
+    first_exit = re.findall(r"exiting 75 \(requeue\)", output(folder))
+    assert first_exit, output(folder)
+    assert newest_step(store) >= stops(folder)[-1]
+
+
+def test_preempted_job_resumes_from_the_save_its_stop_made(slurm_cluster, job_folder: Path) -> None:
+    cluster, folder = slurm_cluster, job_folder
+    script, store = one_node_job(folder)
+    job = submit(cluster, folder, script, "--exclusive")
+    wait_for("a checkpoint verified in the store", lambda: newest_step(store) >= 20, timeout=120,
+             explain=lambda: output(folder))
+    node = cluster.job(job)["NodeList"]
+    # a job of the higher tier that needs that very node: Slurm preempts ours (SIGTERM, GraceTime, requeue)
+    urgent = folder / "urgent.sh"
+    urgent.write_text("#!/bin/bash\nsleep 1\n")
+    cluster.sbatch(urgent, "-p", "urgent", "-w", node, "--exclusive", "--output=/dev/null")
+    cluster.requeued(job, 1)
+    assert "preempted" in (cluster.folder / "log" / "slurmctld.log").read_text()
+    check_resumed_whole(folder, store, cluster, job, runs=2)
+
+
+def test_time_limited_job_saves_before_its_limit_and_is_requeued(slurm_cluster, job_folder: Path) -> None:
+    cluster, folder = slurm_cluster, job_folder
+    script, store = one_node_job(folder)
+    # SIGUSR1 to the batch shell (relaunch run, exec'd) 50 s before the 1 minute limit; relaunch run
+    # saves, copies and exits 75, which slurm.conf's RequeueExit requeues
+    job = submit(cluster, folder, script, "--time=1", "--signal=B:USR1@50")
+    cluster.requeued(job, 1, timeout=150)
+    assert "SIGUSR1" in output(folder), output(folder)
+    assert cluster.job(job)["ExitCode"].startswith("75"), cluster.job(job)
+    check_resumed_whole(folder, store, cluster, job, runs=2)
+
+
+def test_kill_mid_save_resumes_from_the_save_before_whole(slurm_cluster, job_folder: Path) -> None:
+    cluster, folder = slurm_cluster, job_folder
+    script, store = one_node_job(folder, "--save-for", "3")
+    job = submit(cluster, folder, script)
+    wait_for("a checkpoint verified in the store", lambda: newest_step(store) >= 10, timeout=120,
+             explain=lambda: output(folder))
+    ckpt = folder / "home-0" / "ckpt"
+    before = newest_step(store)
+    # the next save half written (its temp file growing), and the one before verified in the store
+    wait_for("a save in the middle of its writing", lambda: any(p.stat().st_size for p in ckpt.glob(".*.tmp"))
+             and newest_step(store) == before, timeout=60, every=0.1)
+    saving = max(int(re.search(r"(\d+)", p.name).group(1)) for p in ckpt.glob(".*.tmp"))  # type: ignore[union-attr]
+    assert cluster.kill(job)                  # kill -9, relaunch run and the training alike, mid-save
+    cluster.wait_state(job, "FAILED")
+    assert newest_step(store) == before < saving
+    cluster.run("scontrol", "requeue", job)
+    cluster.requeued(job, 1)
+    wait_for("the requeued run to resume", lambda: resumes(folder), timeout=120, explain=lambda: output(folder))
+    # from the save before, whole: spot_trainer exits 3 on any other bytes, and says the step it read
+    assert resumes(folder) == [before], output(folder)
+    wait_for("a step after the resume", lambda: f"step {before + 1} " in log(folder), timeout=60)
+    lost = [e for e in history(store) if e["cause"] == "lost"]
+    assert lost and lost[-1]["newest_verified_step"] == before, history(store)
