@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from e2e import wait_for, write_recipe
+from e2e import REPO, wait_for, write_recipe
 from relaunch.manifest import StoreManifest
 
 HERE = Path(__file__).resolve().parent
@@ -173,3 +174,87 @@ def test_kill_mid_save_resumes_from_the_save_before_whole(slurm_cluster, job_fol
     wait_for("a step after the resume", lambda: f"step {before + 1} " in log(folder), timeout=60)
     lost = [e for e in history(store) if e["cause"] == "lost"]
     assert lost and lost[-1]["newest_verified_step"] == before, history(store)
+
+
+def dist_job(folder: Path) -> tuple[Path, Path]:
+    """examples/pytorch/train_dist.py under torchrun on every node of the allocation (srun, one
+    relaunch run per node), DCP shards on each node's own disk, a global batch of 8 whatever the
+    world size; returns (script, store)."""
+    store = folder / "store"
+    bin_dir = Path(sys.executable).parent
+    write_recipe(folder, {
+        "name": "slurmdist",
+        "env": {"python": "3.11"},
+        "checkpoint": {"dir": "~/ckpt", "layout": "dcp", "keep": 3, "remote": str(store)},
+        "run": {"command": f"{bin_dir / 'torchrun'} --nnodes {{{{ nnodes }}}} --node-rank {{{{ node_rank }}}} "
+                           "--nproc-per-node {{ nproc_per_node }} --master-addr {{ master_addr }} --master-port 29533 "
+                           f"{REPO / 'examples' / 'pytorch' / 'train_dist.py'} --out ~/ckpt --steps 200 --save-every 5 "
+                           "--sleep 0.2 --global-batch 8 --micro 2 --grad-accum {{ grad_accum }} "
+                           "--resume \"{{ checkpoint }}\"",
+                "workdir": "~/work", "log": f"{folder}/train-{{{{ node_rank }}}}.log", "nproc_per_node": 1,
+                "batch": {"global": 8, "micro": 2}, "stop": {"signal": "TERM", "timeout": 15}},
+        "guard": {"enabled": False},
+    })
+    script = folder / "job.sh"
+    node = (f"export HOME={folder}/home-$SLURMD_NODENAME-${{SLURM_RESTART_COUNT:-0}}; mkdir -p \"$HOME\"; "
+            f"exec {RELAUNCH} run {folder / 'recipe.yaml'}")
+    script.write_text(f"#!/bin/bash\nexec srun --ntasks-per-node=1 bash -c '{node}'\n")
+    script.chmod(0o755)
+    return script, store
+
+
+def uninterrupted(folder: Path, steps: int) -> dict[int, float]:
+    """train_dist.py's losses on one process, never interrupted (the run every resume must reproduce)."""
+    done = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "1",
+                           str(REPO / "examples" / "pytorch" / "train_dist.py"), "--out", str(folder / "reference"),
+                           "--steps", str(steps), "--save-every", "1000", "--global-batch", "8", "--micro", "2",
+                           "--grad-accum", "4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return losses(done.stdout)
+
+
+def losses(text: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([\d.]+)", text, re.M)}
+
+
+def test_two_node_job_requeued_onto_one_node_keeps_the_global_batch(slurm_cluster, job_folder: Path) -> None:
+    cluster, folder = slurm_cluster, job_folder
+    script, store = dist_job(folder)
+    job = cluster.sbatch(script, "--requeue", "-N", "1-2", "-p", "main", f"--chdir={folder}",
+                         f"--output={folder}/out-%j.txt", "--open-mode=append")
+    first = folder / "train-0.log"
+
+    def from_both_nodes() -> bool:
+        manifest = stored(store)
+        newest = manifest.newest() if manifest else None
+        return bool(newest and len({f.node for f in newest.files.values()}) == 2)
+
+    wait_for("a checkpoint of both nodes' shards verified in the store", from_both_nodes, timeout=240,
+             explain=lambda: output(folder))
+    try:
+        cluster.run("scontrol", "update", "NodeName=n1", "State=DRAIN", "Reason=relaunch-test")
+        cluster.run("scontrol", "requeue", job)         # both nodes: SIGTERM, save, each copies its part
+        cluster.requeued(job, 1)
+        cluster.wait_state(job, "RUNNING")
+        assert cluster.job(job)["NumNodes"] == "1", cluster.job(job)
+        wait_for("the run on one node to resume", lambda: "world size 1, grad_accum 4" in first.read_text(),
+                 timeout=180, explain=lambda: output(folder))
+        records = stored(store).checkpoints.values()        # type: ignore[union-attr]
+    finally:
+        cluster.run("scontrol", "update", "NodeName=n1", "State=RESUME", check=False)
+    text = first.read_text()
+    saved = [int(s) for s in re.findall(r"stopped at step (\d+)", text)]
+    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+) \(world size 1", text)]
+    assert saved and resumed == [saved[-1]], output(folder)      # the stop's save, both nodes' parts
+    record = next(r for r in records if r.step == saved[-1])
+    assert len({f.node for f in record.files.values()}) == 2, record
+    assert record.saved_with and record.saved_with["world_size"] == 2, record
+    entry = history(store)[-1]
+    assert entry["cause"] == "signal" and entry["steps_lost"] == 0 and entry["nodes_before"] == 2, entry
+    # the same global batch: the steps after the resume, at world size 1, are what an uninterrupted
+    # run trains (every loss of train_dist.py's deterministic run, from the same checkpoint on)
+    wait_for("three steps after the resume", lambda: saved[-1] + 3 in losses(first.read_text()), timeout=120)
+    after = losses(first.read_text().split(f"at step {saved[-1]} (world size 1")[1])
+    reference = uninterrupted(folder, saved[-1] + 3)
+    for step in range(saved[-1] + 1, saved[-1] + 4):
+        assert abs(after[step] - reference[step]) <= 1e-4 * max(abs(reference[step]), 1e-6), (step, after, reference)

@@ -44,7 +44,8 @@ def prepare(recipe: Recipe, place: Placement, shell: NodeShell, store: Store, ui
     """The job as it will run on this node (resumed from the newest verified checkpoint, or fresh),
     and the executor that put it there. A store checkpoint whose bytes do not verify here is
     fetched again once, then passed over for the one before it (as `up` does)."""
-    node = Node(shell.target, place.rank, place.nnodes, place.master)
+    # one node: torchrun's rendezvous on this machine (a scheduler's node name need not resolve)
+    node = Node(shell.target, place.rank, place.nnodes, place.master or "127.0.0.1")
     damaged: set[str] = set()
     suspect: set[str] = set()
     while True:
