@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--sleep", type=float, default=0.1)
     parser.add_argument("--stop-save", type=float, default=0.0)
     parser.add_argument("--save-for", type=float, default=0.0)
+    parser.add_argument("--steps", type=int, default=0, help="finish (save, exit 0) after this step; 0: never")
     args = parser.parse_args()
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -77,13 +78,18 @@ def main() -> int:
     stopping: list[bool] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     saved = step
-    while not stopping:
+    while not stopping and not (args.steps and step >= args.steps):
         time.sleep(args.sleep)
         step += 1
         print(f"step {step} loss {loss(step)}", flush=True)
         if step % args.every == 0:
             save()
             saved = step
+    if not stopping:
+        if saved != step:
+            save()
+        print(f"done at step {step}", flush=True)
+        return 0
     time.sleep(args.stop_save)
     if saved != step:
         save()
