@@ -56,8 +56,11 @@ class Cluster:
             raise AssertionError(f"{' '.join(argv)} -> exit {done.returncode}\n{done.stdout}\n{done.stderr}")
         return done
 
-    def sbatch(self, script: Path, *options: str) -> str:
-        done = self.run("sbatch", "--parsable", *options, str(script))
+    def sbatch(self, script: Path, *options: str, env: dict[str, str] | None = None) -> str:
+        """Submit; the job gets this environment (sbatch exports it), with `env` on top."""
+        done = subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True, text=True,
+                              env={**self.env, **(env or {})}, timeout=60)
+        assert done.returncode == 0, f"sbatch -> exit {done.returncode}\n{done.stdout}\n{done.stderr}"
         return done.stdout.strip().split(";")[0]
 
     def job(self, job: str) -> dict[str, str]:
@@ -75,12 +78,21 @@ class Cluster:
         self.run("scontrol", "update", f"JobId={job}", "StartTime=now")
 
     def requeued(self, job: str, restarts: int, timeout: float = 180) -> None:
-        """Wait until the job is back in the queue after its `restarts`-th end, then release it."""
-        wait_for(f"job {job} requeued ({restarts} restart(s))",
-                 lambda: (found := self.job(job)).get("JobState") == "PENDING"
-                 and int(found.get("Restarts") or 0) >= restarts, timeout=timeout,
+        """Wait until the job is back in the queue after its `restarts`-th end, then release it until
+        it starts (Slurm sets the requeue's BeginTime once the job's end is processed: a release
+        before that is undone)."""
+        def started() -> bool:
+            found = self.job(job)
+            if int(found.get("Restarts") or 0) < restarts:
+                return False
+            if found.get("JobState") == "PENDING":
+                if found.get("Reason") == "BeginTime":
+                    self.release(job)
+                return False
+            return found.get("JobState") in ("RUNNING", "COMPLETED", "FAILED")
+
+        wait_for(f"job {job} requeued ({restarts} restart(s)) and started again", started, timeout=timeout,
                  explain=lambda: str(self.job(job)))
-        self.release(job)
 
     def kill(self, job: str) -> list[int]:
         """`kill -9` of every process of the job (what a crash, the OOM killer or a lost node does;
@@ -104,6 +116,8 @@ class Cluster:
     def cancel_all(self) -> None:
         jobs = self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
         if jobs:
+            for job in jobs:           # at once: a cancel's SIGTERM would have each save and copy first
+                self.kill(job)
             self.run("scancel", *jobs, check=False)
             wait_for("every job to end", lambda: not self.run("squeue", "-h", "-o", "%i", check=False).stdout.strip(),
                      timeout=KILL_WAIT + 60)

@@ -13,6 +13,7 @@ can only resume from the store.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def check_resumed_whole(folder: Path, store: Path, cluster, job: str, runs: int)
     """The run after the stop resumed from the stop's save, the newest verified in the store, and
     trains on; the stop's interruption is in the store's history with no step lost."""
     wait_for("the requeued run to resume", lambda: len(resumes(folder)) >= runs - 1, timeout=120,
-             explain=lambda: output(folder))
+             explain=lambda: f"{output(folder)}\n{cluster.job(job)}\n{cluster.run('sinfo', '-N', check=False).stdout}")
     saved = stops(folder)[-1]
     assert resumes(folder)[-1] == saved, output(folder)          # no step lost after a signal with time to save
     wait_for("a step after the resume", lambda: f"step {saved + 1} " in log(folder), timeout=60)
@@ -139,15 +140,20 @@ def test_preempted_job_resumes_from_the_save_its_stop_made(slurm_cluster, job_fo
     check_resumed_whole(folder, store, cluster, job, runs=2)
 
 
-def test_time_limited_job_saves_before_its_limit_and_is_requeued(slurm_cluster, job_folder: Path) -> None:
+def test_time_limited_job_of_the_example_sbatch_saves_before_its_limit_and_is_requeued(
+        slurm_cluster, job_folder: Path) -> None:
+    """examples/schedulers/slurm.sbatch as a user submits it (its #SBATCH lines; a shorter time
+    limit and signal here): the batch shell becomes srun, which passes the time limit's SIGUSR1 on
+    to relaunch run; relaunch run saves, copies, exits 75, and slurm.conf's RequeueExit requeues."""
     cluster, folder = slurm_cluster, job_folder
-    script, store = one_node_job(folder)
-    # SIGUSR1 to the batch shell (relaunch run, exec'd) 50 s before the 1 minute limit; relaunch run
-    # saves, copies and exits 75, which slurm.conf's RequeueExit requeues
-    job = submit(cluster, folder, script, "--time=1", "--signal=B:USR1@50")
+    _, store = one_node_job(folder)
+    example = REPO / "examples" / "schedulers" / "slurm.sbatch"
+    job = cluster.sbatch(example, "-N1", "-p", "main", f"--chdir={folder}", f"--output={folder}/out-%j.txt",
+                         "--time=1", "--signal=B:USR1@50",
+                         env={"HOME": str(folder / "home"), "PATH": f"{RELAUNCH.parent}:{os.environ['PATH']}"})
     cluster.requeued(job, 1, timeout=150)
     assert "SIGUSR1" in output(folder), output(folder)
-    assert cluster.job(job)["ExitCode"].startswith("75"), cluster.job(job)
+    assert "task 0: Exited with exit code 75" in output(folder), output(folder)   # srun's exit: the job's
     check_resumed_whole(folder, store, cluster, job, runs=2)
 
 

@@ -1,7 +1,8 @@
 """Before the training starts: this node's facts, the group's shape from the engine's node count,
-the newest verified checkpoint chosen, and the env (when the recipe has a lock) and that
-checkpoint put in place, verified, by the same plans `up` runs over SSH (steps/env.py,
-steps/checkpoint.py), here on this node.
+the newest verified checkpoint chosen, and the env and that checkpoint put in place, verified, by
+the same plans `up` runs over SSH (steps/env.py, steps/checkpoint.py), here on this node. The env:
+with env.lock, the venv from it (and env.files, env.secrets, env.setup) as `up` makes it; without,
+the job's own environment (an image, a module, a conda env) and env.files only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..job import Job, Node
 from ..plan import Action
 from ..recipe import Recipe
 from ..steps.checkpoint import choose, plan_restore
-from ..steps.env import plan_env
+from ..steps.env import plan_env, plan_files
 from ..steps.group import check_reshard, shape, shaped, what_changed
 from ..steps.launch import run_info
 from ..transports import Store
@@ -63,7 +64,8 @@ def prepare(recipe: Recipe, place: Placement, shell: NodeShell, store: Store, ui
         own_tools(job)
         job, restore = plan_restore(job, store, choice)
         job.facts.host.run = run_info(job)      # what each checkpoint this run saves is recorded with
-        env = plan_env(job) if recipe.env.lock else []
+        # with a lock, the venv from it as `up` makes it; without, the job's own environment, and env.files
+        env = plan_env(job) if recipe.env.lock else plan_files(job)
         executor = executor_for(job, shell, store, ui)
         try:
             executor.run([*env, *restore])

@@ -80,6 +80,8 @@ class Signals:
 
     def install(self) -> None:
         processes.RELAYED.clear()           # a SIGTERM is the engine's stop from now on, not a cancel
+        # relaunch's own commands (a copy, a hash) outlive the engine's signal to every process of the job
+        processes.SHIELDED[:] = ["TERM", "INT", "HUP", "USR1", "USR2"]
         for number in STOP_SIGNALS:
             signal.signal(number, self._on)
 

@@ -81,6 +81,16 @@ def python_env(job: Job) -> dict[str, str]:
     return values
 
 
+def plan_files(job: Job) -> list[Action]:
+    """env.files: each local file to its instance path, its mode kept."""
+    facts = job.facts
+    return [Action("env", f"upload {local} -> {job.expand(str(remote_path))}", lane=LANE,
+                   command=upload_command(job.expand(str(remote_path)), facts.modes.get(str(local), 0o644)),
+                   stdin=local, deadline=upload_deadline(facts.sizes.get(str(local), 0)),
+                   done=f"uploaded {local.name} -> {job.expand(str(remote_path))}")
+            for local, remote_path in job.recipe.env.files.items()]
+
+
 def plan_env(job: Job) -> list[Action]:
     recipe, paths, facts = job.recipe, job.paths, job.facts
     lock = facts.lock
@@ -127,12 +137,7 @@ def plan_env(job: Job) -> list[Action]:
                            say=say, explain="checks.install_failure", progress="time",
                            hint="the full output is in the debug log (relaunch -v shows it live)"))
 
-    for local, remote_path in recipe.env.files.items():
-        dest = job.expand(str(remote_path))
-        mode = facts.modes.get(str(local), 0o644)
-        actions.append(act(f"upload {local} -> {dest}", command=upload_command(dest, mode), stdin=local,
-                           deadline=upload_deadline(facts.sizes.get(str(local), 0)),
-                           done=f"uploaded {local.name} -> {dest}"))
+    actions += plan_files(job)
 
     if facts.secrets:
         names = tuple(sorted(facts.secrets))
