@@ -35,7 +35,7 @@ EXAMPLES = REPO / "examples" / "schedulers"
 
 
 def test_each_task_file_runs_relaunch_run_and_is_restarted_on_its_exit_75() -> None:
-    sky = yaml.safe_load((EXAMPLES / "skypilot.yaml").read_text())
+    sky = yaml.safe_load((EXAMPLES / "skypilot.yml").read_text())
     assert "relaunch run schedulers/recipe.yaml" in sky["run"]
     assert sky["resources"]["job_recovery"]["recover_on_exit_codes"] == [EXIT_REQUEUE]
     assert (REPO / sky["workdir"] / "schedulers" / "recipe.yaml").is_file()      # sky runs from the repository
@@ -44,7 +44,7 @@ def test_each_task_file_runs_relaunch_run_and_is_restarted_on_its_exit_75() -> N
     assert dstack["type"] == "task" and "relaunch run examples/schedulers/recipe.yaml" in dstack["commands"]
     assert {"interruption", "error"} <= set(dstack["retry"]["on_events"])     # dstack restarts on any failure
 
-    job = yaml.safe_load((EXAMPLES / "kubernetes-job.yaml").read_text())
+    job = yaml.safe_load((EXAMPLES / "kubernetes-job.yml").read_text())
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["command"][:2] == ["relaunch", "run"] and pod["restartPolicy"] == "Never"

@@ -1,9 +1,10 @@
 """What a user copies names no local index: the examples take theirs from the sandbox's base recipe.
 
-examples/ holds the sandbox examples (the demo's job, the trainers, a team; schedulers/ is a job's recipe, no provider); recipes/ holds what a
-user extends (the provider base recipes and their catalogue). Only the sandbox's base recipe may
-name the index a sandbox instance serves itself, so a copied example that moves to another
-provider by changing `extends` carries no address that means nothing there.
+examples/ holds the sandbox examples (the demo's job, the trainers, a team; schedulers/ is a job's
+recipe, no provider); recipes/ holds what a user extends (the provider base recipes and their
+catalogue). Only the sandbox's base recipe may name the index a sandbox instance serves itself, so a
+copied example that moves to another provider by changing `extends` carries no address that means
+nothing there.
 """
 
 from __future__ import annotations
