@@ -10,8 +10,11 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from e2e import cli_env, wait_for, write_recipe
 from relaunch.manifest import StoreManifest
@@ -36,14 +39,28 @@ def job_recipe(folder: Path, *trainer_args: str, **sections: Any) -> Path:
     return write_recipe(folder, data)
 
 
+STARTED: list[subprocess.Popen[str]] = []
+
+
 def start(folder: Path, *args: str, home: str = "home", env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """`relaunch run recipe.yaml ARGS` as a job's command, its home `folder/home` (its disk)."""
     (folder / home).mkdir(parents=True, exist_ok=True)
-    out = open(folder / "out.txt", "a")
-    err = open(folder / "err.txt", "a")
-    return subprocess.Popen([sys.executable, "-m", "relaunch.cli", "run", str(folder / "recipe.yaml"), *args],
-                            stdout=out, stderr=err, text=True, start_new_session=True,
-                            env=cli_env(folder / "state", {"HOME": str(folder / home), **(env or {})}))
+    with open(folder / "out.txt", "a") as out, open(folder / "err.txt", "a") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "relaunch.cli", "run", str(folder / "recipe.yaml"), *args],
+                                stdout=out, stderr=err, text=True, start_new_session=True,
+                                env=cli_env(folder / "state", {"HOME": str(folder / home), **(env or {})}))
+    STARTED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def end_what_was_started() -> Iterator[None]:
+    """Every relaunch run a test started, and its training, is gone when the test ends, also on failure."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            kill_all(proc)
 
 
 def said(folder: Path) -> str:

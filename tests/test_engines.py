@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from e2e import REPO
-from injob_helpers import (
+from injob_helpers import (  # noqa: F401  (end_what_was_started: the autouse fixture)
     descendants,
+    end_what_was_started,
     history,
     job_recipe,
     kill_all,

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 from e2e import cli_env, wait_for
-from injob_helpers import (
+from injob_helpers import (  # noqa: F401  (end_what_was_started: the autouse fixture)
     descendants,
+    end_what_was_started,
     history,
     job_recipe,
     kill_all,
