@@ -28,6 +28,7 @@ from injob_helpers import (  # noqa: F401  (end_what_was_started: the autouse fi
     wait_saved,
 )
 from relaunch.injob import EXIT_REQUEUE
+from relaunch.manifest import StoreManifest
 
 
 def test_a_stop_signal_saves_copies_verifies_and_exits_75_then_the_next_run_resumes_there(tmp_path: Path) -> None:
@@ -119,3 +120,28 @@ def test_drill_job_measures_the_goodput_of_the_runs_and_their_interruptions(tmp_
     assert 0 < report["goodput"] < 1 and gap["seconds_without_training"] >= 0.5, report
     assert "drill --job" in done.stderr
 
+
+
+def test_an_rclone_store_from_the_node_itself(tmp_path: Path, s3_remote) -> None:  # type: ignore[no-untyped-def]
+    """The store is an rclone remote (S3 here, `rclone serve s3`) the node reaches with relaunch's own
+    rclone and the remote's variables in the job's environment: the stop's save uploaded and
+    verified, and the next run, on a fresh disk, downloads it and resumes there."""
+    s3 = s3_remote()
+    # a checkpoint every second, six kept: each is there longer than a copy to S3 takes here
+    store = {"dir": "~/ckpt", "layout": "files", "pattern": "ckpt-*.pt", "keep": 2,
+             "remote": f"rclone:{s3.remote('job')}"}
+    job_recipe(tmp_path, "--sleep", "0.1", "--keep", "6", checkpoint=store)
+    proc = start(tmp_path, env=s3.env)
+    wait_for("a checkpoint in the remote", lambda: list((s3.bucket_dir / "job").glob("ckpt-*.pt")), timeout=120,
+             explain=lambda: said(tmp_path))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == EXIT_REQUEUE, said(tmp_path)
+    saved = stops(tmp_path)[-1]
+    path = s3.bucket_dir / "job" / ".relaunch" / "manifest.json"
+    newest = StoreManifest.from_json(path.read_text(), str(path)).newest()
+    assert newest is not None and newest.step == saved, newest
+    second = start(tmp_path, home="home2", env=s3.env)
+    wait_for("the next run to resume", lambda: resumes(tmp_path), timeout=120, explain=lambda: said(tmp_path))
+    assert resumes(tmp_path) == [saved]
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(60) == EXIT_REQUEUE, said(tmp_path)
