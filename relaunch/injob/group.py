@@ -256,7 +256,7 @@ class Follower:
         self.thread: threading.Thread | None = None
         self.state = "training"
 
-    def start(self, running: Callable[[], bool]) -> None:
+    def start(self) -> None:
         def loop() -> None:
             while not self.halt.wait(LOOK_EVERY):
                 try:

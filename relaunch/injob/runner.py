@@ -129,7 +129,7 @@ def run(recipe: Recipe, ui: UI, grace: float | None = None) -> Outcome:
     if copier is not None:
         copier.start()
     elif isinstance(group, Follower):
-        group.start(lambda: training.running)
+        group.start()
     try:
         stop = _supervise(job.recipe, place, store, training, signals, ui, grace, leader)
         if stop is None:
