@@ -209,14 +209,13 @@ def dist_job(folder: Path) -> tuple[Path, Path]:
     return script, store
 
 
-def uninterrupted(folder: Path, steps: int) -> dict[int, float]:
-    """train_dist.py's losses on one process, never interrupted (the run every resume must reproduce)."""
-    done = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "1",
-                           str(REPO / "examples" / "pytorch" / "train_dist.py"), "--out", str(folder / "reference"),
-                           "--steps", str(steps), "--save-every", "1000", "--global-batch", "8", "--micro", "2",
-                           "--grad-accum", "4"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return losses(done.stdout)
+def uninterrupted(folder: Path, steps: int) -> subprocess.Popen[str]:
+    """train_dist.py on one process, never interrupted (the run every resume must reproduce), started
+    now: its losses are read at the end (`losses(proc.communicate()[0])`)."""
+    return subprocess.Popen([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "1",
+                             str(REPO / "examples" / "pytorch" / "train_dist.py"), "--out", str(folder / "reference"),
+                             "--steps", str(steps), "--save-every", "1000", "--global-batch", "8", "--micro", "2",
+                             "--grad-accum", "4"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
 def losses(text: str) -> dict[int, float]:
@@ -226,6 +225,17 @@ def losses(text: str) -> dict[int, float]:
 def test_two_node_job_requeued_onto_one_node_keeps_the_global_batch(slurm_cluster, job_folder: Path) -> None:
     cluster, folder = slurm_cluster, job_folder
     script, store = dist_job(folder)
+    reference = uninterrupted(folder, 150)        # meanwhile, on this machine
+    try:
+        check_two_nodes_onto_one(cluster, folder, script, store, reference)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.wait()
+
+
+def check_two_nodes_onto_one(cluster, folder: Path, script: Path, store: Path,  # type: ignore[no-untyped-def]
+                             reference: subprocess.Popen[str]) -> None:
     job = cluster.sbatch(script, "--requeue", "-N", "1-2", "-p", "main", f"--chdir={folder}",
                          f"--output={folder}/out-%j.txt", "--open-mode=append")
     first = folder / "train-0.log"
@@ -261,6 +271,6 @@ def test_two_node_job_requeued_onto_one_node_keeps_the_global_batch(slurm_cluste
     # run trains (every loss of train_dist.py's deterministic run, from the same checkpoint on)
     wait_for("three steps after the resume", lambda: saved[-1] + 3 in losses(first.read_text()), timeout=120)
     after = losses(first.read_text().split(f"at step {saved[-1]} (world size 1")[1])
-    reference = uninterrupted(folder, saved[-1] + 3)
+    expected = losses(reference.communicate(timeout=300)[0])
     for step in range(saved[-1] + 1, saved[-1] + 4):
-        assert abs(after[step] - reference[step]) <= 1e-4 * max(abs(reference[step]), 1e-6), (step, after, reference)
+        assert abs(after[step] - expected[step]) <= 1e-4 * max(abs(expected[step]), 1e-6), (step, after, expected)
