@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO
 
 from .. import train
+from ..history import iso
 from ..job import Job
 from ..recipe import render_shell_at
 from ..scripts import START_MARK
@@ -36,10 +37,6 @@ from ..steps.env import exports
 from ..steps.launch import launcher_env, train_module_path
 
 IGNORED = (signal.SIGUSR1, signal.SIGUSR2)
-
-
-def iso(epoch: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 
 
 def timeline_path(log: str) -> str:
