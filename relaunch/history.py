@@ -4,7 +4,9 @@ One JSON object per line, one line per interruption: when, which host, the cause
 notice or a lost instance), the newest checkpoint step seen on the instance and the newest
 verified in the store (their difference is the steps lost), whether a notice's save and copy
 made its deadline, and when and where training ran again. `relaunch watch` writes it (a line
-is written when the interruption is declared and completed once training runs again),
+is written when the interruption is declared and completed once training runs again), and so
+does `relaunch run` inside a scheduler's job (an engine's stop signal, a notice, a run that
+ended without a word; completed by the next run once it trains),
 `relaunch status` shows the last ones, `relaunch interval` measures the mean time between
 interruptions from it. It goes through the store's own metadata calls, so it lives wherever
 the checkpoints do (a local folder, an rclone remote, a Hugging Face repo), under the store lock.
@@ -43,7 +45,7 @@ class Interruption:
     at: str                                   # when training stopped (notice seen, or the last answer), UTC
     at_epoch: float
     host: str
-    cause: str                                # "notice" | "lost" | "restarted"
+    cause: str                                # "notice" | "lost" | "restarted" | "signal" (an engine's stop)
     detail: str                               # "aws: spot terminate at ...", "no answer for 130s"
     newest_seen_step: int | None = None       # newest step seen on the instance (its log, its checkpoints)
     newest_verified_step: int | None = None   # newest verified in the store when it was declared
@@ -137,7 +139,8 @@ def record(store: Store, entry: Interruption, ui: UI) -> None:
         store.flush()                       # stores that write metadata with the manifest (hf) write now
 
 
-INTERRUPTIONS = ("notice", "lost", "restarted")     # the provider's doing; a rebalance or a grow back is not
+# the provider's or the engine's doing; a rebalance or a grow back is not
+INTERRUPTIONS = ("notice", "lost", "restarted", "signal")
 
 
 def mean_time_between(entries: list[Interruption]) -> tuple[float, int] | None:

@@ -36,9 +36,24 @@ GRACE = 3.0            # seconds between SIGTERM and SIGKILL when ending a proce
 # too (the kernel's parent-death signal), so no copy keeps writing into a store nobody holds.
 _DIE_WITH_US = (["setpriv", "--pdeathsig", "TERM", "--"]
                 if sys.platform.startswith("linux") and shutil.which("setpriv") else [])
+# Signals the children start with ignored (GNU env --ignore-signal): `relaunch run` sets them while
+# training runs, where an engine may signal every process of the job (Slurm's scancel, requeue and
+# --signal do) and the copy of the stop's save must not die of the signal that asked for it. They
+# still end at their deadline or on cancel: the SIGKILL after the SIGTERM (end_group).
+SHIELDED: list[str] = []
+
+
+def _prefix() -> list[str]:
+    if not SHIELDED or not shutil.which("env"):
+        return _DIE_WITH_US
+    death = ["setpriv", "--pdeathsig", "KILL", "--"] if _DIE_WITH_US else []
+    return [*death, "env", *(f"--ignore-signal={name}" for name in SHIELDED), "--"]
 
 
 _relaying = False
+# the signals whose arrival sets CANCEL; `relaunch run` empties it while training runs, where a
+# SIGTERM is the engine's stop (a save, its copy), not an interruption of what relaunch is doing
+RELAYED = {int(signal.SIGINT), int(signal.SIGTERM)}
 
 
 def relay_signals() -> None:
@@ -54,14 +69,13 @@ def relay_signals() -> None:
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     _relaying = True
-    wanted = {int(signal.SIGINT), int(signal.SIGTERM)}
 
     def relay() -> None:
         while True:
             got = os.read(read, 64)
             if not got:
                 return
-            if wanted.intersection(got):
+            if RELAYED.intersection(got):
                 CANCEL.set()
 
     threading.Thread(target=relay, name="signals", daemon=True).start()
@@ -248,7 +262,7 @@ def run(argv: Sequence[str], *, deadline: float, stdin: bytes | Path | None = No
     stdin_file = open(stdin, "rb") if isinstance(stdin, Path) else None
     try:
         proc = subprocess.Popen(
-            [*_DIE_WITH_US, *argv], stdin=stdin_file or (subprocess.PIPE if stdin is not None else subprocess.DEVNULL),
+            [*_prefix(), *argv], stdin=stdin_file or (subprocess.PIPE if stdin is not None else subprocess.DEVNULL),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env, cwd=cwd)
     except OSError as exc:
         if stdin_file:

@@ -21,6 +21,8 @@
 # notice.json. Copying the checkpoint off is not done here: see relaunch/steps/guard.py.
 # It exits then, and also when the training ends without a notice, or on SIGHUP/SIGINT
 # (`tmux kill-session`, which is how relaunch stops it).
+# Under `relaunch run` (the job's own command, training in its foreground) the config has no
+# session: the guard only looks and writes notice.json, then exits; relaunch run asks for the save.
 #
 # One file of one job (the notice), and long on purpose: it runs alone on the instance, with any
 # Python 3 there, beside nothing of relaunch.
@@ -503,6 +505,8 @@ def main():
         if time.monotonic() < next_look:
             continue
         next_look = time.monotonic() + min(EVERY, 1.0)
+        if not CONFIG["session"]:
+            continue            # relaunch run's training: it ends the guard when training ends
         gone = 0 if session_alive(CONFIG["session"]) else gone + 1
         if gone >= 2:
             save_state(stopped="the training ended without a notice")
@@ -512,6 +516,9 @@ def main():
         record = dict(notice)
     write_json(NOTICE, record)
     save_state(stopped="after the notice from {}".format(record["source"]))
+    if not CONFIG["session"]:
+        log("notice from {}: left to relaunch run, which asks the training to save".format(record["source"]))
+        return 0
     save = stop_training()
     record["save"] = save
     left = record["deadline"] - time.time()

@@ -137,6 +137,31 @@ def agent(tmp_path: Path) -> Iterator[str]:
         proc.wait(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster(ssh_key: Path) -> Iterator[object]:
+    """A real Slurm of two nodes (n0, n1), each in a sandbox instance's network namespace, for the
+    whole session of this worker (tests/slurm.py); stopped, and its instances destroyed, at the end."""
+    import slurm
+
+    factory = SandboxFactory(ssh_key, Path())
+    cluster = None
+    try:
+        nodes = {}
+        for n in range(2):
+            name = f"t{uuid.uuid4().hex[:8]}"
+            factory.names.append(name)
+            _register(name)
+            nodes[f"n{n}"] = sandbox_mod.create(name, authorized_key=Path(f"{ssh_key}.pub"))
+        cluster = slurm.start(nodes, gateway=host_side_address(nodes["n0"]))
+        yield cluster
+    finally:
+        try:
+            if cluster is not None:
+                cluster.stop()
+        finally:
+            factory.destroy_all()
+
+
 class SSH:
     """The real OpenSSH client for sandbox instances.
 

@@ -26,7 +26,7 @@ MARKER = "sandbox"
 MARKER_HELP = (f"{MARKER}: needs root, network namespaces, torch or minutes; "
                f"left out of the quick layer (-m 'not {MARKER}')")
 # fixtures that make sandbox instances, or exist only to reach them
-ROOT_FIXTURES = frozenset({"sandbox", "package_index", "ssh"})
+ROOT_FIXTURES = frozenset({"sandbox", "package_index", "ssh", "slurm_cluster"})
 HEAVY = ("torch", "transformers", "lightning", "accelerate")
 # the commands behind sandbox instances (relaunch.sandbox.network.TOOLS, users.py) that need root
 REFUSED = ("ip", "tc", "unshare", "nsenter", "mount", "umount", "useradd", "usermod", "userdel", "chpasswd")

@@ -2,7 +2,8 @@
 seconds, a checkpoint `ckpt-NNNNNNNN.pt` every `--every` steps of `--size` bytes, written as careful
 trainers do (temp name, then rename), the newest `--keep` kept; on SIGTERM it saves the step it is
 at and exits 0 ("stopped at step N"), as a trainer asked by a reclaim notice does; `--stop-save S`
-makes that save take S seconds (a big model's checkpoint).
+makes that save take S seconds (a big model's checkpoint); `--save-for S` makes every save write its
+temp file over S seconds, in pieces (a `kill -9` lands in the middle of one).
 
 A checkpoint's bytes depend only on its step and size, so a test knows what each must hold
 (`content`); a resume reads them back and checks them. The log: `step N loss X` every step,
@@ -44,6 +45,8 @@ def main() -> int:
     parser.add_argument("--keep", type=int, default=3)
     parser.add_argument("--sleep", type=float, default=0.1)
     parser.add_argument("--stop-save", type=float, default=0.0)
+    parser.add_argument("--save-for", type=float, default=0.0)
+    parser.add_argument("--steps", type=int, default=0, help="finish (save, exit 0) after this step; 0: never")
     args = parser.parse_args()
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -61,7 +64,13 @@ def main() -> int:
     def save() -> None:
         name = out / f"ckpt-{step:08d}.pt"
         tmp = out / f".{name.name}.tmp"
-        tmp.write_bytes(content(step, args.size))
+        data = content(step, args.size)
+        with open(tmp, "wb") as handle:
+            pieces = 10 if args.save_for else 1
+            for n in range(pieces):
+                handle.write(data[n * len(data) // pieces:(n + 1) * len(data) // pieces])
+                handle.flush()
+                time.sleep(args.save_for / pieces)
         os.replace(tmp, name)
         for old in sorted(out.glob("ckpt-*.pt"))[:-args.keep]:
             old.unlink()
@@ -69,13 +78,18 @@ def main() -> int:
     stopping: list[bool] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     saved = step
-    while not stopping:
+    while not stopping and not (args.steps and step >= args.steps):
         time.sleep(args.sleep)
         step += 1
         print(f"step {step} loss {loss(step)}", flush=True)
         if step % args.every == 0:
             save()
             saved = step
+    if not stopping:
+        if saved != step:
+            save()
+        print(f"done at step {step}", flush=True)
+        return 0
     time.sleep(args.stop_save)
     if saved != step:
         save()

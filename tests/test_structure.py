@@ -20,7 +20,7 @@ LAYERS = [
     {"steps"},
     {"executor", "gather"},
     {"cycle"},
-    {"sync", "status", "freeze", "interval", "history", "watch", "adopt"},
+    {"sync", "status", "freeze", "interval", "history", "watch", "adopt", "injob"},
     {"sandbox"},
     {"demo", "drill"},
     {"cli", "cli_reference", "__main__"},

@@ -123,9 +123,11 @@ def _main(argv: list[str] | None) -> int:
     not_verified = "evacuation NOT verified: DO NOT destroy the instance"
     document.clear()
     try:
-        cli.main(args=args, prog_name="relaunch", standalone_mode=False)
+        done = cli.main(args=args, prog_name="relaunch", standalone_mode=False)
         print_document()
-        return 0
+        # a command that ends with an exit code of its own (`run`'s 75: requeue me) raises click's
+        # Exit, which click turns into this return value when it does not exit itself
+        return done if isinstance(done, int) else 0
     except click.exceptions.Exit as exc:
         print_document()
         return exc.exit_code

@@ -25,7 +25,12 @@ def watch_kinds(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 @cli.command(short_help="Rehearse an interruption for real and measure what it costs")
 @click.argument("recipe")
-@click.argument("hosts", nargs=-1, required=True)
+@click.argument("hosts", nargs=-1)
+@click.option("--job", "in_job", is_flag=True,
+              help="A job under a scheduler instead (`relaunch run`): measure its goodput from the timeline node 0 "
+                   "wrote and the interruptions in the store's history; no HOST, nothing interrupted here.")
+@click.option("--timeline", "timelines", multiple=True, type=click.Path(dir_okay=False), metavar="PATH",
+              help="--job: the timeline(s) to read (default: run.log's, rendered on this machine, + .timeline).")
 @click.option("--resume-on", "resume_on", multiple=True, metavar="HOST",
               help="Resume on these nodes instead (repeatable, node 0 first): fewer nodes, other GPUs.")
 @click.option("--interrupt", type=click.Choice(["kill", "destroy"]), default="kill", show_default=True,
@@ -46,18 +51,34 @@ def watch_kinds(ctx: click.Context, param: click.Parameter, value: str | None) -
               help="Largest relative difference of loss and grad norm that still counts as continuous.")
 @click.option("--deadline", type=float, default=900, show_default=True, help="Seconds each wait may take.")
 @common
-def drill(recipe: str, hosts: tuple[str, ...], resume_on: tuple[str, ...], interrupt: str,
-          watch_for: list[str] | None, notice_seconds: float, keep: bool, past: int, tolerance: float,
-          deadline: float, overrides: tuple[str, ...], as_json: bool, verbose: bool, yes: bool) -> None:
+def drill(recipe: str, hosts: tuple[str, ...], in_job: bool, timelines: tuple[str, ...], resume_on: tuple[str, ...],
+          interrupt: str, watch_for: list[str] | None, notice_seconds: float, keep: bool, past: int,
+          tolerance: float, deadline: float, overrides: tuple[str, ...], as_json: bool, verbose: bool,
+          yes: bool) -> None:
     """Rehearse an interruption for real: train to a checkpoint, interrupt, evacuate, resume
     (optionally on fewer nodes or GPUs), and compare the steps run twice (run.metrics). Prints
     steps lost, time to resume, loss and grad-norm continuity, throughput; exit 5 when the
     resumed steps do not reproduce the lost ones. With --watch, the watch does the recovering:
-    see docs/spot.md."""
+    see docs/spot.md. With --job, a job under a scheduler (`relaunch run`): its goodput, measured
+    from what it recorded (docs/schedulers.md)."""
     from ..errors import CheckpointError
 
     r = load(recipe, overrides)
     ui = UI(verbose=verbose)
+    if in_job:
+        if hosts or watch_for is not None:
+            raise UsageError("--job measures a job a scheduler ran: no HOST, no --watch")
+        from ..drill.in_job import default_timeline, measure_job
+
+        measured = measure_job(r, [Path(t) for t in timelines] or [default_timeline(r)], tolerance)
+        click.echo(measured.table(), err=as_json)
+        emit(as_json, measured.as_dict())
+        if not measured.passed:
+            raise CheckpointError(f"drill --job: {measured.failures()[0]}",
+                                  "the table above and the store's .relaunch/history.jsonl say more")
+        return
+    if not hosts:
+        raise UsageError("drill needs HOST (node 0 first), or --job for a job under a scheduler")
     if watch_for is not None:
         ctx = click.get_current_context()
         given = [f"--{name.replace('_', '-')}" for name in ("resume_on", "interrupt")

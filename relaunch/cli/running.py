@@ -1,9 +1,10 @@
-"""The commands that act on a run: up, plan, evacuate, sync, watch, status, freeze."""
+"""The commands that act on a run: up, plan, evacuate, sync, watch, run (inside a job), status, freeze."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -170,6 +171,48 @@ def watch(recipe: str, hosts: tuple[str, ...], take_over: bool, overrides: tuple
     outcome = watch_loop(r, specs, ui, emit=each_event if as_json else None, overrides=list(overrides),
                          take_over=take_over)
     emit(as_json, {**outcome.as_dict(), "events": events})
+
+
+@cli.command("run", short_help="The job's own command inside a scheduler, on the node")
+@click.argument("recipe")
+@click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Seconds the engine leaves between its stop signal and its SIGKILL (default: Slurm's KillWait; "
+                   "30 under Kubernetes, 10 under dstack; else run.stop.timeout). A notice's own deadline wins.")
+@common
+def run_in_job(recipe: str, grace: float | None, overrides: tuple[str, ...], as_json: bool, verbose: bool,
+               yes: bool) -> None:
+    """The job's own command inside a scheduler (Slurm, SkyPilot, dstack, a Kubernetes Job): on this node,
+    no SSH. Restore the newest verified checkpoint from the store (and the env from env.lock, when the
+    recipe has one), run the training in the foreground, copy each checkpoint it saves into the store,
+    verified. On the engine's stop signal (SIGTERM, SIGINT, SIGUSR1, SIGUSR2) or a cloud notice: ask the
+    training to save (run.stop), copy and verify that save, and exit 75 (requeue me) before the engine's
+    SIGKILL. Exit 0 when the training finishes; on several nodes (srun) node ranks and node 0's
+    address come from the engine and each node copies its own part. See docs/schedulers.md."""
+    import signal
+
+    from ..errors import Interrupted
+    from ..injob import EXIT_REQUEUE
+    from ..injob import run as run_here
+    from .main import _interrupt
+
+    r = load(recipe, overrides)
+    if not isinstance(r.checkpoint.remote, Path):
+        # the node is this machine: an rclone or hf store is reached from here, not through a relay
+        r = load(recipe, (*overrides, "checkpoint.via=instance"))
+    ui = UI(verbose=verbose)
+    for number in (signal.SIGUSR1, signal.SIGUSR2):    # until the training starts: like a SIGTERM
+        signal.signal(number, _interrupt)
+    try:
+        outcome = run_here(r, ui, grace)
+    except (KeyboardInterrupt, Interrupted):
+        message = (f"stopped before the training started: nothing half-written is trusted; exit {EXIT_REQUEUE} "
+                   "(requeue me)")
+        ui.warn(message)
+        emit(as_json, {"exit": EXIT_REQUEUE, "why": message})
+        raise click.exceptions.Exit(EXIT_REQUEUE) from None
+    emit(as_json, outcome.as_dict())
+    if outcome.exit:
+        raise click.exceptions.Exit(outcome.exit)
 
 
 @cli.command(short_help="Is training alive; checkpoints on it and stored; free disk")

@@ -157,6 +157,7 @@ class Measured:
     left: list[str] = field(default_factory=list)         # what is left, in words
     blocking_save: float | None = None     # seconds a save stopped training (median; the metric lines)
     saves: int = 0                         # saves in the metric lines the drill saw
+    mode: str = "--watch"                  # how the drill ran: --watch, or --job (a job under a scheduler)
 
     @property
     def goodput(self) -> float:
@@ -205,7 +206,7 @@ class Measured:
         def share(seconds: float) -> str:
             return f"{100 * seconds / wall:5.1f} %"
 
-        out = [f"drill --watch of {self.recipe}: {' then '.join(WORDS.get(k, k) for k in self.injected)}, "
+        out = [f"drill {self.mode} of {self.recipe}: {' then '.join(WORDS.get(k, k) for k in self.injected)}, "
                f"on {' '.join(self.hosts)}",
                f"  wall time                    {self.wall_seconds:.1f} s (step {self.first_step} to step "
                f"{self.last_step}, as the logs showed them)",
@@ -252,7 +253,7 @@ class Measured:
         return "\n".join(out)
 
 
-WORDS = {"notice": "a reclaim notice", "lost": "a silent loss"}
+WORDS = {"notice": "a reclaim notice", "lost": "a silent loss", "signal": "an engine's stop signal"}
 
 
 def measure(report: Measured, lines: list[Line], metrics: Metrics, records: list[Interruption]) -> Measured:

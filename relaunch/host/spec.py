@@ -88,6 +88,7 @@ class Target:
     key_only: bool = True              # offer `key` alone (ssh's IdentitiesOnly); else ssh-agent's keys too
     alias: str | None = None           # the ~/.ssh/config Host name the user gave, when it differs
     jump: Target | None = None         # ProxyJump: connect there first, then through it
+    local: bool = False                # the node relaunch itself runs on (`relaunch run`): no SSH at all
 
     @property
     def endpoint(self) -> str:

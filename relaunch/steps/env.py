@@ -82,6 +82,19 @@ def python_env(job: Job) -> dict[str, str]:
     return values
 
 
+def plan_files(job: Job) -> list[Action]:
+    """env.files: each local file to its instance path (rendered), its mode kept."""
+    facts, recipe = job.facts, job.recipe
+    actions = []
+    for local, remote_path in recipe.env.files.items():
+        dest = job.expand(render_text(recipe, str(remote_path), job.context(), f"env.files.{local}"))
+        actions.append(Action("env", f"upload {local} -> {dest}", lane=LANE,
+                              command=upload_command(dest, facts.modes.get(str(local), 0o644)), stdin=local,
+                              deadline=upload_deadline(facts.sizes.get(str(local), 0)),
+                              done=f"uploaded {local.name} -> {dest}"))
+    return actions
+
+
 def plan_env(job: Job) -> list[Action]:
     recipe, paths, facts = job.recipe, job.paths, job.facts
     lock = facts.lock
@@ -128,12 +141,7 @@ def plan_env(job: Job) -> list[Action]:
                            say=say, explain="checks.install_failure", progress="time",
                            hint="the full output is in the debug log (relaunch -v shows it live)"))
 
-    for local, remote_path in recipe.env.files.items():
-        dest = job.expand(render_text(recipe, str(remote_path), job.context(), f"env.files.{local}"))
-        mode = facts.modes.get(str(local), 0o644)
-        actions.append(act(f"upload {local} -> {dest}", command=upload_command(dest, mode), stdin=local,
-                           deadline=upload_deadline(facts.sizes.get(str(local), 0)),
-                           done=f"uploaded {local.name} -> {dest}"))
+    actions += plan_files(job)
 
     if facts.secrets:
         names = tuple(sorted(facts.secrets))

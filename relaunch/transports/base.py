@@ -109,6 +109,21 @@ class Store(ABC):
     # what "verified" means for this store, in words
     hash_name = "sha256 computed on the instance = sha256 of the copy, computed here"
 
+    # `relaunch run` on a node group (injob/group.py): each node copies its own part of a checkpoint
+    # into the store itself, then node 0 verifies the whole and records it; only a store every node
+    # reaches on its own, and that lets parts wait beside each other, takes them
+    takes_parts = False
+
+    def part_name(self, name: str, rank: int) -> str:
+        """The name node `rank` receives its part of checkpoint `name` under (plan_receive's cp.name)."""
+        return name
+
+    def join_parts(self, name: str, parts: list[str], files: list[str]) -> None:
+        """Before node 0's plan_accept: the parts received under the names `parts` become the
+        checkpoint `name`, of exactly `files` (nothing else there is trusted). By default the parts
+        land where they belong (an rclone remote's uploads): nothing to do."""
+        return None
+
     def is_credential(self, name: str) -> bool:
         """Is this environment variable one of the store's credentials (never a training secret)?"""
         return False
@@ -128,6 +143,11 @@ class Store(ABC):
 
     @abstractmethod
     def write_meta(self, filename: str, text: str) -> None: ...
+
+    def post(self, filename: str, text: str) -> None:
+        """Write `.relaunch/<filename>` now, alone, never the manifest with it: a node's word to the
+        others of its group (injob/group.py), which only node 0's manifest writes may not wait for."""
+        self.write_meta(filename, text)
 
     def read_meta(self, filename: str) -> str | None:
         """`.relaunch/<filename>` as text (history.jsonl), None when the store has none."""

@@ -218,6 +218,20 @@ class StoreFolder:
                         sub.rmdir()      # only when empty
         return base
 
+    def join_staged(self, name: str, parts: list[str], files: list[str]) -> None:
+        """Move the files of the parts staged under `parts` (each node of a group received its own)
+        into the staging folder of `name`, prepared for exactly `files`; the parts' folders go."""
+        base = self.prepare_staging(name, files)
+        wanted = set(files)
+        for part in parts:
+            folder = self.staging_path(part)
+            for path in sorted(wanted):
+                src = folder / path
+                if src.is_file() and not src.is_symlink():
+                    (base / path).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(src, base / path)
+            self.drop_staging(part)
+
     def drop_staging(self, name: str) -> None:
         shutil.rmtree(self.staging_path(name), ignore_errors=True)
         self.copied_marker(name).unlink(missing_ok=True)

@@ -234,6 +234,14 @@ class LocalPathStore(Store):
     def set_aside(self, record: CheckpointRecord, paths: list[str]) -> str:
         return self.fs.set_aside(record.name, paths)
 
+    takes_parts = True
+
+    def part_name(self, name: str, rank: int) -> str:
+        return f"{name}@{rank}"           # each node's own staging: none prepares away another's files
+
+    def join_parts(self, name: str, parts: list[str], files: list[str]) -> None:
+        self.fs.join_staged(name, parts, files)
+
     def plan_send(self, job: Job, record: CheckpointRecord, incoming: str) -> list[Action]:
         source = self.root / record.name
         return push_actions(job, source, record.name, incoming, {p: f.size for p, f in record.files.items()},

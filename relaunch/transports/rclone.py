@@ -119,6 +119,8 @@ class RcloneStore(Store):
         listed = processes.run([rclone_binary(), "listremotes"], deadline=READ_DEADLINE)
         return f"{self.remote}:" in listed.text.split()
 
+    takes_parts = True           # each node's part is uploaded in place (copy --immutable); nothing to join
+
     def is_credential(self, name: str) -> bool:
         return name.startswith(f"RCLONE_CONFIG_{self.remote.upper().replace('-', '_')}_")
 
@@ -235,6 +237,11 @@ class RcloneStore(Store):
         if result.status != 0:
             raise self.fail(result, f"writing {META_DIR}/{filename}", EvacuationError)
         return self.read_meta(filename) == text
+
+    def post(self, filename: str, text: str) -> None:
+        result = self.run("rcat", self._path(f"{META_DIR}/{filename}"), stdin=text.encode())
+        if result.status != 0:
+            raise self.fail(result, f"writing {META_DIR}/{filename}", EvacuationError)
 
     def read_meta(self, filename: str) -> str | None:
         result = self.run("cat", self._path(f"{META_DIR}/{filename}"))

@@ -54,13 +54,16 @@ def deadline_for(total: int) -> float:
 
 
 def remote_path(target: Target, path: str) -> str:
+    if target.local:
+        return path                     # `relaunch run`: the instance is this machine
     addr = f"[{target.address}]" if ":" in target.address else target.address
     return f"{addr}:{path}"
 
 
 def base_argv(target: Target, known_hosts: Path) -> list[str]:
+    ssh = [] if target.local else ["-e", rsync_rsh(target, known_hosts)]
     return ["rsync", "-a", "-s", "--info=progress2", "--no-inc-recursive", "--timeout=60",
-            f"--partial-dir={RSYNC_PARTIAL}", "-e", rsync_rsh(target, known_hosts)]
+            f"--partial-dir={RSYNC_PARTIAL}", *ssh]
 
 
 def push_argv(target: Target, known_hosts: Path, local: Path, dest: str, is_dir: bool,

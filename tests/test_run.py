@@ -1,0 +1,147 @@
+"""`relaunch run` on this machine, as the command of a job no scheduler runs (no root): the stop
+signal and its verified save (exit 75), a notice, a training that fails, one that finishes, a run
+killed without a word, and the drill that measures all of it. The scheduler's side is
+tests/test_slurm.py (a real Slurm) and tests/test_engines.py (the others' stop semantics)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from e2e import cli_env, wait_for
+from injob_helpers import (  # noqa: F401  (end_what_was_started: the autouse fixture)
+    descendants,
+    end_what_was_started,
+    history,
+    job_recipe,
+    kill_all,
+    log,
+    newest_step,
+    resumes,
+    said,
+    start,
+    stops,
+    wait_saved,
+)
+from relaunch.injob import EXIT_REQUEUE
+from relaunch.manifest import StoreManifest
+
+
+def test_a_stop_signal_saves_copies_verifies_and_exits_75_then_the_next_run_resumes_there(tmp_path: Path) -> None:
+    job_recipe(tmp_path, "--steps", "150")
+    proc = start(tmp_path)
+    wait_saved(tmp_path, proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == EXIT_REQUEUE, said(tmp_path)
+    saved = stops(tmp_path)[-1]
+    assert newest_step(tmp_path) == saved                    # the stop's own save, verified in the store
+    entry = history(tmp_path)[-1]
+    assert (entry["cause"], entry["steps_lost"], entry["made_deadline"], entry["resumed_epoch"]) == \
+        ("signal", 0, True, None), entry
+    # the next run, on a fresh disk: from the store, at the step the stop saved, to the end
+    second = start(tmp_path, home="home2")
+    assert second.wait(120) == 0, said(tmp_path)
+    assert resumes(tmp_path) == [saved]
+    assert "done at step 150" in log(tmp_path) and newest_step(tmp_path) == 150
+    entry = history(tmp_path)[-1]
+    assert entry["resumed_host"] and entry["time_to_resume"] is not None, entry
+
+
+def test_usr1_to_every_process_of_the_job_reaches_the_training_as_its_stop_signal(tmp_path: Path) -> None:
+    """Slurm's --signal without B: signals every process of the job: the training, which does not
+    handle SIGUSR1, must not die of it; relaunch run turns it into run.stop.signal (TERM)."""
+    job_recipe(tmp_path)
+    proc = start(tmp_path)
+    wait_saved(tmp_path, proc=proc)
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        subprocess.run(["kill", "-USR1", str(pid)], check=False)
+    assert proc.wait(60) == EXIT_REQUEUE, said(tmp_path)
+    assert stops(tmp_path) and newest_step(tmp_path) == stops(tmp_path)[-1], said(tmp_path)
+    assert "SIGUSR1" in said(tmp_path)
+
+
+def test_a_notice_is_a_stop_with_its_deadline(tmp_path: Path) -> None:
+    notice = tmp_path / "notice"
+    job_recipe(tmp_path, guard={"enabled": True, "sources": [f"file:{notice}"], "every": 0.5})
+    proc = start(tmp_path)
+    wait_saved(tmp_path, proc=proc)
+    notice.write_text(json.dumps({"seconds": 30}))
+    assert proc.wait(60) == EXIT_REQUEUE, said(tmp_path)
+    entry = history(tmp_path)[-1]
+    assert entry["cause"] == "notice" and f"file:{notice}" in entry["detail"] and entry["made_deadline"], entry
+    assert newest_step(tmp_path) == stops(tmp_path)[-1]
+
+
+def test_a_training_that_fails_is_exit_4_with_its_status(tmp_path: Path) -> None:
+    job_recipe(tmp_path, run={"command": f"{sys.executable} -c \"print('step 1 loss 1.0'); raise SystemExit(3)\"",
+                              "workdir": "~/work", "log": str(tmp_path / "train.log")})
+    proc = start(tmp_path)
+    assert proc.wait(60) == 4, said(tmp_path)
+    assert "the training exited with status 3 (no stop was asked for)" in said(tmp_path)
+
+
+def test_a_run_killed_without_a_word_is_recorded_lost_and_the_next_resumes_from_the_store(tmp_path: Path) -> None:
+    job_recipe(tmp_path)
+    proc = start(tmp_path)
+    wait_saved(tmp_path, step=20, proc=proc)
+    kill_all(proc)                                  # kill -9: no stop, no save, no word
+    before = newest_step(tmp_path)
+    second = start(tmp_path, home="home2")
+    wait_for("the next run to train", lambda: len(resumes(tmp_path)) == 1, timeout=120,
+             explain=lambda: said(tmp_path))
+    assert resumes(tmp_path) == [before]
+    lost = [e for e in history(tmp_path) if e["cause"] == "lost"]
+    assert lost and lost[0]["newest_verified_step"] == before, history(tmp_path)
+    wait_for("the history to say training ran again", lambda: history(tmp_path)[0].get("resumed_epoch"))
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(60) == EXIT_REQUEUE, said(tmp_path)
+
+
+def test_drill_job_measures_the_goodput_of_the_runs_and_their_interruptions(tmp_path: Path) -> None:
+    job_recipe(tmp_path, "--steps", "150")
+    first = start(tmp_path)
+    wait_saved(tmp_path, step=20, proc=first)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(60) == EXIT_REQUEUE, said(tmp_path)
+    time.sleep(0.5)                              # a gap without training the drill must see
+    assert start(tmp_path, home="home2").wait(120) == 0, said(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "relaunch.cli", "drill", str(tmp_path / "recipe.yaml"), "--job",
+                           "--timeline", str(tmp_path / "train.log.timeline"), "--json"],
+                          capture_output=True, text=True, env=cli_env(tmp_path / "state"), timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["passed"] and report["steps_lost"] == 0 and len(report["interruptions"]) == 1, report
+    gap = report["interruptions"][0]
+    assert gap["cause"] == "signal" and gap["resumed_from"] == stops(tmp_path)[0] and gap["recovered"], gap
+    assert 0 < report["goodput"] < 1 and gap["seconds_without_training"] >= 0.5, report
+    assert "drill --job" in done.stderr
+
+
+
+def test_an_rclone_store_from_the_node_itself(tmp_path: Path, s3_remote) -> None:  # type: ignore[no-untyped-def]
+    """The store is an rclone remote (S3 here, `rclone serve s3`) the node reaches with relaunch's own
+    rclone and the remote's variables in the job's environment: the stop's save uploaded and
+    verified, and the next run, on a fresh disk, downloads it and resumes there."""
+    s3 = s3_remote()
+    # a checkpoint every second, six kept: each is there longer than a copy to S3 takes here
+    store = {"dir": "~/ckpt", "layout": "files", "pattern": "ckpt-*.pt", "keep": 2,
+             "remote": f"rclone:{s3.remote('job')}"}
+    job_recipe(tmp_path, "--sleep", "0.1", "--keep", "6", checkpoint=store)
+    proc = start(tmp_path, env=s3.env)
+    wait_for("a checkpoint in the remote", lambda: list((s3.bucket_dir / "job").glob("ckpt-*.pt")), timeout=120,
+             explain=lambda: said(tmp_path))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == EXIT_REQUEUE, said(tmp_path)
+    saved = stops(tmp_path)[-1]
+    path = s3.bucket_dir / "job" / ".relaunch" / "manifest.json"
+    newest = StoreManifest.from_json(path.read_text(), str(path)).newest()
+    assert newest is not None and newest.step == saved, newest
+    second = start(tmp_path, home="home2", env=s3.env)
+    wait_for("the next run to resume", lambda: resumes(tmp_path), timeout=120, explain=lambda: said(tmp_path))
+    assert resumes(tmp_path) == [saved]
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(60) == EXIT_REQUEUE, said(tmp_path)
