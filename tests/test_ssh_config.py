@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import host_side_address
-from e2e import plain_recipe, run_cli, wait_for
+from e2e import new_user, plain_recipe, run_cli, wait_for
 from relaunch.host.spec import Target
 from relaunch.host.ssh_argv import ssh_argv
 
@@ -255,3 +255,23 @@ def test_host_argument_wins_over_the_alias_user(tmp_path, sandbox, ssh_key):
     ok = run_cli("plan", str(recipe), "ubuntu@box", home=home, env=env)
     assert ok.returncode == 0, ok.stderr
     assert f"box (ubuntu@{inst.address})" in ok.stderr
+
+
+def test_with_home_elsewhere_than_the_password_databases_the_copy_offers_the_key_the_connection_did(tmp_path,
+                                                                                                     sandbox):
+    """HOME set by hand (sudo keeping it, a service, a container's user): paramiko finds the user's
+    ~/.ssh/id_ed25519 under $HOME and connects, OpenSSH looks under the password database's home. The
+    ssh under rsync must offer the same key, or evacuate connects, then cannot copy (exit 6)."""
+    home = tmp_path / "me"
+    env = new_user(home)
+    box = sandbox(authorized_key=home / ".ssh" / "id_ed25519.pub")   # the user's key only
+    recipe = recipe_without_key(tmp_path, "elsewhere")
+    state = tmp_path / "state"
+    up = run_cli("up", str(recipe), box.host, home=state, env=env)
+    assert up.returncode == 0, up.stderr
+    wait_for("the checkpoint on the instance", lambda: run_cli("status", str(recipe), box.host, "--json", home=state,
+                                                              env=env).stdout.count("ckpt-00000005.pt") > 0,
+             timeout=120)
+    evac = run_cli("evacuate", str(recipe), box.host, home=state, env=env)
+    assert evac.returncode == 0, evac.stderr
+    assert "safe to destroy" in evac.stderr and (tmp_path / "store" / "ckpt-00000005.pt").stat().st_size == 3000

@@ -29,6 +29,7 @@ from ..retry import retrying
 from .known_hosts import KnownHosts, TrustPolicy, fingerprint
 from .remote import Remote, describe_failure
 from .spec import Target
+from .ssh_argv import DEFAULT_KEYS
 
 log = logging.getLogger("relaunch.host")
 
@@ -383,7 +384,7 @@ def _failure(exc: _Refused, who: Target, wait: float, booting: bool) -> ConnectE
         agent = "ssh-agent offers none" if os.environ.get("SSH_AUTH_SOCK") else \
             "no ssh-agent runs (SSH_AUTH_SOCK is not set)"
         why = (f"the key {who.key} cannot be used by itself (a passphrase?) and {agent}" if who.key else
-               f"no ssh.key is set, {agent}, and ~/.ssh has no id_rsa, id_ecdsa or id_ed25519")
+               f"no ssh.key is set, {agent}, and ~/.ssh has no {', '.join(DEFAULT_KEYS[:-1])} or {DEFAULT_KEYS[-1]}")
         return ConnectError(f"{exc.who}: no SSH key to offer as {who.user}: {why}",
                             "give the jump host's key as its IdentityFile in your ssh config, or ssh-add it"
                             if exc.is_jump else KEY_HINT)

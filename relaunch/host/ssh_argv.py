@@ -10,6 +10,16 @@ from pathlib import Path
 
 from .spec import Target
 
+# The key files paramiko (the connection) offers when no key is set, looked up under $HOME; OpenSSH
+# looks under the password database's home instead. Named explicitly, the ssh of a copy offers the
+# keys the connection offered, also where the two homes differ (sudo, a service, a HOME set by hand).
+DEFAULT_KEYS = ("id_rsa", "id_ecdsa", "id_ed25519")
+
+
+def default_key_files() -> list[Path]:
+    """The default key files that exist under ~/.ssh ($HOME's), in the order paramiko tries them."""
+    return [path for name in DEFAULT_KEYS if (path := Path("~/.ssh", name).expanduser()).is_file()]
+
 
 def _ssh_options(target: Target, known_hosts: Path) -> list[str]:
     """`ssh` options for one hop: no ssh config read (`-F /dev/null`: the target is already
@@ -31,6 +41,8 @@ def _ssh_options(target: Target, known_hosts: Path) -> list[str]:
         # IdentitiesOnly: no other key of the agent is offered
         argv += ["-i", str(Path(target.key).expanduser())]
         argv += ["-o", "IdentitiesOnly=yes"] if target.key_only else []
+    else:
+        argv += [arg for path in default_key_files() for arg in ("-o", f"IdentityFile={path}")]
     return argv
 
 
