@@ -318,6 +318,9 @@ def normalize(name: str) -> str:
 
 
 def read_lock(path: Path | None) -> list[str]:
-    """The lock's lines; [] when the recipe names none, or names one not written yet (`up` refuses
-    that before it connects; `status`, `evacuate`, `freeze` go on without it)."""
-    return path.read_text().splitlines() if path is not None and path.is_file() else []
+    """The lock's lines, blank and comment lines left out (a lock that pins nothing, as `adopt` writes
+    for a venv with no packages, installs nothing); [] when the recipe names none, or names one not
+    written yet (`up` refuses that before it connects; `status`, `evacuate`, `freeze` go on without it)."""
+    if path is None or not path.is_file():
+        return []
+    return [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]

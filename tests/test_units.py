@@ -192,3 +192,15 @@ def test_a_dcp_metadata_deleted_since_the_listing_is_a_checkpoint_gone_not_an_er
                Entry("step-000000300", "d", 0, 3.0)]
     assert [e.path for e in without(listing, {"step-00000030"})] == [
         "step-00000010", "step-00000010/.metadata", "step-000000300"]
+
+
+def test_a_lock_of_comments_pins_nothing_and_installs_nothing(tmp_path):
+    """adopt writes a lock with a comment only for a venv with no packages: `up` must not install
+    "1 pinned packages" from an index the box may not reach."""
+    from relaunch.job import read_lock
+
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("# pip freeze of /workspace/venv (no packages)\n\n")
+    assert read_lock(lock) == []
+    lock.write_text("# a comment\nmpmath==1.3.0\n  \n-e git+https://example.com/x.git#egg=x\n")
+    assert read_lock(lock) == ["mpmath==1.3.0", "-e git+https://example.com/x.git#egg=x"]
