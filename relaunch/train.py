@@ -639,6 +639,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._closed = False
         self.saved_step = -1                     # the newest step saved (or restored): not saved again
+        self._committed_step = -1                # the newest step committed (or restored)
         self._mark, self._mark_step = time.monotonic(), 0   # the step time counts from here
         self.costs: list[dict[str, Any]] = []    # every committed save: step, blocking_s, write_s, step_s, bytes
         self.restored: str | None = None
@@ -837,6 +838,7 @@ class Checkpointer:
                 pending.result()
             except BaseException as exc:    # the background's failure, told on the training's thread
                 self._error = exc
+                self.saved_step = self._committed_step     # not saved: that step may be saved again
         self._raise_error()
 
     def save(self, step: int, extra: Any = None) -> bool:
@@ -875,7 +877,11 @@ class Checkpointer:
         cost = {"step": step, "name": name, "blocking_s": staged - began, "step_s": step_time,
                 "bytes": _tensor_bytes({k: state[k] for k in ("model", "optim") if k in state})}
         if upload is None:                       # blocking: the commit too, before the training goes on
-            self._commit(None, cost, staged)
+            try:
+                self._commit(None, cost, staged)
+            except BaseException:
+                self.saved_step = self._committed_step
+                raise
             cost["blocking_s"], cost["write_s"] = time.monotonic() - began, 0.0
             self._report(cost)
         else:
@@ -930,6 +936,7 @@ class Checkpointer:
             if self.leader:
                 shutil.rmtree(temporary, ignore_errors=True)     # never committed (a full disk gets its room back)
             raise
+        self._committed_step = cost["step"]
         if self.leader:
             self._settle(name, committed=True)
             self._prune()
@@ -955,9 +962,17 @@ class Checkpointer:
         """The end of training, or a stop: save `step` (unless it is saved already), wait for
         every write, commit. On a notice with a deadline, a save that would not be written
         before it (by the saves measured so far) is not started: the write in flight is still
-        flushed and committed. Returns the newest committed checkpoint here (rank 0's folder)."""
+        flushed and committed. A write in flight that failed (the disk was full then) is said,
+        and `step` is saved all the same; the failure is raised only when that save does not
+        happen. Returns the newest committed checkpoint here (rank 0's folder)."""
         reached = time.monotonic()
-        self.wait()
+        failed: RuntimeError | None = None
+        try:
+            self.wait()
+        except RuntimeError as exc:              # that save failed (a full disk): this one may not
+            failed = exc
+            if self.rank == 0:
+                _line(sys.stderr, str(exc))
         if step is not None and step > self.saved_step:
             deadline = self.stop.deadline() if self.stop.requested() else None
             needed = sorted(c["blocking_s"] + c["write_s"] for c in self.costs)
@@ -969,8 +984,11 @@ class Checkpointer:
             else:
                 self._save(step, extra, reached)
                 self.wait()
+                failed = None
                 if self.rank == 0 and self.stop.requested():
                     _say(f"{self.stop.reason}: {self.name(step)} saved and committed")
+        if failed is not None:
+            raise failed
         return self.newest()
 
     def close(self) -> None:
@@ -1006,7 +1024,8 @@ class Checkpointer:
         if not found:
             if self.rank == 0:
                 _say(f"no checkpoint in {self.dir}: a fresh start")
-            self.saved_step, self._mark, self._mark_step = 0, time.monotonic(), 0
+            self.saved_step = self._committed_step = 0
+            self._mark, self._mark_step = time.monotonic(), 0
             return 0
         reader = FileSystemReader(found)
         keys = set(reader.read_metadata().state_dict_metadata)
@@ -1040,7 +1059,8 @@ class Checkpointer:
                      "from the uninterrupted run's)")
             self.sampler.start_step = step
         self.extra, self.restored = common.get("extra"), found
-        self.saved_step, self._mark, self._mark_step = step, time.monotonic(), step
+        self.saved_step = self._committed_step = step
+        self._mark, self._mark_step = time.monotonic(), step
         if self.rank == 0:
             world = f"world size {saved_world}" + ("" if same else f" -> {self.world_size}")
             kept = "" if same else "; each rank keeps the RNG seeded by the script (per-rank streams do not carry over)"

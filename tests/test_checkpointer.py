@@ -9,6 +9,7 @@ DCP's), so "in flight" is a state the test controls, not a race it hopes to win.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -416,7 +417,8 @@ def test_a_kill_9_between_the_two_renames_of_a_step_saved_again_loses_neither(tm
         assert ckpt.restore() == 20
 
 
-def test_a_step_saved_again_whose_rename_fails_puts_the_earlier_one_back(tmp_path, monkeypatch):
+def test_a_step_saved_again_whose_rename_fails_puts_the_earlier_one_back_and_finish_saves_it_anew(
+        tmp_path, monkeypatch):
     job, folder = Job(6), tmp_path / "ckpt"
     with job.checkpointer(folder, keep=3) as ckpt:
         ckpt.save(10)
@@ -441,7 +443,60 @@ def test_a_step_saved_again_whose_rename_fails_puts_the_earlier_one_back(tmp_pat
         assert refused
         assert sorted(p.name for p in folder.iterdir()) == ["step-00000010", "step-00000020"]
         assert digests(folder / "step-00000020") == earlier
+        assert ckpt.finish(20) == str(folder / "step-00000020")   # not saved: saved now
+    assert digests(folder / "step-00000020") != earlier
     assert whole(folder) == {"step-00000010": True, "step-00000020": True}
+
+
+def fill(disk: Path) -> Path:
+    """A file taking every byte still free on `disk`."""
+    ballast = disk / "ballast"
+    with open(ballast, "wb", buffering=0) as out:
+        try:
+            while True:
+                out.write(b"\0" * (1 << 16))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return ballast
+
+
+def test_a_save_that_failed_on_a_full_disk_does_not_keep_the_stop_from_saving_once_there_is_room(
+        tmp_path, capfd, monkeypatch):
+    folder, notice = tmp_path / "ckpt", tmp_path / "notice.json"
+    written, write_data = threading.Event(), FileSystemWriter.write_data
+
+    def writes(self, plan, planner):  # type: ignore[no-untyped-def]
+        try:
+            return write_data(self, plan, planner)
+        finally:
+            written.set()                      # DCP's own write is over (its files met the disk)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", writes)
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], check=True)
+    try:
+        job = Job(7)
+        with job.checkpointer(folder, stop=quiet_stop(notice_file=str(notice), started=time.time() - 60)) as ckpt:
+            ckpt.save(10)
+            ckpt.wait()
+            ballast = fill(folder)
+            job.steps(1)
+            written.clear()
+            ckpt.save(20)                      # its write meets the full disk
+            assert written.wait(timeout=120), "the write of step 20 never ran"
+            notice.write_text(json.dumps({"source": "aws", "detail": "spot", "seen_at": time.time(),
+                                          "deadline": time.time() + 3600}))
+            ballast.unlink()                   # room again (an evacuation's pins let go)
+            job.steps(1)
+            assert ckpt.stop_requested()
+            assert ckpt.finish(21) == str(folder / "step-00000021")
+        err = capfd.readouterr().err
+        assert "a checkpoint save failed: " in err and "No space left on device" in err
+        assert "step-00000021 saved and committed" in err
+        assert sorted(p.name for p in folder.iterdir()) == ["step-00000010", "step-00000021"]   # nothing of 20 left
+        assert whole(folder) == {"step-00000010": True, "step-00000021": True}
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
 
 
 GROUP = """
