@@ -730,12 +730,18 @@ class Checkpointer:
         return found
 
     def _aside(self, name: str) -> None:
-        """Move `name` here, if there, to a `tmp-old-` name: no layout counts it any more, and
-        `_settle` decides whether it goes or comes back."""
-        final = os.path.join(self.dir, name)
+        """Move `name` here to a `tmp-old-` name: no layout counts it any more, and `_settle`
+        decides whether it goes or comes back. On another node than rank 0's, without a `name`
+        here, an empty folder of that name says so: what `name` holds after this is the new
+        save's part, to go if the save does not commit. (Rank 0's rename is the commit itself.)"""
+        final, aside = os.path.join(self.dir, name), os.path.join(self.dir, f"{TEMP_PREFIX}old-{os.getpid()}-{name}")
         if os.path.lexists(final):
-            os.rename(final, os.path.join(self.dir, f"{TEMP_PREFIX}old-{os.getpid()}-{name}"))
-            _fsync_dir(self.dir)
+            os.rename(final, aside)
+        elif self.rank != 0:
+            os.mkdir(aside)
+        else:
+            return
+        _fsync_dir(self.dir)
 
     def _settle(self, name: str, committed: bool) -> None:
         """The end of a save of `name` in this folder: committed, the earlier `name` moved aside
@@ -748,25 +754,26 @@ class Checkpointer:
         if asides and not committed:
             if os.path.lexists(final):
                 _discard(final)
-            os.rename(asides.pop(), final)
-            _fsync_dir(self.dir)
+            if os.listdir(asides[-1]):           # (empty: there was no `name` before)
+                os.rename(asides.pop(), final)
+                _fsync_dir(self.dir)
         for path in [*asides, os.path.join(self.dir, TEMP_PREFIX + name)]:
             shutil.rmtree(path, ignore_errors=True)
+
+    def _settle_or_say(self, name: str, committed: bool) -> None:
+        try:
+            self._settle(name, committed)
+        except OSError as exc:                   # nothing is lost: what stays aside keeps its `tmp-old-` name
+            _say(f"{name}: left as it is in {self.dir}: {exc}")
 
     def _settle_in_order(self, name: str, committed: bool) -> None:
         """`_settle` on every node, rank 0's folder last: whether `name` is there is what a
         restart reads as "committed", so it changes only once the other nodes' parts agree."""
-        def settle() -> None:
-            try:
-                self._settle(name, committed)
-            except OSError as exc:
-                _say(f"{name}: left as it is in {self.dir}: {exc}")
-
         if self.leader and self.rank != 0:
-            settle()
+            self._settle_or_say(name, committed)
         self._barrier(self._writing)
         if self.rank == 0:
-            settle()
+            self._settle_or_say(name, committed)
 
     def _remove_temporary(self) -> None:
         """What a killed run left (called on every rank). An earlier checkpoint that a save moved
@@ -780,14 +787,14 @@ class Checkpointer:
         if self.distributed:
             dist.broadcast_object_list(there, src=0, group=self._control)
         committed = set(there[0] or ())
-        if self.leader:
+        if self.leader:                          # rank 0's folder, the evidence, changes last
             for name in self._asides():
                 if self.rank != 0 or name in committed:
-                    self._settle(name, name in committed)
+                    self._settle_or_say(name, name in committed)
         self._barrier(self._control)
         if self.rank == 0:
             for name in self._asides():
-                self._settle(name, False)        # (the committed ones went above)
+                self._settle_or_say(name, False)  # (the committed ones went above)
         if self.leader:
             pattern = re.compile(rf"{TEMP_PREFIX}(gone-\d+-)?{re.escape(self.prefix)}\d+")
             for entry in os.scandir(self.dir):

@@ -336,7 +336,7 @@ KILLED_IN_A_PRUNE = """
     rmtree = shutil.rmtree
     def cut_short(path, *args, **kwargs):
         # the removal of step 10's folder (whatever it is called by then): one file goes, then a kill
-        if os.path.basename(path).endswith("step-00000010") and os.path.isdir(path):
+        if os.path.basename(path).endswith("step-00000010") and os.path.isfile(os.path.join(path, "__0_0.distcp")):
             os.remove(os.path.join(path, "__0_0.distcp"))
             os.kill(os.getpid(), signal.SIGKILL)
         return rmtree(path, *args, **kwargs)
@@ -513,7 +513,7 @@ GROUP = """
                             timeout=timedelta(seconds=120))
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    keep = 3 if phase in ("first", "again") else 1
+    keep = 1 if phase.startswith("keep1") else 3
     stop = train.StopRequest(signals=["USR2"], notice_file="")
     ckpt = train.Checkpointer(folder, model, optimizer, keep=keep, stop=stop)
     print("leader of its folder:", ckpt.leader, flush=True)
@@ -525,7 +525,7 @@ GROUP = """
 
     if phase == "start":
         sys.exit(0)
-    if phase == "again":                 # resumed from step 10 (as `up` puts it on every node): 20 saved again
+    if phase.startswith("again"):        # resumed from step 10 (as `up` puts it on every node): 20 saved again
         ckpt.restore(sys.argv[5])
         step(2.0)
     else:
@@ -536,7 +536,7 @@ GROUP = """
         rename = os.rename
         def into_place(src, dst, *args, **kwargs):
             if os.path.basename(src) == "tmp-step-00000020":  # rank 0's commit: every other node's part is in place
-                if phase != "keep1-raise":
+                if not phase.endswith("raise"):
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise OSError(5, "Input/output error", src)
             return rename(src, dst, *args, **kwargs)
@@ -615,4 +615,22 @@ def test_a_node_group_killed_while_saving_a_step_again_gets_the_earlier_one_back
     # the next start: the earlier step 20 back on both nodes (never rank 0's earlier with node 1's new)
     assert group_complete(nodes) == ["step-00000010", "step-00000020"]
     assert [digests(node / "step-00000020") for node in nodes] == earlier
+    assert not [p for node in nodes for p in node.iterdir() if p.name.startswith("tmp-")]
+
+
+def test_a_failed_commit_of_a_step_saved_again_takes_the_new_part_off_a_node_that_had_none(tmp_path):
+    """Node 1 replaced since step 20 was first saved (its disk holds no part of it): the new part it
+    puts in place goes when rank 0's rename fails, never left beside rank 0's earlier step 20."""
+    nodes = [tmp_path / "node0" / "ckpt", tmp_path / "node1" / "ckpt"]
+    assert [code for code, _ in run_group(tmp_path, nodes, "first")] == [0, 0]
+    restored = tmp_path / "restored" / "step-00000010"
+    for node in nodes:
+        shutil.copytree(node / "step-00000010", restored, dirs_exist_ok=True)
+    shutil.rmtree(nodes[1] / "step-00000020")
+    earlier = digests(nodes[0] / "step-00000020")
+    results = run_group(tmp_path, nodes, "again-raise", restored)
+    assert [code for code, _ in results] == [3, 3], results
+    assert digests(nodes[0] / "step-00000020") == earlier
+    assert not (nodes[1] / "step-00000020").exists()
+    assert group_complete(nodes) == ["step-00000010"]
     assert not [p for node in nodes for p in node.iterdir() if p.name.startswith("tmp-")]
