@@ -46,7 +46,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # TrainerCallback and LightningCallback are attributes too, made on first use (see __getattr__):
@@ -458,19 +458,28 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _replace_dir(source: str, target: str) -> None:
-    """Rename folder `source` to `target` in one step; a `target` already there (a step saved
-    again after a resume, a part left by a killed run) goes aside first and is then removed."""
+def _discard(path: str) -> None:
+    """Delete folder `path`, renamed first to a `tmp-` name that no layout counts (one atomic step,
+    made durable): a kill or an I/O error part way through the removal leaves that `tmp-` folder
+    (the next start removes it), never a checkpoint with some of its files gone."""
     import shutil
 
-    aside = None
-    if os.path.lexists(target):
-        aside = os.path.join(os.path.dirname(target), f"{TEMP_PREFIX}old-{os.getpid()}-{os.path.basename(target)}")
-        os.rename(target, aside)
-    os.rename(source, target)
-    _fsync_dir(os.path.dirname(target))
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    parent, base = os.path.split(path)
+    gone = os.path.join(parent, f"{TEMP_PREFIX}gone-{os.getpid()}-{base}")
+    shutil.rmtree(gone, ignore_errors=True)      # what an earlier removal of this name left
+    os.rename(path, gone)
+    _fsync_dir(parent)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+class _Failed(Exception):
+    """A step of a commit that failed on some rank, and every rank knows it: `error` is this
+    rank's own, or what it was told. (A collective that raises instead means a rank is gone, and
+    nobody here knows how far it got.)"""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _pack(value: Any) -> bytes:
@@ -564,7 +573,12 @@ class Checkpointer:
     node renames its own part to `step-N/`, and rank 0 renames its folder, holding `.metadata`,
     last. So `layout: dcp` (and `auto`) counts `step-N` exactly when it is whole, on one node or
     across a node group, and a process killed mid-write leaves only a `tmp-` folder, removed
-    when the next run starts. The last `keep` committed checkpoints stay.
+    when the next run starts. A `step-N/` already there (saved again after a resume) moves to a
+    `tmp-old-` name first, rank 0's before any other node's part changes; it comes back if the
+    save does not commit (at the next start, when the process was killed). Nothing is deleted
+    until every rank knows the new checkpoint is complete: then the earlier `step-N/` and all but
+    the last `keep` checkpoints go, each renamed to a `tmp-gone-` name before its files are
+    removed, so that no folder a layout counts ever misses a file.
 
     Resuming: `restore(path)` loads any world size's save (DCP reshards; the script recomputes
     its gradient accumulation as before). RNG states and per-rank sampler states come back when
@@ -625,13 +639,12 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._closed = False
         self.saved_step = -1                     # the newest step saved (or restored): not saved again
+        self._committed_step = -1                # the newest step committed (or restored)
         self._mark, self._mark_step = time.monotonic(), 0   # the step time counts from here
         self.costs: list[dict[str, Any]] = []    # every committed save: step, blocking_s, write_s, step_s, bytes
         self.restored: str | None = None
         self.extra: Any = None
-        if self.leader:
-            self._remove_temporary()
-        self._barrier(self._control)
+        self._remove_temporary()
 
     # -- collectives --------------------------------------------------------------------------
     def _lowest_rank_here(self) -> bool:
@@ -670,10 +683,16 @@ class Checkpointer:
         dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
         return float(tensor.item())
 
-    def _everyone_ok(self, error: OSError | None, what: str) -> None:
-        """Raise on every rank when any rank failed (so that none waits for it in a collective)."""
+    def _together(self, what: str, action: Callable[[], object]) -> None:
+        """`action` on every rank (each does its own part, or nothing), then `_Failed` on every
+        rank when it failed on any (so that none waits for it in a collective)."""
+        error: OSError | None = None
+        try:
+            action()
+        except OSError as exc:
+            error = exc
         if self._reduce(1.0 if error else 0.0, self._writing, "MAX") > 0:
-            raise error or RuntimeError(f"{what} failed on another rank")
+            raise _Failed(error or RuntimeError(f"{what} failed on another rank"))
 
     def _agree(self, flag: bool) -> bool:
         """True on every rank when it is True on any."""
@@ -700,21 +719,97 @@ class Checkpointer:
                     and os.path.getsize(os.path.join(path, DCP_MARKER)) > 0]
         return complete[-1] if complete else None
 
-    def _remove_temporary(self) -> None:
-        """What a killed run left: `tmp-` folders of this prefix (never counted, never resumed)."""
+    def _asides(self) -> dict[str, list[str]]:
+        """name -> the `tmp-old-` folders holding an earlier `name` of this prefix, moved aside."""
+        pattern = re.compile(rf"{TEMP_PREFIX}old-\d+-({re.escape(self.prefix)}\d+)")
+        found: dict[str, list[str]] = {}
+        for entry in os.scandir(self.dir):
+            match = pattern.fullmatch(entry.name)
+            if match and entry.is_dir(follow_symlinks=False):
+                found.setdefault(match[1], []).append(entry.path)
+        return found
+
+    def _aside(self, name: str) -> None:
+        """Move `name` here to a `tmp-old-` name: no layout counts it any more, and `_settle`
+        decides whether it goes or comes back. On another node than rank 0's, without a `name`
+        here, an empty folder of that name says so: what `name` holds after this is the new
+        save's part, to go if the save does not commit. (Rank 0's rename is the commit itself.)"""
+        final, aside = os.path.join(self.dir, name), os.path.join(self.dir, f"{TEMP_PREFIX}old-{os.getpid()}-{name}")
+        if os.path.lexists(final):
+            os.rename(final, aside)
+        elif self.rank != 0:
+            os.mkdir(aside)
+        else:
+            return
+        _fsync_dir(self.dir)
+
+    def _settle(self, name: str, committed: bool) -> None:
+        """The end of a save of `name` in this folder: committed, the earlier `name` moved aside
+        goes; not committed, it comes back (and this node's part of the save that failed goes).
+        The save's `tmp-` folder goes either way."""
         import shutil
 
-        mine = (TEMP_PREFIX + self.prefix, f"{TEMP_PREFIX}old-")
-        for entry in os.scandir(self.dir):
-            if entry.name.startswith(mine) and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+        final = os.path.join(self.dir, name)
+        asides = self._asides().get(name, [])
+        if asides and not committed:
+            if os.path.lexists(final):
+                _discard(final)
+            if os.listdir(asides[-1]):           # (empty: there was no `name` before)
+                os.rename(asides.pop(), final)
+                _fsync_dir(self.dir)
+        for path in [*asides, os.path.join(self.dir, TEMP_PREFIX + name)]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _settle_or_say(self, name: str, committed: bool) -> None:
+        try:
+            self._settle(name, committed)
+        except OSError as exc:                   # nothing is lost: what stays aside keeps its `tmp-old-` name
+            _say(f"{name}: left as it is in {self.dir}: {exc}")
+
+    def _settle_in_order(self, name: str, committed: bool) -> None:
+        """`_settle` on every node, rank 0's folder last: whether `name` is there is what a
+        restart reads as "committed", so it changes only once the other nodes' parts agree."""
+        if self.leader and self.rank != 0:
+            self._settle_or_say(name, committed)
+        self._barrier(self._writing)
+        if self.rank == 0:
+            self._settle_or_say(name, committed)
+
+    def _remove_temporary(self) -> None:
+        """What a killed run left (called on every rank). An earlier checkpoint that a save moved
+        aside comes back unless that save committed (its name in rank 0's folder again); every
+        other `tmp-` folder of this prefix goes: a write never committed, a removal cut short."""
+        import shutil
+
+        import torch.distributed as dist
+
+        there = [[os.path.basename(path) for _, path in self._steps_here()] if self.rank == 0 else None]
+        if self.distributed:
+            dist.broadcast_object_list(there, src=0, group=self._control)
+        committed = set(there[0] or ())
+        if self.leader:                          # rank 0's folder, the evidence, changes last
+            for name in self._asides():
+                if self.rank != 0 or name in committed:
+                    self._settle_or_say(name, name in committed)
+        self._barrier(self._control)
+        if self.rank == 0:
+            for name in self._asides():
+                self._settle_or_say(name, False)  # (the committed ones went above)
+        if self.leader:
+            pattern = re.compile(rf"{TEMP_PREFIX}(gone-\d+-)?{re.escape(self.prefix)}\d+")
+            for entry in os.scandir(self.dir):
+                if pattern.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+        self._barrier(self._control)
 
     def _prune(self) -> None:
-        """Keep the newest `keep` checkpoints of this machine's folder."""
-        import shutil
-
+        """Keep the newest `keep` checkpoints of this machine's folder (once every rank knows the
+        newest is complete)."""
         for _, path in self._steps_here()[:-self.keep]:
-            shutil.rmtree(path, ignore_errors=True)
+            try:
+                _discard(path)
+            except OSError as exc:
+                _say(f"keep={self.keep}: {path} stays: {exc}")
 
     # -- saving -------------------------------------------------------------------------------
     def _state(self, step: int, extra: Any) -> dict[str, Any]:
@@ -750,6 +845,7 @@ class Checkpointer:
                 pending.result()
             except BaseException as exc:    # the background's failure, told on the training's thread
                 self._error = exc
+                self.saved_step = self._committed_step     # not saved: that step may be saved again
         self._raise_error()
 
     def save(self, step: int, extra: Any = None) -> bool:
@@ -788,7 +884,11 @@ class Checkpointer:
         cost = {"step": step, "name": name, "blocking_s": staged - began, "step_s": step_time,
                 "bytes": _tensor_bytes({k: state[k] for k in ("model", "optim") if k in state})}
         if upload is None:                       # blocking: the commit too, before the training goes on
-            self._commit(None, cost, staged)
+            try:
+                self._commit(None, cost, staged)
+            except BaseException:
+                self.saved_step = self._committed_step
+                raise
             cost["blocking_s"], cost["write_s"] = time.monotonic() - began, 0.0
             self._report(cost)
         else:
@@ -799,31 +899,54 @@ class Checkpointer:
         return True
 
     def _commit(self, upload: Any, cost: dict[str, Any], staged: float) -> None:
-        """In the background: once every rank's write has finished, rename into place, rank 0 last."""
-        if upload is not None:
-            upload.result()                      # DCP raises on every rank when any rank's write failed
+        """In the background, once every rank's write has finished: into place in agreed moves,
+        rank 0's rename last; the earlier folders go only once every rank knows it is complete."""
+        import shutil
+
         name = cost["name"]
         temporary, final = os.path.join(self.dir, TEMP_PREFIX + name), os.path.join(self.dir, name)
-        # A rank returns from DCP's save only after rank 0 wrote `.metadata`: every shard is
-        # written. Other machines rename their own part first (without `.metadata`, not complete
-        # yet); a machine that sees `.metadata` shares rank 0's disk and leaves the rename to it.
-        error: OSError | None = None
-        try:
+
+        def aside() -> None:                     # rank 0's earlier `name`, holding `.metadata`
+            if self.rank == 0:
+                self._aside(name)
+
+        def part() -> None:
+            # A rank returns from DCP's save only after rank 0 wrote `.metadata`: every shard is
+            # written. Other machines rename their own part (without `.metadata`, not complete
+            # yet); a machine that sees `.metadata` shares rank 0's disk and leaves it to rank 0.
             if self.leader and self.rank != 0 and os.path.isdir(temporary) and \
                     not os.path.exists(os.path.join(temporary, DCP_MARKER)):
-                _replace_dir(temporary, final)
-        except OSError as exc:
-            error = exc
-        total = self._reduce(float(cost["bytes"]), self._writing)
-        self._everyone_ok(error, f"renaming a node's part of {name}")
-        try:
+                self._aside(name)
+                os.rename(temporary, final)
+                _fsync_dir(self.dir)
+
+        def complete() -> None:
             if self.rank == 0:
-                _replace_dir(temporary, final)   # with `.metadata`: complete from this moment
+                os.rename(temporary, final)      # with `.metadata`: complete from this moment
+                try:
+                    _fsync_dir(self.dir)
+                except OSError as exc:           # renamed all the same: an error here would undo a commit
+                    _say(f"{name}: committed, but making its rename durable failed: {exc}")
+
+        try:
+            if upload is not None:
+                upload.result()                  # DCP raises on every rank when any rank's write failed
+            # the earlier `name` stops counting before any node's part of it changes
+            self._together(f"moving the earlier {name} aside", aside)
+            self._together(f"renaming a node's part of {name}", part)
+            total = self._reduce(float(cost["bytes"]), self._writing)
+            self._together(f"committing {name}", complete)      # and every rank knows it is committed
+        except _Failed as failed:                # every rank knows it did not commit: undo, together
+            self._settle_in_order(name, committed=False)
+            raise failed.error from None
+        except BaseException:                    # a rank is gone: what it did is settled at the next start
             if self.leader:
-                self._prune()
-        except OSError as exc:
-            error = exc
-        self._everyone_ok(error, f"committing {name}")   # and every rank knows it is committed
+                shutil.rmtree(temporary, ignore_errors=True)     # never committed (a full disk gets its room back)
+            raise
+        self._committed_step = cost["step"]
+        if self.leader:
+            self._settle(name, committed=True)
+            self._prune()
         cost["bytes"] = int(total)
         if upload is not None:
             cost["write_s"] = time.monotonic() - staged
@@ -846,9 +969,17 @@ class Checkpointer:
         """The end of training, or a stop: save `step` (unless it is saved already), wait for
         every write, commit. On a notice with a deadline, a save that would not be written
         before it (by the saves measured so far) is not started: the write in flight is still
-        flushed and committed. Returns the newest committed checkpoint here (rank 0's folder)."""
+        flushed and committed. A write in flight that failed (the disk was full then) is said,
+        and `step` is saved all the same; the failure is raised only when that save does not
+        happen. Returns the newest committed checkpoint here (rank 0's folder)."""
         reached = time.monotonic()
-        self.wait()
+        failed: RuntimeError | None = None
+        try:
+            self.wait()
+        except RuntimeError as exc:              # that save failed (a full disk): this one may not
+            failed = exc
+            if self.rank == 0:
+                _line(sys.stderr, str(exc))
         if step is not None and step > self.saved_step:
             deadline = self.stop.deadline() if self.stop.requested() else None
             needed = sorted(c["blocking_s"] + c["write_s"] for c in self.costs)
@@ -860,8 +991,11 @@ class Checkpointer:
             else:
                 self._save(step, extra, reached)
                 self.wait()
+                failed = None
                 if self.rank == 0 and self.stop.requested():
                     _say(f"{self.stop.reason}: {self.name(step)} saved and committed")
+        if failed is not None:
+            raise failed
         return self.newest()
 
     def close(self) -> None:
@@ -897,7 +1031,8 @@ class Checkpointer:
         if not found:
             if self.rank == 0:
                 _say(f"no checkpoint in {self.dir}: a fresh start")
-            self.saved_step, self._mark, self._mark_step = 0, time.monotonic(), 0
+            self.saved_step = self._committed_step = 0
+            self._mark, self._mark_step = time.monotonic(), 0
             return 0
         reader = FileSystemReader(found)
         keys = set(reader.read_metadata().state_dict_metadata)
@@ -931,7 +1066,8 @@ class Checkpointer:
                      "from the uninterrupted run's)")
             self.sampler.start_step = step
         self.extra, self.restored = common.get("extra"), found
-        self.saved_step, self._mark, self._mark_step = step, time.monotonic(), step
+        self.saved_step = self._committed_step = step
+        self._mark, self._mark_step = time.monotonic(), step
         if self.rank == 0:
             world = f"world size {saved_world}" + ("" if same else f" -> {self.world_size}")
             kept = "" if same else "; each rank keeps the RNG seeded by the script (per-rank streams do not carry over)"

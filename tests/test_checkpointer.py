@@ -9,8 +9,10 @@ DCP's), so "in flight" is a state the test controls, not a race it hopes to win.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -301,3 +303,334 @@ def test_the_write_in_a_background_process_commits_the_same_way(tmp_path):
     assert [s.step for s in map(parse_line, done.stdout.splitlines()) if s] == [1, 2, 3]
     assert complete(folder) == ["step-00000002", "step-00000003"]
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000003"]
+
+
+# -- deletion is the last step of a proof ----------------------------------------------------------
+def whole(folder: Path, layout: str = "dcp") -> dict[str, bool]:
+    """Each checkpoint relaunch counts there -> whether every file its `.metadata` names is in it."""
+    from relaunch.layouts.dcp import required_files
+
+    return {name: required_files((folder / name / ".metadata").read_bytes()) <= {p.name for p in
+                                                                                (folder / name).iterdir()}
+            for name in complete(folder, layout)}
+
+
+def run_script(tmp_path: Path, script: str, *args: object) -> subprocess.CompletedProcess[str]:
+    """One Python process running `script` (its faults installed in its own process), to its end."""
+    path = tmp_path / "faulty_training.py"
+    path.write_text(textwrap.dedent(script))
+    return subprocess.run([sys.executable, str(path), *map(str, args)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+KILLED_IN_A_PRUNE = """
+    import os, shutil, signal, sys, torch
+    from relaunch import train
+
+    rmtree = shutil.rmtree
+    def cut_short(path, *args, **kwargs):
+        # the removal of step 10's folder (whatever it is called by then): one file goes, then a kill
+        if os.path.basename(path).endswith("step-00000010") and os.path.isfile(os.path.join(path, "__0_0.distcp")):
+            os.remove(os.path.join(path, "__0_0.distcp"))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return rmtree(path, *args, **kwargs)
+    shutil.rmtree = cut_short
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ckpt = train.Checkpointer(sys.argv[1], model, optimizer, keep=1,
+                              stop=train.StopRequest(signals=["USR2"], notice_file=""))
+    ckpt.save(10)
+    ckpt.wait()
+    ckpt.save(20)                        # keep=1: its commit removes step 10
+    ckpt.wait()
+    print("the prune was never killed")
+"""
+
+
+def test_a_kill_9_part_way_through_a_prune_leaves_no_counted_checkpoint_missing_a_file(tmp_path):
+    folder = tmp_path / "ckpt"
+    killed = run_script(tmp_path, KILLED_IN_A_PRUNE, folder)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr[-3000:]
+    for layout in ("dcp", "auto"):
+        assert whole(folder, layout) == {"step-00000020": True}
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with train.Checkpointer(folder, model, optimizer, keep=1, stop=quiet_stop()) as ckpt:
+        assert sorted(p.name for p in folder.iterdir()) == ["step-00000020"]   # the prune's leftover, removed
+        assert ckpt.restore() == 20
+
+
+SAVED_AGAIN = """
+    import os, signal, sys, torch
+    from relaunch import train
+
+    folder, fault = sys.argv[1], sys.argv[2]
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stop = train.StopRequest(signals=["USR2"], notice_file="")
+    ckpt = train.Checkpointer(folder, model, optimizer, keep=3, stop=stop)
+    def step(x):
+        model(torch.full((4, 64), x)).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if fault == "none":
+        ckpt.save(10)
+        ckpt.wait()
+        step(1.0)
+        ckpt.save(20)
+        ckpt.wait()
+        sys.exit(0)
+    ckpt.restore(os.path.join(folder, "step-00000010"))  # resumed from the older one: step 20 is saved again
+    step(2.0)                                            # (other weights than the first step 20's)
+    rename = os.rename
+    def into_place(src, dst, *args, **kwargs):
+        if os.path.basename(src) == "tmp-step-00000020":  # the new step 20 into place: the earlier one is aside
+            os.kill(os.getpid(), signal.SIGKILL)
+        return rename(src, dst, *args, **kwargs)
+    os.rename = into_place
+    ckpt.save(20)
+    ckpt.wait()
+    print("never killed")
+"""
+
+
+def test_a_kill_9_between_the_two_renames_of_a_step_saved_again_loses_neither(tmp_path):
+    folder = tmp_path / "ckpt"
+    first = run_script(tmp_path, SAVED_AGAIN, folder, "none")
+    assert first.returncode == 0, first.stderr[-3000:]
+    earlier = digests(folder / "step-00000020")
+    killed = run_script(tmp_path, SAVED_AGAIN, folder, "kill")
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr[-3000:]
+    assert whole(folder) == {"step-00000010": True}          # the earlier 20 aside, the new one not in place
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with train.Checkpointer(folder, model, optimizer, keep=3, stop=quiet_stop()) as ckpt:
+        assert sorted(p.name for p in folder.iterdir()) == ["step-00000010", "step-00000020"]
+        assert digests(folder / "step-00000020") == earlier  # the earlier step 20 is back, byte for byte
+        assert ckpt.restore() == 20
+
+
+def test_a_step_saved_again_whose_rename_fails_puts_the_earlier_one_back_and_finish_saves_it_anew(
+        tmp_path, monkeypatch):
+    job, folder = Job(6), tmp_path / "ckpt"
+    with job.checkpointer(folder, keep=3) as ckpt:
+        ckpt.save(10)
+        job.steps(1)
+        ckpt.save(20)
+        ckpt.wait()
+        earlier = digests(folder / "step-00000020")
+        assert ckpt.restore(str(folder / "step-00000010")) == 10
+        job.steps(2)
+        rename, refused = os.rename, []
+
+        def into_place(src, dst, *args, **kwargs):   # type: ignore[no-untyped-def]
+            if os.path.basename(src) == "tmp-step-00000020" and not refused:
+                refused.append(src)
+                raise OSError(5, "Input/output error", src)
+            return rename(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "rename", into_place)
+        ckpt.save(20)
+        with pytest.raises(RuntimeError, match="a checkpoint save failed: OSError: .*Input/output error"):
+            ckpt.wait()
+        assert refused
+        assert sorted(p.name for p in folder.iterdir()) == ["step-00000010", "step-00000020"]
+        assert digests(folder / "step-00000020") == earlier
+        assert ckpt.finish(20) == str(folder / "step-00000020")   # not saved: saved now
+    assert digests(folder / "step-00000020") != earlier
+    assert whole(folder) == {"step-00000010": True, "step-00000020": True}
+
+
+def fill(disk: Path) -> Path:
+    """A file taking every byte still free on `disk`."""
+    ballast = disk / "ballast"
+    with open(ballast, "wb", buffering=0) as out:
+        try:
+            while True:
+                out.write(b"\0" * (1 << 16))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return ballast
+
+
+def test_a_save_that_failed_on_a_full_disk_does_not_keep_the_stop_from_saving_once_there_is_room(
+        tmp_path, capfd, monkeypatch):
+    folder, notice = tmp_path / "ckpt", tmp_path / "notice.json"
+    written, write_data = threading.Event(), FileSystemWriter.write_data
+
+    def writes(self, plan, planner):  # type: ignore[no-untyped-def]
+        try:
+            return write_data(self, plan, planner)
+        finally:
+            written.set()                      # DCP's own write is over (its files met the disk)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", writes)
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], check=True)
+    try:
+        job = Job(7)
+        with job.checkpointer(folder, stop=quiet_stop(notice_file=str(notice), started=time.time() - 60)) as ckpt:
+            ckpt.save(10)
+            ckpt.wait()
+            ballast = fill(folder)
+            job.steps(1)
+            written.clear()
+            ckpt.save(20)                      # its write meets the full disk
+            assert written.wait(timeout=120), "the write of step 20 never ran"
+            notice.write_text(json.dumps({"source": "aws", "detail": "spot", "seen_at": time.time(),
+                                          "deadline": time.time() + 3600}))
+            ballast.unlink()                   # room again (an evacuation's pins let go)
+            job.steps(1)
+            assert ckpt.stop_requested()
+            assert ckpt.finish(21) == str(folder / "step-00000021")
+        err = capfd.readouterr().err
+        assert "a checkpoint save failed: " in err and "No space left on device" in err
+        assert "step-00000021 saved and committed" in err
+        assert sorted(p.name for p in folder.iterdir()) == ["step-00000010", "step-00000021"]   # nothing of 20 left
+        assert whole(folder) == {"step-00000010": True, "step-00000021": True}
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+GROUP = """
+    import os, signal, sys
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from relaunch import train
+
+    folder, port, rank, phase = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    keep = 1 if phase.startswith("keep1") else 3
+    stop = train.StopRequest(signals=["USR2"], notice_file="")
+    ckpt = train.Checkpointer(folder, model, optimizer, keep=keep, stop=stop)
+    print("leader of its folder:", ckpt.leader, flush=True)
+
+    def step(x):
+        model(torch.full((4, 64), x)).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    if phase == "start":
+        sys.exit(0)
+    if phase.startswith("again"):        # resumed from step 10 (as `up` puts it on every node): 20 saved again
+        ckpt.restore(sys.argv[5])
+        step(2.0)
+    else:
+        ckpt.save(10)
+        ckpt.wait()
+        step(1.0)
+    if rank == 0 and phase != "first":
+        rename = os.rename
+        def into_place(src, dst, *args, **kwargs):
+            if os.path.basename(src) == "tmp-step-00000020":  # rank 0's commit: every other node's part is in place
+                if not phase.endswith("raise"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError(5, "Input/output error", src)
+            return rename(src, dst, *args, **kwargs)
+        os.rename = into_place
+    ckpt.save(20)
+    try:
+        ckpt.wait()
+    except Exception as exc:
+        print("the save of step 20 failed:", exc, flush=True)
+        sys.exit(3)
+"""
+
+
+def group_complete(folders: list[Path]) -> list[str]:
+    """What `up` on the group counts as complete (steps/checkpoint.py, instance_checkpoints): the
+    nodes' listings merged, each DCP checkpoint with every file its `.metadata` names on some node."""
+    from relaunch.layouts.dcp import required_files
+
+    merged = {e.path: e for f in folders for e in parse_listing(subprocess.run(
+        ["bash", "-c", LISTING_COMMAND.format(dir=f)], capture_output=True, check=True).stdout)}
+    found = complete_checkpoints(list(merged.values()), "dcp")
+    return [c.name for c in found if all(f"{c.name}/{p}" in merged for p in required_files(
+        next(f / c.name / ".metadata" for f in folders if (f / c.name / ".metadata").exists()).read_bytes()))]
+
+
+def run_group(tmp_path: Path, nodes: list[Path], phase: str, *args: object) -> list[tuple[int, str]]:
+    """Two "nodes" on this machine, a checkpoint folder each (no shared disk): GROUP's `phase` on
+    both, to their end; (exit status, output) of each."""
+    import socket
+
+    script = tmp_path / "group.py"
+    script.write_text(textwrap.dedent(GROUP))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(nodes[rank]), str(port), str(rank), phase,
+                               *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for rank in (0, 1)]
+    try:
+        out = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all("leader of its folder: True" in o for o in out), out       # two nodes: a disk each
+    return [(p.returncode, o) for p, o in zip(procs, out, strict=True)]
+
+
+@pytest.mark.parametrize("fault", ["kill", "raise"])
+def test_a_node_group_with_keep_1_keeps_its_checkpoint_when_rank_0_fails_to_commit_the_next(tmp_path, fault):
+    nodes = [tmp_path / "node0" / "ckpt", tmp_path / "node1" / "ckpt"]
+    (zero, out0), (one, out1) = run_group(tmp_path, nodes, f"keep1-{fault}")
+    assert zero == (-signal.SIGKILL if fault == "kill" else 3), out0[-3000:]
+    assert one == 3 and "the save of step 20 failed" in out1, out1[-3000:]
+    # node 1's part of step 10 is still there: the group still has its checkpoint, whole
+    assert (nodes[1] / "step-00000010").is_dir()
+    assert group_complete(nodes) == ["step-00000010"]
+
+
+def test_a_node_group_killed_while_saving_a_step_again_gets_the_earlier_one_back_on_every_node(tmp_path):
+    nodes = [tmp_path / "node0" / "ckpt", tmp_path / "node1" / "ckpt"]
+    assert [code for code, _ in run_group(tmp_path, nodes, "first")] == [0, 0]
+    earlier = [digests(node / "step-00000020") for node in nodes]
+    restored = tmp_path / "restored" / "step-00000010"       # step 10 whole, as `up` puts it on each node
+    for node in nodes:
+        shutil.copytree(node / "step-00000010", restored, dirs_exist_ok=True)
+    (zero, out0), (one, out1) = run_group(tmp_path, nodes, "again", restored)
+    assert zero == -signal.SIGKILL, out0[-3000:]
+    assert one == 3 and "the save of step 20 failed" in out1, out1[-3000:]
+    # node 1's new part is in place, rank 0's earlier step 20 aside: nothing counts step 20 meanwhile
+    assert group_complete(nodes) == ["step-00000010"]
+    assert digests(nodes[1] / "step-00000020") != earlier[1]
+    assert [code for code, _ in run_group(tmp_path, nodes, "start")] == [0, 0]
+    # the next start: the earlier step 20 back on both nodes (never rank 0's earlier with node 1's new)
+    assert group_complete(nodes) == ["step-00000010", "step-00000020"]
+    assert [digests(node / "step-00000020") for node in nodes] == earlier
+    assert not [p for node in nodes for p in node.iterdir() if p.name.startswith("tmp-")]
+
+
+def test_a_failed_commit_of_a_step_saved_again_takes_the_new_part_off_a_node_that_had_none(tmp_path):
+    """Node 1 replaced since step 20 was first saved (its disk holds no part of it): the new part it
+    puts in place goes when rank 0's rename fails, never left beside rank 0's earlier step 20."""
+    nodes = [tmp_path / "node0" / "ckpt", tmp_path / "node1" / "ckpt"]
+    assert [code for code, _ in run_group(tmp_path, nodes, "first")] == [0, 0]
+    restored = tmp_path / "restored" / "step-00000010"
+    for node in nodes:
+        shutil.copytree(node / "step-00000010", restored, dirs_exist_ok=True)
+    shutil.rmtree(nodes[1] / "step-00000020")
+    earlier = digests(nodes[0] / "step-00000020")
+    results = run_group(tmp_path, nodes, "again-raise", restored)
+    assert [code for code, _ in results] == [3, 3], results
+    assert digests(nodes[0] / "step-00000020") == earlier
+    assert not (nodes[1] / "step-00000020").exists()
+    assert group_complete(nodes) == ["step-00000010"]
+    assert not [p for node in nodes for p in node.iterdir() if p.name.startswith("tmp-")]
