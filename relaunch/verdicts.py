@@ -94,6 +94,10 @@ def nothing_to_copy(progress: Progress, stored_step: int | None, allow_empty: bo
     if progress.log_step is not None and progress.log_step > (stored_step or 0):
         steps = progress.log_step - (stored_step or 0)
         lost = f"the log says step {progress.log_step}; {where}: destroying loses {steps} steps"
+    elif progress.log_step is None and progress.session_alive and progress.session_age is None:
+        # unknown is never "no progress"
+        lost = (f"no step in the log, and how long training has run could not be read (the tmux session's "
+                f"start or the instance's clock); {where}: destroying may lose all of it")
     elif progress.log_step is None and progress.session_alive and progress.session_age is not None \
             and progress.session_age > progress.grace:
         lost = (f"training has run for {progress.session_age:.0f}s (longer than run.grace, "

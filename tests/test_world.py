@@ -124,6 +124,27 @@ def test_nothing_to_copy_after_run_grace_without_step_lines_is_not_safe(tmp_path
     assert "training has run for" in evac.stderr and "longer than run.grace" in evac.stderr
 
 
+def test_nothing_to_copy_when_how_long_training_ran_cannot_be_read_is_not_safe(tmp_path, sandbox, ssh, ssh_key):
+    """No step in the log, no checkpoint, and a tmux that does not give its session's start (an old
+    one: no #{session_created}): how long training has run is unknown, and unknown is not "no
+    progress". Evacuate says what it could not read and the way out, and exits 6."""
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path, name="ageless", key=ssh_key, command="sleep 600")
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    real = ssh(inst, "command -v tmux").stdout.strip()
+    wrapper = f'#!/bin/sh\ncase "$*" in *session_created*) exit 0;; esac\nexec {real} "$@"\n'
+    ssh(inst, "mkdir -p ~/bin && cat > ~/bin/tmux && chmod +x ~/bin/tmux && "
+              "echo 'export PATH=$HOME/bin:$PATH' >> ~/.bashrc", input=wrapper)
+    assert ssh(inst, "tmux display-message -p -t =ageless: '#{session_created}'").stdout.strip() == ""
+
+    evac = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert evac.returncode == 6, evac.stderr
+    assert ("no step in the log, and how long training has run could not be read (the tmux session's start or "
+            "the instance's clock); ~/ckpt does not exist: destroying may lose all of it") in evac.stderr
+    assert "`relaunch evacuate --allow-empty` accepts it" in evac.stderr
+    assert "DO NOT destroy" in evac.stderr and "safe to destroy" not in evac.stderr
+
+
 def test_a_sync_round_is_verified_by_the_newest_of_when_it_began(tmp_path, sandbox, ssh, ssh_key):
     """Training saves again while the round copies: the round verified the newest of its start, so it
     is verified (exit 0: a cron job on `sync --once` must not alarm on every run); the newer one is

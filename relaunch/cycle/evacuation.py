@@ -134,7 +134,9 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
                                        began=at_start.name if at_start else None))
         report.safe, report.why = verdict.ok, verdict.why
         if require_newest and not report.safe:
-            refusal = EvacuationError(f"{job.host}: {verdict.why}")
+            refusal = EvacuationError(f"{job.host}: {verdict.why}", None if empty is None else
+                                      "`relaunch evacuate --allow-empty` accepts it: what training did there is "
+                                      "then lost with the instance")
             refusal.result = report.as_dict()
             raise refusal
     except OSError as exc:
