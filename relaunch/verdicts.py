@@ -142,7 +142,8 @@ def sync_round(at_start: str | None, verified_now: list[str], newest: str | None
 class NoticeCopy:
     """What was seen of the save a reclaim notice asked for and of its copy."""
 
-    save_state: str | None           # the guard's word: saved (exit 0 after the stop), not running, still running...
+    save_state: str | None           # the guard's word: saved (exit 0 after the stop, a file written after the
+                                     # notice), no save (exit 0, none), exited, not running, still running...
     noticed_at: float                # when the guard saw the notice (the instance's clock)
     deadline: float                  # the notice's deadline (the instance's clock)
     finished: float                  # when the copy's verdict was given (this machine's clock)
@@ -155,14 +156,16 @@ class NoticeCopy:
 
 def notice_saved(seen: NoticeCopy) -> Verdict:
     """The notice's save made the deadline: the newest complete checkpoint training left holds every
-    step it showed (nothing trained after it), it is that save (written after the notice, or the
-    guard says training saved and stopped, or was not running), it is verified in the store by its
-    bytes, and all of that before the deadline. A copy of an older checkpoint, however fast, is not
-    that save; nor is a periodic save of a training that went on."""
+    step it showed (nothing trained after it), it is that save (written after the notice; or training
+    was not running when the notice came), it is verified in the store by its bytes, and all of that
+    before the deadline. A copy of an older checkpoint, however fast, is not that save; nor is a
+    periodic save of a training that went on; nor is an exit status: a training that exits 0 without
+    saving (a save its deadline had no room for) leaves an older checkpoint behind."""
     state = seen.save_state
     unsaved = None if state in ("saved", "not running") else {
         "still running": "training had not finished saving when the copy began (run.stop.timeout)",
         "exited": "training exited with a failure status after the notice",
+        "no save": "training exited 0 after the stop without writing a checkpoint",
         "not asked": "training could not be asked to save"}.get(state or "", "the guard never said that training "
                                                                             "saved")
     if seen.newest is None:
@@ -174,6 +177,9 @@ def notice_saved(seen: NoticeCopy) -> Verdict:
         return Verdict(False, f"{named} is older than step {seen.seen_step}, which training had reached: the save "
                               "after the notice is not in the store" + (f" ({unsaved})" if unsaved else ""))
     after = seen.newest_mtime is not None and seen.newest_mtime >= seen.noticed_at
+    if state == "saved" and not after:
+        return Verdict(False, f"{named} was written before the notice: training exited 0 after the stop without "
+                              "saving a newer checkpoint")
     if unsaved and not after:
         return Verdict(False, f"{named} was written before the notice, and {unsaved}")
     if seen.finished > seen.deadline:

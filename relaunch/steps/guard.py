@@ -101,6 +101,7 @@ def guard_config(job: Job) -> dict[str, Any]:
     recipe, paths = job.recipe, job.paths
     return {"name": recipe.name, "host": job.host, "folder": guard_paths(job).folder, "session": recipe.run.session,
             "pgid_file": paths.pgid_file, "status_file": paths.status_file, "sources": sources(job),
+            "ckpt_dir": paths.ckpt_dir,
             "every": recipe.guard.every, "signal": recipe.run.stop.signal, "stop_timeout": recipe.run.stop.timeout,
             "windows": windows(recipe)}
 

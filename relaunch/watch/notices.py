@@ -190,4 +190,6 @@ def _save_words(save: dict[str, Any]) -> str:
         return f"exited with status {save.get('exit') or '?'}"
     if state == "not running":
         return "was not running"
+    if state == "no save":
+        return "exited 0 without saving (nothing in checkpoint.dir written after the notice)"
     return f"has not finished saving ({state or 'no word from the guard'})"
