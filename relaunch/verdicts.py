@@ -147,6 +147,7 @@ class NoticeCopy:
     noticed_at: float                # when the guard saw the notice (the instance's clock)
     deadline: float                  # the notice's deadline (the instance's clock)
     finished: float                  # when the copy's verdict was given (this machine's clock)
+    clock_offset: float = 0.0        # the instance's clock minus this machine's, measured at the looks
     newest: str | None = None        # the newest complete checkpoint on the instance after the stop
     newest_step: int | None = None
     newest_mtime: float | None = None    # when its last file was written (the instance's clock)
@@ -158,9 +159,10 @@ def notice_saved(seen: NoticeCopy) -> Verdict:
     """The notice's save made the deadline: the newest complete checkpoint training left holds every
     step it showed (nothing trained after it), it is that save (written after the notice; or training
     was not running when the notice came), it is verified in the store by its bytes, and all of that
-    before the deadline. A copy of an older checkpoint, however fast, is not that save; nor is a
-    periodic save of a training that went on; nor is an exit status: a training that exits 0 without
-    saving (a save its deadline had no room for) leaves an older checkpoint behind."""
+    before the deadline, on the instance's clock (`finished` moved there by the measured offset). A
+    copy of an older checkpoint, however fast, is not that save; nor is a periodic save of a training
+    that went on; nor is an exit status: a training that exits 0 without saving (a save its deadline
+    had no room for) leaves an older checkpoint behind."""
     state = seen.save_state
     unsaved = None if state in ("saved", "not running") else {
         "still running": "training had not finished saving when the copy began (run.stop.timeout)",
@@ -182,9 +184,23 @@ def notice_saved(seen: NoticeCopy) -> Verdict:
                               "saving a newer checkpoint")
     if unsaved and not after:
         return Verdict(False, f"{named} was written before the notice, and {unsaved}")
-    if seen.finished > seen.deadline:
-        return Verdict(False, f"{named} was verified {seen.finished - seen.deadline:.0f}s after the deadline")
-    return Verdict(True, f"{named} verified in the store {seen.deadline - seen.finished:.0f}s before the deadline")
+    finished = seen.finished + seen.clock_offset
+    skew = offset_words(seen.clock_offset)
+    skew = f" ({skew})" if skew else ""
+    if finished > seen.deadline:
+        return Verdict(False, f"{named} was verified {finished - seen.deadline:.0f}s after the deadline{skew}")
+    return Verdict(True, f"{named} verified in the store {seen.deadline - finished:.0f}s before the deadline{skew}")
+
+
+SKEW_SHOWN = 2.0            # seconds of clock offset worth saying
+
+
+def offset_words(offset: float | None) -> str:
+    """The instance's clock against this machine's, in words, when it is off by more than SKEW_SHOWN."""
+    if offset is None or abs(offset) <= SKEW_SHOWN:
+        return ""
+    return (f"the instance's clock is {abs(offset):.0f}s {'ahead of' if offset > 0 else 'behind'} this machine's; "
+            "deadlines are read on the instance's")
 
 
 def launched(state: str | None) -> Verdict:

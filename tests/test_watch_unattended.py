@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -165,6 +166,45 @@ def test_a_notice_too_short_for_the_copy_is_said_and_recorded_as_late(tmp_path, 
     entry = history(store)[-1]
     assert entry["made_deadline"] is False and entry["steps_lost"] == 0
     assert manifest(store)["checkpoints"][-1]["name"] == saved
+
+
+# this machine's clock 10 min ahead of the instance's (the instance's own clock cannot be set in a sandbox,
+# which shares this machine's kernel: the watch's is moved instead, and the offset is the same)
+CLOCK_AHEAD = """
+import sys, time
+from relaunch.cli.main import main
+
+real = time.time
+time.time = lambda: real() + 600
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_notice_deadline_is_read_on_the_instances_clock(tmp_path, sandbox, ssh, ssh_key):
+    """A 60 s notice and a copy of a few seconds: in time. This machine's clock runs 600 s ahead of the
+    instance's, where the deadline was set; compared with this machine's clock, the copy was "540 s
+    late". The looks measure the instance's clock, the deadline is read on it, and the offset is said."""
+    home, inst = tmp_path / "state", sandbox()
+    name = "skewed"
+    recipe = spot_recipe(tmp_path, name, ssh_key, every=20, keep=2, sleep=0.1,
+                         guard={"sources": ["file:~/RECLAIM"], "every": 1}, checkpoint={"every": 600})
+    store = tmp_path / "store"
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    with watching(recipe, home, tmp_path, script=CLOCK_AHEAD) as watch:
+        wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+        ssh(inst, "echo '{\"seconds\": 60}' > ~/RECLAIM")
+        watch.wait(timeout=300)
+    err = err_of(tmp_path)
+    assert watch.returncode == 0, err
+    offsets = [int(m) for m in re.findall(r"the instance's clock is (\d+)s behind this machine's", err)]
+    assert offsets and all(590 <= m <= 610 for m in offsets), err
+    log = ssh(inst, f"cat ~/{name}.log").stdout
+    saved = f"ckpt-{int(log.split('stopped at step ')[1].split()[0]):08d}.pt"
+    assert f"evacuated after the notice: {saved}" in err and "NOT before the deadline" not in err
+    notice = guard_file(ssh, inst, "notice.json", name)
+    assert notice is not None and notice["copy"]["made_deadline"] is True, notice
+    assert -610 <= notice["copy"]["clock_offset"] <= -590
+    assert history(store)[-1]["made_deadline"] is True
 
 
 # -- recover.command's contract --------------------------------------------------------------------
