@@ -203,6 +203,27 @@ def offset_words(offset: float | None) -> str:
             "deadlines are read on the instance's")
 
 
+def end_replaced(listed: bool, newest: str | None, newest_step: int | None, held: str | None,
+                 held_step: int | None) -> Verdict:
+    """A replaced instance that answers again still training: its training may be ended (two
+    trainings would write one store) only when that loses no checkpoint: its newest complete one is
+    known (`listed`: its checkpoint.dir read at this look; `newest`) and the store holds one at least
+    as new by its bytes, checked now (`held`: the newest record verdicts.store_holds passed), not on
+    the manifest's word. Unknown never ends it."""
+    if not listed:
+        return Verdict(False, "its checkpoint.dir could not be read: what it holds is unknown")
+    if newest is None or newest_step is None:
+        return Verdict(False, "it holds no complete checkpoint: how far it trained is unknown")
+    named = f"{newest} (step {newest_step})"
+    if held is None or held_step is None:
+        return Verdict(False, f"it holds {named}, and the store holds no checkpoint by its bytes now")
+    if held_step < newest_step:
+        return Verdict(False, f"it holds {named}, newer than the newest checkpoint the store holds by its bytes now, "
+                              f"{held} (step {held_step})")
+    return Verdict(True, f"it holds nothing newer than the store: its newest is {named}, and the store holds {held} "
+                         f"(step {held_step}), its bytes checked now")
+
+
 def launched(state: str | None) -> Verdict:
     """`up` exit 0: the command is running (its ready line seen, or alive after run.grace) or finished."""
     if state == "ready":

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from e2e import EXAMPLE, plain_recipe, run_cli, wait_for
 from relaunch import sandbox as sb
 from relaunch.manifest import CheckpointRecord, FileRecord, StoreManifest, utc_now
@@ -349,38 +351,67 @@ def test_this_machines_outage_longer_than_lost_after_rents_nothing_when_the_prov
     assert "fresh start" in log and "resumed" not in log
 
 
-def test_a_replaced_instance_that_answers_again_has_its_training_ended_and_is_said_to_bill(tmp_path, sandbox, ssh,
-                                                                                         ssh_key):
+# a training that saved step 40 once (a fresh start only: a resume keeps the restored bytes), then runs on
+SAVED_ONCE = ('if [ -z "{{ checkpoint }}" ]; then mkdir -p ~/ckpt && head -c 3000 /dev/urandom > ~/ckpt/c.tmp && '
+              'mv ~/ckpt/c.tmp ~/ckpt/ckpt-00000040.pt; fi; trap "exit 0" TERM; echo "step 40"; '
+              'while true; do sleep 0.2; done')
+NEVER_SAVES = "trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); echo \"step $i\"; sleep 0.2; done"
+
+
+@pytest.mark.parametrize("case", ["held", "bytes gone", "unknown"])
+def test_a_replaced_instance_that_answers_again_is_ended_only_when_the_store_holds_its_newest(case, tmp_path,
+                                                                                             sandbox, ssh, ssh_key):
     """Without recover.alive an outage of the link counts as a loss: a replacement is rented and
-    trains. When the first instance answers again, still training and holding nothing newer than the
-    store, the watch ends its training (two trainings would write one store) and says it still bills."""
+    trains. When the first instance answers again still training, the watch ends its training (two
+    trainings would write one store) only when that loses no checkpoint: `held`, the store holds its
+    newest, ckpt-40, by its bytes; `bytes gone`, the manifest still records ckpt-40 but its file is
+    gone from the store; `unknown`, it never saved, so how far it trained is unknown. A kill on the
+    manifest's word, or on an unknown, loses training; both left running are said to bill."""
     home, first = tmp_path / "state", sandbox()
     work = tmp_path / "work"
-    counter = "trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); echo \"step $i\"; sleep 0.2; done"
-    recipe = plain_recipe(work, name="twice", key=ssh_key, command=counter, ssh={"wait": 5}, guard={"every": 1},
+    name = "twice"
+    recipe = plain_recipe(work, name=name, key=ssh_key, command=NEVER_SAVES if case == "unknown" else SAVED_ONCE,
+                          ssh={"wait": 5}, guard={"every": 1}, checkpoint={"every": 600},
                           recover={"command": "./rent-sandbox.sh", "lost_after": 4, "attempts": 2, "timeout": 120})
     shutil.copy(EXAMPLE / "rent-sandbox.sh", work / "rent-sandbox.sh")
+    store = work / "store"
     rented = work / "rented.txt"
     rented.write_text("")
     try:
         assert run_cli("up", str(recipe), first.host, home=home).returncode == 0
         with watching(recipe, home, tmp_path, env=sandbox_env(ssh_key)) as watch:
             wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+            if case != "unknown":
+                assert [c["name"] for c in manifest(store)["checkpoints"]] == ["ckpt-00000040.pt"]
             sb.set_link(first.name, up=False)
             wait_for("training on a replacement", lambda: any(e["event"] == "up" for e in events(tmp_path)),
                      timeout=300)
             second = sb.get(rented.read_text().split()[0])
-            inside = sb.run_in(first.name, ["tmux", "has-session", "-t", "=twice"], capture_output=True, timeout=30)
+            inside = sb.run_in(first.name, ["tmux", "has-session", "-t", f"={name}"], capture_output=True, timeout=30)
             assert inside.returncode == 0                                 # both train now
+            if case == "bytes gone":
+                (store / "ckpt-00000040.pt").unlink()                     # a lifecycle rule, a cleanup by hand
             sb.set_link(first.name, up=True)
-            wait_for("the first one's training ended", lambda: ssh(first, "tmux has-session -t =twice",
-                                                                    check=False).returncode != 0, timeout=120)
+            wait_for("the watch's word on the first one", lambda: f"{first.host} (replaced) answers again and"
+                     in err_of(tmp_path), timeout=120)
+            if case == "held":
+                wait_for("the first one's training ended", lambda: ssh(first, f"tmux has-session -t ={name}",
+                                                                        check=False).returncode != 0, timeout=120)
             watch.send_signal(signal.SIGINT)
             watch.wait(timeout=60)
         err = err_of(tmp_path)
-        assert (f"{first.host} (replaced) answers again and was still training; it holds nothing newer than the "
-                "store: ending its training now. It is still billing until you destroy it") in err, err
-        assert ssh(second, "tmux has-session -t =twice", check=False).returncode == 0       # the replacement trains
+        said = {"held": "was still training; it holds nothing newer than the store: its newest is ckpt-00000040.pt "
+                        "(step 40), and the store holds ckpt-00000040.pt (step 40), its bytes checked now: ending "
+                        "its training now. It is still billing until you destroy it",
+                "bytes gone": "is still training: left running, it holds ckpt-00000040.pt (step 40), and the store "
+                              "holds no checkpoint by its bytes now",
+                "unknown": "is still training: left running, it holds no complete checkpoint: how far it trained "
+                           "is unknown"}[case]
+        assert f"{first.host} (replaced) answers again and {said}" in err, err
+        if case != "held":
+            assert "both are billing" in err
+            assert ssh(first, f"tmux has-session -t ={name}", check=False).returncode == 0     # left running
+        assert ssh(second, f"tmux has-session -t ={name}", check=False).returncode == 0       # the replacement trains
     finally:
         for n in rented.read_text().split():
             sb.destroy(n)
