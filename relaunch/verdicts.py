@@ -98,6 +98,10 @@ def nothing_to_copy(progress: Progress, stored_step: int | None, allow_empty: bo
     if progress.log_step is not None and progress.log_step > (stored_step or 0):
         steps = progress.log_step - (stored_step or 0)
         lost = f"the log says step {progress.log_step}; {where}: destroying loses {steps} steps"
+    elif progress.log_step is None and progress.session_alive and progress.session_age is None:
+        # unknown is never "no progress"
+        lost = (f"no step in the log, and how long training has run could not be read (the tmux session's "
+                f"start or the instance's clock); {where}: destroying may lose all of it")
     elif progress.log_step is None and progress.session_alive and progress.session_age is not None \
             and progress.session_age > progress.grace:
         lost = (f"training has run for {progress.session_age:.0f}s (longer than run.grace, "
@@ -142,10 +146,12 @@ def sync_round(at_start: str | None, verified_now: list[str], newest: str | None
 class NoticeCopy:
     """What was seen of the save a reclaim notice asked for and of its copy."""
 
-    save_state: str | None           # the guard's word: saved (exit 0 after the stop), not running, still running...
+    save_state: str | None           # the guard's word: saved (exit 0 after the stop, a file written after the
+                                     # notice), no save (exit 0, none), exited, not running, still running...
     noticed_at: float                # when the guard saw the notice (the instance's clock)
     deadline: float                  # the notice's deadline (the instance's clock)
     finished: float                  # when the copy's verdict was given (this machine's clock)
+    clock_offset: float = 0.0        # the instance's clock minus this machine's, measured at the looks
     newest: str | None = None        # the newest complete checkpoint on the instance after the stop
     newest_step: int | None = None
     newest_mtime: float | None = None    # when its last file was written (the instance's clock)
@@ -155,14 +161,17 @@ class NoticeCopy:
 
 def notice_saved(seen: NoticeCopy) -> Verdict:
     """The notice's save made the deadline: the newest complete checkpoint training left holds every
-    step it showed (nothing trained after it), it is that save (written after the notice, or the
-    guard says training saved and stopped, or was not running), it is verified in the store by its
-    bytes, and all of that before the deadline. A copy of an older checkpoint, however fast, is not
-    that save; nor is a periodic save of a training that went on."""
+    step it showed (nothing trained after it), it is that save (written after the notice; or training
+    was not running when the notice came), it is verified in the store by its bytes, and all of that
+    before the deadline, on the instance's clock (`finished` moved there by the measured offset). A
+    copy of an older checkpoint, however fast, is not that save; nor is a periodic save of a training
+    that went on; nor is an exit status: a training that exits 0 without saving (a save its deadline
+    had no room for) leaves an older checkpoint behind."""
     state = seen.save_state
     unsaved = None if state in ("saved", "not running") else {
         "still running": "training had not finished saving when the copy began (run.stop.timeout)",
         "exited": "training exited with a failure status after the notice",
+        "no save": "training exited 0 after the stop without writing a checkpoint",
         "not asked": "training could not be asked to save"}.get(state or "", "the guard never said that training "
                                                                             "saved")
     if seen.newest is None:
@@ -174,11 +183,49 @@ def notice_saved(seen: NoticeCopy) -> Verdict:
         return Verdict(False, f"{named} is older than step {seen.seen_step}, which training had reached: the save "
                               "after the notice is not in the store" + (f" ({unsaved})" if unsaved else ""))
     after = seen.newest_mtime is not None and seen.newest_mtime >= seen.noticed_at
+    if state == "saved" and not after:
+        return Verdict(False, f"{named} was written before the notice: training exited 0 after the stop without "
+                              "saving a newer checkpoint")
     if unsaved and not after:
         return Verdict(False, f"{named} was written before the notice, and {unsaved}")
-    if seen.finished > seen.deadline:
-        return Verdict(False, f"{named} was verified {seen.finished - seen.deadline:.0f}s after the deadline")
-    return Verdict(True, f"{named} verified in the store {seen.deadline - seen.finished:.0f}s before the deadline")
+    finished = seen.finished + seen.clock_offset
+    skew = offset_words(seen.clock_offset)
+    skew = f" ({skew})" if skew else ""
+    if finished > seen.deadline:
+        return Verdict(False, f"{named} was verified {finished - seen.deadline:.0f}s after the deadline{skew}")
+    return Verdict(True, f"{named} verified in the store {seen.deadline - finished:.0f}s before the deadline{skew}")
+
+
+SKEW_SHOWN = 2.0            # seconds of clock offset worth saying
+
+
+def offset_words(offset: float | None) -> str:
+    """The instance's clock against this machine's, in words, when it is off by more than SKEW_SHOWN."""
+    if offset is None or abs(offset) <= SKEW_SHOWN:
+        return ""
+    return (f"the instance's clock is {abs(offset):.0f}s {'ahead of' if offset > 0 else 'behind'} this machine's; "
+            "deadlines are read on the instance's")
+
+
+def end_replaced(listed: bool, newest: str | None, newest_step: int | None, held: str | None,
+                 held_step: int | None) -> Verdict:
+    """A replaced instance that answers again still training: its training may be ended (two
+    trainings would write one store) only when that loses no checkpoint: its newest complete one is
+    known (`listed`: its checkpoint.dir read at this look; `newest`) and the store holds one at least
+    as new by its bytes, checked now (`held`: the newest record verdicts.store_holds passed), not on
+    the manifest's word. Unknown never ends it."""
+    if not listed:
+        return Verdict(False, "its checkpoint.dir could not be read: what it holds is unknown")
+    if newest is None or newest_step is None:
+        return Verdict(False, "it holds no complete checkpoint: how far it trained is unknown")
+    named = f"{newest} (step {newest_step})"
+    if held is None or held_step is None:
+        return Verdict(False, f"it holds {named}, and the store holds no checkpoint by its bytes now")
+    if held_step < newest_step:
+        return Verdict(False, f"it holds {named}, newer than the newest checkpoint the store holds by its bytes now, "
+                              f"{held} (step {held_step})")
+    return Verdict(True, f"it holds nothing newer than the store: its newest is {named}, and the store holds {held} "
+                         f"(step {held_step}), its bytes checked now")
 
 
 def launched(state: str | None) -> Verdict:

@@ -447,6 +447,19 @@ def training_group(session):
     return int(group) if group.isdigit() and group != pane else None
 
 
+def written_since(folder, since):
+    """Whether anything under `folder` was written at `since` or later (this instance's clock): an
+    exit status is not a save, a checkpoint written after the notice is."""
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            try:
+                if os.lstat(os.path.join(root, name)).st_mtime >= since:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
 def stop_training():
     """run.stop to the training's process group, then wait for it to exit: the save."""
     session, deadline = CONFIG["session"], notice["deadline"]
@@ -468,7 +481,9 @@ def stop_training():
         if not session_alive(session):
             ended = time.time()
             status = read(CONFIG["status_file"])
-            return {"state": "saved" if status == "0" else "exited", "exit": status, "signal": CONFIG["signal"],
+            state = "exited" if status != "0" else "saved" if "ckpt_dir" not in CONFIG or written_since(
+                CONFIG["ckpt_dir"], notice["seen_at"]) else "no save"
+            return {"state": state, "exit": status, "signal": CONFIG["signal"],
                     "asked": iso(asked), "ended": iso(ended), "seconds": round(ended - asked, 1),
                     "before_deadline": round(deadline - ended, 1)}
         time.sleep(0.5)
@@ -524,6 +539,7 @@ def main():
     left = record["deadline"] - time.time()
     record["verdict"] = "training {}; {} before the deadline; copying it off is relaunch's (watch or evacuate)".format(
         {"saved": "saved and exited", "exited": "exited with status {}".format(save.get("exit") or "?"),
+         "no save": "exited 0 without saving (nothing in checkpoint.dir written after the notice)",
          "still running": "did not exit in time", "not running": "was not running",
          "not asked": "could not be asked to stop"}[save["state"]],
         (f"{left:.0f}s") if left >= 0 else "NOT")

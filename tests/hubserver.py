@@ -45,6 +45,7 @@ import json
 import os
 import re
 import secrets
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -556,6 +557,12 @@ class _Handler(BaseHTTPRequestHandler):
         if hook is not None:
             hook()
         sha = store.commit(repo_type, repo_id, rev, message, adds, deletes, parent=header.get("parentCommit"))
+        if self.server.take_drop(message):
+            # the commit is made, its answer never sent: the connection is cut as a network does
+            self.server.log.append((self.command, self.path.split("?")[0], 0))     # 0: no answer
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
         self._send_json({"success": True, "commitOid": sha, "hookOutput": "", "pullRequestUrl": None,
                          "commitUrl": f"{self.server.url}/{URL_PREFIX[repo_type]}{repo_id}/commit/{sha}"})  # fmt: skip
 
@@ -645,6 +652,7 @@ class _Server(ThreadingHTTPServer):
         self.secret = secrets.token_bytes(32)
         self.log: list[tuple[str, str, int]] = []
         self.hooks: list[tuple[str, Callable[[], None]]] = []
+        self.drops: list[str] = []
         self.hooks_lock = threading.Lock()
         host, port = self.server_address[:2]
         self.url = f"http://{host}:{port}"
@@ -657,6 +665,15 @@ class _Server(ThreadingHTTPServer):
                     del self.hooks[i]
                     return action
         return None
+
+    def take_drop(self, message: str) -> bool:
+        """Whether this commit's answer is to be dropped (the first waiting match, removed)."""
+        with self.hooks_lock:
+            for i, match in enumerate(self.drops):
+                if match in message:
+                    del self.drops[i]
+                    return True
+        return False
 
     def sign(self, oid: str, size: int) -> str:
         return hmac.new(self.secret, f"{oid}:{size}".encode(), hashlib.sha256).hexdigest()
@@ -693,6 +710,12 @@ class HubServer:
         to this hub, and its own commits do not trigger the hook again)."""
         with self._server.hooks_lock:
             self._server.hooks.append((match, action))
+
+    def drop_reply(self, match: str) -> None:
+        """The next commit whose summary contains `match` is made, and its answer is never sent: the
+        connection is cut right after it (a reply lost on the way back)."""
+        with self._server.hooks_lock:
+            self._server.drops.append(match)
 
     def env(self, hf_home: Path | None = None, token: str | None = None) -> dict[str, str]:
         """Environment for a real `hf` / huggingface_hub pointed here (merge it into os.environ)."""

@@ -280,7 +280,8 @@ def test_a_source_that_never_answers_changes_nothing(tmp_path, sandbox, ssh, ssh
     ssh(inst, "touch ~/RECLAIM")
     notice = wait_for("the file notice", lambda: (lambda n: n if n and n["save"]["state"] != "asking" else None)(
         guard_file(ssh, inst, "notice.json", name)), timeout=60)
-    assert notice["source"] == "file:/root/RECLAIM" and notice["save"]["state"] in ("saved", "exited")
+    # the counter exits 0 and saves nothing: an exit status is not a save
+    assert notice["source"] == "file:/root/RECLAIM" and notice["save"]["state"] == "no save"
     assert ssh(inst, f"tmux has-session -t ={name}", check=False).returncode != 0
     shown = run_cli("status", str(recipe), home=home)
     assert "reclaim notice from file:/root/RECLAIM" in shown.stdout and "copy: not verified yet" in shown.stdout

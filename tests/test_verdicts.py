@@ -73,3 +73,10 @@ def test_notice_saved(doc: dict[str, Any], case: dict[str, Any]) -> None:
 def test_launched(doc: dict[str, Any], case: dict[str, Any]) -> None:
     verdict = verdicts.launched(case["state"])
     assert (verdict.ok, verdict.why) == (case["ok"], case["why"])
+
+
+@pytest.mark.parametrize("doc,case", cases("end-replaced.json"))
+def test_end_replaced(doc: dict[str, Any], case: dict[str, Any]) -> None:
+    verdict = verdicts.end_replaced(case["listed"], case["newest"], case["newest_step"], case["held"],
+                                    case["held_step"])
+    assert (verdict.ok, verdict.why) == (case["ok"], case["why"])

@@ -164,6 +164,37 @@ def test_a_save_cut_short_after_a_notice_is_not_said_to_have_made_the_deadline(t
     assert "saved and verified before the deadline" not in err
 
 
+def test_a_training_that_exits_0_without_saving_after_a_notice_is_not_said_to_have_saved(tmp_path, sandbox, ssh,
+                                                                                        ssh_key):
+    """The training saved ckpt-40 (verified in the store), then trained on; on the notice's stop it
+    exits 0 without saving (a Checkpointer whose deadline has no room for a save does). An exit
+    status is not a save: the guard must not call it "saved", and the watch must not record ckpt-40,
+    written before the notice, as the save verified before the deadline."""
+    home, inst = tmp_path / "state", sandbox()
+    name, ckpt = "nosave", "ckpt-00000040.pt"
+    command = (f"mkdir -p ~/ckpt && head -c 100000 /dev/urandom > ~/ckpt/c.tmp && mv ~/ckpt/c.tmp ~/ckpt/{ckpt} && "
+               "echo 'step 40' && trap 'exit 0' TERM; while true; do sleep 0.2; done")
+    recipe = plain_recipe(tmp_path, name=name, key=ssh_key, command=command, checkpoint={"every": 600},
+                          guard={"sources": ["file:~/RECLAIM"], "every": 1})
+    store = tmp_path / "store"
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    with watching(recipe, home, tmp_path) as watch:
+        wait_for(f"{ckpt} verified", lambda: [c["name"] for c in manifest(store)["checkpoints"]] == [ckpt],
+                 timeout=120)
+        ssh(inst, "echo 60 > ~/RECLAIM")
+        watch.wait(timeout=180)
+    err = err_of(tmp_path)
+    assert watch.returncode == 0, err
+    notice = guard_file(ssh, inst, "notice.json", name)
+    assert notice is not None and notice["save"]["state"] == "no save" and notice["save"]["exit"] == "0", notice
+    assert "training exited 0 without saving (nothing in checkpoint.dir written after the notice)" in notice["verdict"]
+    assert "guard: training exited 0 without saving" in err
+    assert notice["copy"]["verified"] is True and notice["copy"]["made_deadline"] is False, notice
+    assert (f"but NOT the save after the notice before the deadline: {ckpt} (step 40) was written before the "
+            "notice, and training exited 0 after the stop without writing a checkpoint") in err
+    assert history(store)[-1]["made_deadline"] is False
+
+
 def test_a_checkpoint_saved_again_in_place_at_the_same_size_is_not_verified_from_its_record(tmp_path, sandbox, ssh,
                                                                                           ssh_key):
     """The store holds ckpt-00000040.pt, verified. On the notice, the training saves step 40 again,

@@ -17,7 +17,7 @@ import pytest
 
 from e2e import plain_recipe
 from relaunch import processes
-from relaunch.errors import UsageError
+from relaunch.errors import RelaunchError, UsageError
 from relaunch.recipe.loader import load_recipe
 from relaunch.transports import open_store
 from relaunch.transports.hf import HfStore
@@ -161,3 +161,38 @@ def test_a_ctrl_c_gives_the_lease_back_on_every_kind_of_store(any_store):
     finally:
         processes.CANCEL.clear()
     assert lease(any_store) == {}
+
+
+def test_a_renewal_whose_answer_was_lost_keeps_the_lease(request, tmp_path, monkeypatch):
+    """The Hub makes the renewal's commit and the connection is cut before its answer: the lease in
+    the store is this watch's, with that renewal's time in it. The next renewal must know it by its
+    token and renew it; comparing the text, it took its own lease for another watch's and the watch
+    stopped ("another watch took the store: pid <its own>"), leaving the run unwatched."""
+    store = make_store("hf", request, tmp_path, monkeypatch)
+    hub = request.getfixturevalue("hf_hub").servers[-1]
+    holder = Holder("held", store, ["root@10.0.0.9:22"])
+    holder.take(UI())
+    hub.drop_reply("watch.json")
+    with pytest.raises(RelaunchError):
+        holder.renew(UI())                      # its write landed; its answer did not
+    assert [r for r in hub.log if r[2] == 0] and lease(store)["token"] == holder.token
+    assert holder.renew(UI()) is True and holder.taken is None
+    assert holder.why_not_mine() is None
+    assert lease(store)["token"] == holder.token
+    holder.release(UI())
+    assert lease(store) == {}
+
+
+def test_a_look_at_the_lease_after_a_lost_answer_finds_it_this_watchs(request, tmp_path, monkeypatch):
+    """The same lost answer, seen first by the look before renting (why_not_mine), not by a renewal."""
+    store = make_store("hf", request, tmp_path, monkeypatch)
+    hub = request.getfixturevalue("hf_hub").servers[-1]
+    holder = Holder("held", store, ["root@10.0.0.9:22"])
+    holder.take(UI())
+    hub.drop_reply("watch.json")
+    with pytest.raises(RelaunchError):
+        holder.renew(UI())
+    assert holder.why_not_mine() is None and holder.taken is None
+    assert holder.renew(UI()) is True
+    holder.release(UI())
+    assert lease(store) == {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from e2e import EXAMPLE, plain_recipe, run_cli, wait_for, whole
 from relaunch import sandbox as sb
@@ -167,6 +170,45 @@ def test_a_notice_too_short_for_the_copy_is_said_and_recorded_as_late(tmp_path, 
     assert manifest(store)["checkpoints"][-1]["name"] == saved
 
 
+# this machine's clock 10 min ahead of the instance's (the instance's own clock cannot be set in a sandbox,
+# which shares this machine's kernel: the watch's is moved instead, and the offset is the same)
+CLOCK_AHEAD = """
+import sys, time
+from relaunch.cli.main import main
+
+real = time.time
+time.time = lambda: real() + 600
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_notice_deadline_is_read_on_the_instances_clock(tmp_path, sandbox, ssh, ssh_key):
+    """A 60 s notice and a copy of a few seconds: in time. This machine's clock runs 600 s ahead of the
+    instance's, where the deadline was set; compared with this machine's clock, the copy was "540 s
+    late". The looks measure the instance's clock, the deadline is read on it, and the offset is said."""
+    home, inst = tmp_path / "state", sandbox()
+    name = "skewed"
+    recipe = spot_recipe(tmp_path, name, ssh_key, every=20, keep=2, sleep=0.1,
+                         guard={"sources": ["file:~/RECLAIM"], "every": 1}, checkpoint={"every": 600})
+    store = tmp_path / "store"
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    with watching(recipe, home, tmp_path, script=CLOCK_AHEAD) as watch:
+        wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+        ssh(inst, "echo '{\"seconds\": 60}' > ~/RECLAIM")
+        watch.wait(timeout=300)
+    err = err_of(tmp_path)
+    assert watch.returncode == 0, err
+    offsets = [int(m) for m in re.findall(r"the instance's clock is (\d+)s behind this machine's", err)]
+    assert offsets and all(590 <= m <= 610 for m in offsets), err
+    log = ssh(inst, f"cat ~/{name}.log").stdout
+    saved = f"ckpt-{int(log.split('stopped at step ')[1].split()[0]):08d}.pt"
+    assert f"evacuated after the notice: {saved}" in err and "NOT before the deadline" not in err
+    notice = guard_file(ssh, inst, "notice.json", name)
+    assert notice is not None and notice["copy"]["made_deadline"] is True, notice
+    assert -610 <= notice["copy"]["clock_offset"] <= -590
+    assert history(store)[-1]["made_deadline"] is True
+
+
 # -- recover.command's contract --------------------------------------------------------------------
 def test_a_recover_command_that_exits_0_without_a_host_rents_nothing_more(tmp_path, sandbox, ssh_key):
     """`OK` on its last line is not a HOST: the watch stops at once, quotes what the command printed and
@@ -309,38 +351,67 @@ def test_this_machines_outage_longer_than_lost_after_rents_nothing_when_the_prov
     assert "fresh start" in log and "resumed" not in log
 
 
-def test_a_replaced_instance_that_answers_again_has_its_training_ended_and_is_said_to_bill(tmp_path, sandbox, ssh,
-                                                                                         ssh_key):
+# a training that saved step 40 once (a fresh start only: a resume keeps the restored bytes), then runs on
+SAVED_ONCE = ('if [ -z "{{ checkpoint }}" ]; then mkdir -p ~/ckpt && head -c 3000 /dev/urandom > ~/ckpt/c.tmp && '
+              'mv ~/ckpt/c.tmp ~/ckpt/ckpt-00000040.pt; fi; trap "exit 0" TERM; echo "step 40"; '
+              'while true; do sleep 0.2; done')
+NEVER_SAVES = "trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); echo \"step $i\"; sleep 0.2; done"
+
+
+@pytest.mark.parametrize("case", ["held", "bytes gone", "unknown"])
+def test_a_replaced_instance_that_answers_again_is_ended_only_when_the_store_holds_its_newest(case, tmp_path,
+                                                                                             sandbox, ssh, ssh_key):
     """Without recover.alive an outage of the link counts as a loss: a replacement is rented and
-    trains. When the first instance answers again, still training and holding nothing newer than the
-    store, the watch ends its training (two trainings would write one store) and says it still bills."""
+    trains. When the first instance answers again still training, the watch ends its training (two
+    trainings would write one store) only when that loses no checkpoint: `held`, the store holds its
+    newest, ckpt-40, by its bytes; `bytes gone`, the manifest still records ckpt-40 but its file is
+    gone from the store; `unknown`, it never saved, so how far it trained is unknown. A kill on the
+    manifest's word, or on an unknown, loses training; both left running are said to bill."""
     home, first = tmp_path / "state", sandbox()
     work = tmp_path / "work"
-    counter = "trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); echo \"step $i\"; sleep 0.2; done"
-    recipe = plain_recipe(work, name="twice", key=ssh_key, command=counter, ssh={"wait": 5}, guard={"every": 1},
+    name = "twice"
+    recipe = plain_recipe(work, name=name, key=ssh_key, command=NEVER_SAVES if case == "unknown" else SAVED_ONCE,
+                          ssh={"wait": 5}, guard={"every": 1}, checkpoint={"every": 600},
                           recover={"command": "./rent-sandbox.sh", "lost_after": 4, "attempts": 2, "timeout": 120})
     shutil.copy(EXAMPLE / "rent-sandbox.sh", work / "rent-sandbox.sh")
+    store = work / "store"
     rented = work / "rented.txt"
     rented.write_text("")
     try:
         assert run_cli("up", str(recipe), first.host, home=home).returncode == 0
         with watching(recipe, home, tmp_path, env=sandbox_env(ssh_key)) as watch:
             wait_for("the first round", lambda: any(e["event"] == "round" for e in events(tmp_path)), timeout=60)
+            if case != "unknown":
+                assert [c["name"] for c in manifest(store)["checkpoints"]] == ["ckpt-00000040.pt"]
             sb.set_link(first.name, up=False)
             wait_for("training on a replacement", lambda: any(e["event"] == "up" for e in events(tmp_path)),
                      timeout=300)
             second = sb.get(rented.read_text().split()[0])
-            inside = sb.run_in(first.name, ["tmux", "has-session", "-t", "=twice"], capture_output=True, timeout=30)
+            inside = sb.run_in(first.name, ["tmux", "has-session", "-t", f"={name}"], capture_output=True, timeout=30)
             assert inside.returncode == 0                                 # both train now
+            if case == "bytes gone":
+                (store / "ckpt-00000040.pt").unlink()                     # a lifecycle rule, a cleanup by hand
             sb.set_link(first.name, up=True)
-            wait_for("the first one's training ended", lambda: ssh(first, "tmux has-session -t =twice",
-                                                                    check=False).returncode != 0, timeout=120)
+            wait_for("the watch's word on the first one", lambda: f"{first.host} (replaced) answers again and"
+                     in err_of(tmp_path), timeout=120)
+            if case == "held":
+                wait_for("the first one's training ended", lambda: ssh(first, f"tmux has-session -t ={name}",
+                                                                        check=False).returncode != 0, timeout=120)
             watch.send_signal(signal.SIGINT)
             watch.wait(timeout=60)
         err = err_of(tmp_path)
-        assert (f"{first.host} (replaced) answers again and was still training; it holds nothing newer than the "
-                "store: ending its training now. It is still billing until you destroy it") in err, err
-        assert ssh(second, "tmux has-session -t =twice", check=False).returncode == 0       # the replacement trains
+        said = {"held": "was still training; it holds nothing newer than the store: its newest is ckpt-00000040.pt "
+                        "(step 40), and the store holds ckpt-00000040.pt (step 40), its bytes checked now: ending "
+                        "its training now. It is still billing until you destroy it",
+                "bytes gone": "is still training: left running, it holds ckpt-00000040.pt (step 40), and the store "
+                              "holds no checkpoint by its bytes now",
+                "unknown": "is still training: left running, it holds no complete checkpoint: how far it trained "
+                           "is unknown"}[case]
+        assert f"{first.host} (replaced) answers again and {said}" in err, err
+        if case != "held":
+            assert "both are billing" in err
+            assert ssh(first, f"tmux has-session -t ={name}", check=False).returncode == 0     # left running
+        assert ssh(second, f"tmux has-session -t ={name}", check=False).returncode == 0       # the replacement trains
     finally:
         for n in rented.read_text().split():
             sb.destroy(n)

@@ -124,6 +124,90 @@ def test_nothing_to_copy_after_run_grace_without_step_lines_is_not_safe(tmp_path
     assert "training has run for" in evac.stderr and "longer than run.grace" in evac.stderr
 
 
+def test_nothing_to_copy_when_how_long_training_ran_cannot_be_read_is_not_safe(tmp_path, sandbox, ssh, ssh_key):
+    """No step in the log, no checkpoint, and a tmux that does not give its session's start (an old
+    one: no #{session_created}): how long training has run is unknown, and unknown is not "no
+    progress". Evacuate says what it could not read and the way out, and exits 6."""
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path, name="ageless", key=ssh_key, command="sleep 600")
+    assert run_cli("up", str(recipe), inst.host, home=home).returncode == 0
+    real = ssh(inst, "command -v tmux").stdout.strip()
+    wrapper = f'#!/bin/sh\ncase "$*" in *session_created*) exit 0;; esac\nexec {real} "$@"\n'
+    ssh(inst, "mkdir -p ~/bin && cat > ~/bin/tmux && chmod +x ~/bin/tmux && "
+              "echo 'export PATH=$HOME/bin:$PATH' >> ~/.bashrc", input=wrapper)
+    assert ssh(inst, "tmux display-message -p -t =ageless: '#{session_created}'").stdout.strip() == ""
+
+    evac = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert evac.returncode == 6, evac.stderr
+    assert ("no step in the log, and how long training has run could not be read (the tmux session's start or "
+            "the instance's clock); ~/ckpt does not exist: destroying may lose all of it") in evac.stderr
+    assert "`relaunch evacuate --allow-empty` accepts it" in evac.stderr
+    assert "DO NOT destroy" in evac.stderr and "safe to destroy" not in evac.stderr
+
+
+def test_a_record_whose_bytes_are_gone_does_not_count_towards_keep(tmp_path, sandbox, ssh, ssh_key):
+    """keep: 2, and the store's ckpt-20 lost its bytes (a lifecycle rule) while the trainer rotated
+    it away on the instance. Evacuating ckpt-30 must not prune ckpt-10: the store would then hold
+    one checkpoint by its bytes, and a record of nothing."""
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path, name="ghost", key=ssh_key)
+    store = tmp_path / "store"
+    older = plant(ssh, inst, 10)
+    plant(ssh, inst, 20)
+    assert run_cli("evacuate", str(recipe), inst.host, home=home).returncode == 0
+    (store / "ckpt-00000020.pt").unlink()
+    ssh(inst, "rm ~/ckpt/ckpt-00000010.pt ~/ckpt/ckpt-00000020.pt")
+    plant(ssh, inst, 30)
+
+    evac = run_cli("evacuate", str(recipe), inst.host, home=home)
+    assert evac.returncode == 0, evac.stderr
+    assert ("ckpt-00000020.pt is in the store's manifest, but the store" in evac.stderr
+            and "missing from the store; it does not count towards checkpoint.keep" in evac.stderr)
+    assert "pruned ckpt-00000010.pt" not in evac.stderr
+    assert sha(store / "ckpt-00000010.pt") == older
+    assert set(records(store)) == {"ckpt-00000010.pt", "ckpt-00000020.pt", "ckpt-00000030.pt"}
+
+
+# the store loses the newest's bytes each time right after its copy was verified and committed (a
+# failing disk, another process): its check in the store fails, copied again or not
+LOSES_THE_NEWEST = """
+import sys
+from relaunch.cli.main import main
+from relaunch.transports.local import LocalPathStore
+
+accept = LocalPathStore.accept
+
+def accept_then_lose(self, cp, *args, **kwargs):
+    said = accept(self, cp, *args, **kwargs)
+    if cp.name == "ckpt-00000030.pt":
+        (self.root / cp.name).unlink()
+    return said
+
+LocalPathStore.accept = accept_then_lose
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_nothing_is_pruned_before_the_newest_is_checked_in_the_store(tmp_path, sandbox, ssh, ssh_key):
+    """keep: 1. ckpt-30 is copied and verified, then its bytes are gone from the store before the
+    check the verdict rests on. Evacuate refuses (exit 6), and ckpt-20, the store's last checkpoint
+    it does hold, must still be there: pruning it after the copy and before that check left the
+    store with nothing."""
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path, name="proof", key=ssh_key, checkpoint={"keep": 1})
+    store = tmp_path / "store"
+    kept = plant(ssh, inst, 20)
+    assert run_cli("evacuate", str(recipe), inst.host, home=home).returncode == 0
+    ssh(inst, "rm ~/ckpt/ckpt-00000020.pt")
+    plant(ssh, inst, 30)
+
+    evac = run_cli("evacuate", str(recipe), inst.host, home=home, script=LOSES_THE_NEWEST)
+    assert evac.returncode == 6, evac.stderr
+    assert "ckpt-00000030.pt, is not verified in the store" in evac.stderr and "DO NOT destroy" in evac.stderr
+    assert "pruned ckpt-" not in evac.stderr
+    assert sha(store / "ckpt-00000020.pt") == kept and "ckpt-00000020.pt" in records(store)
+
+
 def test_a_sync_round_is_verified_by_the_newest_of_when_it_began(tmp_path, sandbox, ssh, ssh_key):
     """Training saves again while the round copies: the round verified the newest of its start, so it
     is verified (exit 0: a cron job on `sync --once` must not alarm on every run); the newer one is

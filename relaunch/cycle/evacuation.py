@@ -112,11 +112,6 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
             # holds the disk space the trainer's rotation meant to free
             executor.run(plan_unpin(jobs))
         executor.run(plan_meta(job))
-        if report.copied and store.manifest is not None:
-            protect = frozenset(report.copied + report.already)
-            report.pruned = store.prune(store.manifest, keep, protect)
-            for name in report.pruned:
-                ui.step(job.host, "evacuate", f"pruned {name} from the store (keep={keep})")
         newest = listing[-1] if listing else None
         # the verdict's checkpoint: evacuate's is the newest now; a sync round's the newest when it
         # began, unless the instance holds nothing that new any more (its trainer deleted it): then
@@ -126,6 +121,11 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
             target = newest
         if target is not None and target.name in report.copied + report.already:
             _check_in_store(jobs, store, executor, target, report, reverify)
+        # deletion is the last step of a proof: nothing is pruned before the newest is checked in the store
+        if report.copied and target is not None and target.name in report.verified_now:
+            report.pruned = _prune(jobs, store, executor, report, keep, reverify)
+            for name in report.pruned:
+                ui.step(job.host, "evacuate", f"pruned {name} from the store (keep={keep})")
         empty, unseen = None, None
         if newest is None and require_newest:
             held = _newest_held(store, executor)
@@ -138,8 +138,10 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
                                        began=at_start.name if at_start else None))
         report.safe, report.why = verdict.ok, verdict.why
         if require_newest and not report.safe:
-            refusal = EvacuationError(f"{job.host}: {verdict.why}",
-                                      unseen.hint("evacuate", job.target) if unseen is not None else None)
+            hint = (unseen.hint("evacuate", job.target) if unseen is not None else
+                    None if empty is None else "`relaunch evacuate --allow-empty` accepts it: what training did "
+                    "there is then lost with the instance")
+            refusal = EvacuationError(f"{job.host}: {verdict.why}", hint)
             refusal.result = report.as_dict()
             raise refusal
     except OSError as exc:
@@ -177,6 +179,37 @@ def _check_in_store(jobs: list[Job], store: Store, executor: Executor, cp: Check
         _evacuate_one(jobs, store, executor, cp, report, reverify, recopy=True)
         if cp.name not in report.copied:
             break
+
+
+def _prune(jobs: list[Job], store: Store, executor: Executor, report: Report, keep: int,
+           reverify: bool) -> list[str]:
+    """store.prune, where `keep` counts only the checkpoints the store holds now: those this run
+    copied or checked, and older ones whose bytes it still holds (evacuate: size and hash; a sync
+    round: as its cheap look at what it already holds). A record whose bytes are gone counts for
+    nothing: it is said, and neither counted nor deleted (what is older than the `keep` held ones is)."""
+    if store.manifest is None:
+        return []
+    proven = set(report.verified_now + report.copied + report.already)
+    held, spared = 0, set()
+    for record in reversed(store.manifest.ordered()):
+        if held == keep:
+            break
+        problems: list[str] = []
+        if record.name not in proven:
+            seen = executor.run_one(_observe_action(store, record, size_only=not reverify))
+            problems = verdicts.store_holds(record, seen, size_only=not reverify and
+                                            not any(s.hashes for s in seen.values()))
+        if problems:
+            executor.ui.warn(f"{jobs[0].host}: {lost_from_store(record.name, store, problems)}; it does not count "
+                             f"towards checkpoint.keep")
+            spared.add(record.name)
+        else:
+            held += 1
+    if held < keep:
+        return []
+    # drop_beyond counts records from the newest: the spared ones newer than the keep-th held one are
+    # counted there and protected, so that exactly what is older than it goes
+    return store.prune(store.manifest, held + len(spared), frozenset(proven | spared))
 
 
 def _observe_action(store: Store, record: CheckpointRecord, size_only: bool = False) -> Action:

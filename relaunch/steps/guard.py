@@ -127,6 +127,7 @@ def guard_config(job: Job) -> dict[str, Any]:
     recipe, paths = job.recipe, job.paths
     return {"name": recipe.name, "host": job.host, "folder": guard_paths(job).folder, "session": recipe.run.session,
             "pgid_file": paths.pgid_file, "status_file": paths.status_file, "sources": sources(job),
+            "ckpt_dir": paths.ckpt_dir,
             "every": recipe.guard.every, "signal": recipe.run.stop.signal, "stop_timeout": recipe.run.stop.timeout,
             "windows": windows(recipe)}
 
@@ -174,6 +175,7 @@ class Look:
     training: bool
     guard: bool
     exit: str = ""                                  # training's exit status once it ended
+    clock: float | None = None                      # the instance's time when it looked (its clock)
     state: dict[str, Any] | None = None             # the guard's state.json
     notice: dict[str, Any] | None = None            # the guard's notice.json
     rebalance: dict[str, Any] | None = None         # the guard's rebalance.json (a recommendation)
@@ -194,6 +196,7 @@ def look_command(job: Job, listing: bool = False) -> str:
         f"if tmux has-session -t {q('=' + guard_session(job.recipe))} 2>/dev/null; then echo 'guard 1'; "
         "else echo 'guard 0'; fi",
         f"echo \"exit $(head -c 20 -- {q(paths.status_file)} 2>/dev/null | tr -cd 0-9)\"",
+        "echo \"clock $(date +%s.%N)\"",
         f"echo '--state'; cat -- {q(where.state)} 2>/dev/null; echo",
         f"echo '--notice'; cat -- {q(where.notice)} 2>/dev/null; echo",
         f"echo '--rebalance'; cat -- {q(where.rebalance)} 2>/dev/null; echo",
@@ -213,14 +216,22 @@ def _json(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _seconds(text: str) -> float | None:
+    """`date +%s.%N` as a float; a date without %N (busybox) gives its whole seconds."""
+    whole, _, fraction = text.strip().partition(".")
+    if not whole.isdigit():
+        return None
+    return float(whole) + (float("0." + fraction) if fraction.isdigit() else 0.0)
+
+
 def parse_look(stdout: bytes) -> Look:
     head, marked, tail = stdout.partition(MARK)
     text, _, log_text = head.decode(errors="replace").partition("\n--log\n")
     lines = text.split("\n")
-    words = dict(line.split(" ", 1) for line in lines[:3] if " " in line)
+    words = dict(line.split(" ", 1) for line in lines[:4] if " " in line)
     texts = {"--state": "", "--notice": "", "--rebalance": ""}
     section = ""
-    for line in lines[3:]:
+    for line in lines[4:]:
         if line in texts:
             section = line
         elif section in texts:
@@ -231,8 +242,8 @@ def parse_look(stdout: bytes) -> Look:
     state, notice, rebalance = (_json(texts[k]) if texts[k].strip() else None
                                 for k in ("--state", "--notice", "--rebalance"))
     return Look(training=words.get("training") == "1", guard=words.get("guard") == "1",
-                exit=words.get("exit", "").strip(), state=state, notice=notice, rebalance=rebalance,
-                listing=parse_listing(tail) if marked else None, log_tail=log)
+                exit=words.get("exit", "").strip(), clock=_seconds(words.get("clock", "")), state=state,
+                notice=notice, rebalance=rebalance, listing=parse_listing(tail) if marked else None, log_tail=log)
 
 
 def newest_logged_step(lines: list[str], pattern: str) -> int | None:

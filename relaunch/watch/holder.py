@@ -16,10 +16,13 @@ parent_commit); rclone has no conditional write, so there a race between two wat
 write is seen at the latest by the loser's next renewal or look before renting.
 
 A thread of its own renews the lease (never held up by a copy, a recovery or a wait for a host).
-A renewal that finds another watch's lease there writes nothing: this watch was taken over
-(`taken`), and the loop stops acting. Before renting anything the watch reads the lease again
-(`why_not_mine`): another holder there, or a lease this watch could not renew for so long that
-another watch may have taken it, means it rents nothing.
+A lease is this watch's by its token, never by its text: a renewal whose write landed but whose
+answer was lost (a connection cut after the commit) leaves this watch's own lease there with
+another time in it, and the next renewal takes that as its own. A renewal that finds another
+watch's lease there writes nothing: this watch was taken over (`taken`), and the loop stops
+acting. Before renting anything the watch reads the lease again (`why_not_mine`): another
+holder there, or a lease this watch could not renew for so long that another watch may have taken
+it, means it rents nothing.
 `STATE/watch/KEY.json` is what `status` shows: pid, hosts, since, last round, last error.
 """
 
@@ -214,15 +217,25 @@ class Holder:
         return True
 
     def renew(self, ui: UI) -> bool:
-        """Renew the lease while it is still the one this watch wrote last; False, writing nothing,
-        when something else is there (this watch was taken over: `taken` says by whom)."""
+        """Renew the lease while it is still this watch's (its token); False, writing nothing, when
+        something else is there (this watch was taken over: `taken` says by whom)."""
         if self.taken is not None:
             return False
         if self._swap(self._written):
             return True
+        # not the text this watch wrote last: its own still, when a renewal's write landed and its answer
+        # was lost (the text has that renewal's time); then renewed against what is there
+        text = self._read()
+        if self._ours(text) and self._swap(text):
+            return True
         self.taken = parse_lease(self._read()) or {"machine": "?", "pid": "?", "since": "?",
                                                   "detail": "the lease was removed"}
         return False
+
+    def _ours(self, text: str | None) -> bool:
+        """Is `text` a lease this watch wrote (its token), whatever time it holds?"""
+        info = parse_lease(text)
+        return info is not None and info.get("token") == self.token
 
     def why_not_mine(self) -> str | None:
         """Before renting or starting training: None while this watch holds the store, else why not
@@ -237,7 +250,9 @@ class Holder:
                         return None      # the store does not answer now, but the lease is fresh for a while yet
                     return (f"the store does not answer ({exc.message.splitlines()[0]}) and this watch's lease was "
                             f"last renewed {since:.0f}s ago: another watch may have taken the store")
-                if text != self._written:
+                if self._ours(text):
+                    self._written = text      # a renewal whose answer was lost wrote it
+                else:
                     self.taken = parse_lease(text) or {"machine": "?", "pid": "?", "detail": "the lease was removed"}
         if self.taken is not None:
             return f"another watch holds the store now ({describe(self.taken)})"

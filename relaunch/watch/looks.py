@@ -51,6 +51,7 @@ class View:
     complete: tuple[Checkpoint, ...] = ()   # complete checkpoints in checkpoint.dir, oldest first (if it lists)
     fatal: RelaunchError | None = None   # another machine answers there (a host key refused)
     looks: int = 0                    # answered looks so far (a fresh one is looks > n)
+    clock_offset: float | None = None  # its clock minus this machine's, measured at the last look that could
 
     @property
     def host(self) -> str:
@@ -150,8 +151,10 @@ class Looker:
             self._job = Job(self.recipe, Node(target), Facts(host=HostFacts(home=remote.home)))
         assert self._remote is not None and self._job is not None
         sent = time.monotonic()
+        before = time.time()
         result = self._remote.exec(look_command(self._job, self.lists), deadline=LOOK_DEADLINE,
                                    cancelled=lambda: self._stop.is_set() or processes.CANCEL.is_set())
+        after = time.time()
         if result.status is None:
             self._close()
             self._silent("the look did not answer" if result.timed_out else "the SSH connection was lost")
@@ -168,7 +171,10 @@ class Looker:
                 complete = tuple(complete_checkpoints(look.listing, c.layout, c.pattern))
                 if complete:
                     seen = max(complete[-1].step, seen or 0)
+            # the instance's clock read during the look, against the middle of this machine's clock around
+            # it: off by at most half the look's time
+            offset = look.clock - (before + after) / 2 if look.clock is not None else v.clock_offset
             now = time.monotonic()
             self._view = replace(v, look=look, looked_at=now, answered_at=now, answered_epoch=time.time(),
                                  sent_at=sent, silent_since=None, why="", newest_seen=seen, complete=complete,
-                                 looks=v.looks + 1)
+                                 looks=v.looks + 1, clock_offset=offset)

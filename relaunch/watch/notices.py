@@ -32,11 +32,17 @@ class NoticeHandling(WatchBase):
         notice = dict(view.look.notice)
         self.handled.add(notice.get("seen_at"))
         source, detail = notice.get("source", "?"), notice.get("detail", "")
-        seen = float(notice.get("seen_at") or time.time())
+        # the notice's times are on the instance's clock: every comparison with this machine's goes through
+        # the offset its looks measured
+        offset = view.clock_offset or 0.0
+        skew = verdicts.offset_words(view.clock_offset)
+        seen = float(notice.get("seen_at") or time.time() + offset)
         deadline = float(notice.get("deadline") or seen)
+        here = deadline - offset                     # the deadline on this machine's clock
         where = f"{view.host}: " if not self.group else f"{view.host} (node {self.specs.index(view.spec)}): "
-        self.warn(f"{where}reclaim notice from {source}: {detail}; deadline {clock(deadline)} "
-                  f"({deadline - time.time():.0f}s left, from {notice.get('deadline_from', '?')})")
+        self.warn(f"{where}reclaim notice from {source}: {detail}; deadline {clock(here)} "
+                  f"({here - time.time():.0f}s left, from {notice.get('deadline_from', '?')})"
+                  + (f"; {skew}" if skew else ""))
         self.emit("notice", node=view.host, notice=notice)
         if self.group:
             # every node at once: the ranks of every node stop at the same step and save together
@@ -51,7 +57,7 @@ class NoticeHandling(WatchBase):
             self.rounds.abort()
             self.say("the sync round copying meanwhile was ended: the save after the notice goes first (its partial "
                      "copy stays in the store's staging for a later round; nothing of it is trusted)")
-        notice = self.wait_for_save(view, notice, deadline)
+        notice = self.wait_for_save(view, notice, here)
         save = notice.get("save") or {}
         self.say(f"{where}guard: training {_save_words(save)}; evacuating " +
                  ("every node now" if self.group else "now"))
@@ -79,22 +85,25 @@ class NoticeHandling(WatchBase):
         # made the deadline: the save the notice asked for, verified by its bytes in time; not merely
         # a verified checkpoint (an older one is verified in no time when the save was cut short)
         verdict = verdicts.notice_saved(verdicts.NoticeCopy(
-            save_state=save.get("state"), noticed_at=seen, deadline=deadline, finished=finished,
+            save_state=save.get("state"), noticed_at=seen, deadline=deadline, finished=finished, clock_offset=offset,
             newest=report.newest if report else None, newest_step=report.newest_step if report else None,
             newest_mtime=report.newest_mtime if report else None,
             verified_now=tuple(report.verified_now) if report else (), seen_step=shown))
         made = verified and verdict.ok
-        after_deadline = finished > deadline
+        after_deadline = finished > here
         if report is not None and verified:
             newest = f"{report.newest} (step {report.newest_step})" if report.newest else "no checkpoint"
-            timing = (f"{deadline - finished:.0f}s before the deadline" if made
-                      else f"NOT before the deadline ({finished - deadline:.0f}s late)" if after_deadline
+            timing = (f"{here - finished:.0f}s before the deadline" if made
+                      else f"NOT before the deadline ({finished - here:.0f}s late)" if after_deadline
                       else f"but NOT the save after the notice before the deadline: {verdict.why}")
+            if skew and (made or after_deadline):
+                timing += f" ({skew})"
             (self.ok if made else self.warn)(f"{where}evacuated after the notice: {newest} verified in "
                                              f"{report.store}, {timing}")
         copy = {"by": "relaunch watch", "verified": verified, "checkpoint": report.newest if report else None,
                 "step": report.newest_step if report else None, "seconds": round(finished - started, 1),
-                "finished": history.iso(finished), "made_deadline": made, "why": verdict.why}
+                "finished": history.iso(finished + offset), "clock_offset": round(offset, 1), "made_deadline": made,
+                "why": verdict.why}
         self.emit("evacuated", **copy, report=report.as_dict() if report else None)
         notice["copy"] = copy
         notice["verdict"] = (f"{notice.get('verdict') or ''}; the copy: "
@@ -106,9 +115,10 @@ class NoticeHandling(WatchBase):
         seen_step = max([s for s in (shown, report.newest_step if report else None) if s is not None],
                         default=None)
         verified_step = report.stored_step if report is not None else self.store_newest()
-        entry = history.Interruption.start(view.host, "notice", f"{source}: {detail}", seen, seen_step,
+        # the history is on this machine's clock (a resumption's time is)
+        entry = history.Interruption.start(view.host, "notice", f"{source}: {detail}", seen - offset, seen_step,
                                            verified_step)
-        entry.deadline, entry.made_deadline = history.iso(deadline), made
+        entry.deadline, entry.made_deadline = history.iso(here), made
         entry.copy_seconds = round(finished - started, 1) if verified else None
         entry.nodes_before = len(self.specs)
         self.record(entry)
@@ -124,7 +134,8 @@ class NoticeHandling(WatchBase):
 
     def wait_for_save(self, view: View, notice: dict[str, Any], deadline: float) -> dict[str, Any]:
         """The notice record once the guard says how the save went, training is gone, or the time is
-        up; in a node group, also until the training is gone on every node (they save together)."""
+        up (`deadline`, on this machine's clock); in a node group, also until the training is gone on
+        every node (they save together)."""
         until = min(deadline, time.time() + self.recipe.run.stop.timeout + SAVE_SLACK)
         looker = self.lookers[view.host]
 
@@ -190,4 +201,6 @@ def _save_words(save: dict[str, Any]) -> str:
         return f"exited with status {save.get('exit') or '?'}"
     if state == "not running":
         return "was not running"
+    if state == "no save":
+        return "exited 0 without saving (nothing in checkpoint.dir written after the notice)"
     return f"has not finished saving ({state or 'no word from the guard'})"

@@ -1,7 +1,8 @@
 """The watch's recovery: recover.command rents replacements (recover.py reads its answer), `up`
 brings training back there; in a node group with recover.shrink the nodes left resume at once and
 the group grows back when the replacements are ready; replaced instances that answer again are
-looked at, their training ended when they hold nothing newer than the store.
+looked at, their training ended only when the store holds, by its bytes checked then, a checkpoint
+as new as their newest (verdicts.end_replaced; unknown never ends it).
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ from __future__ import annotations
 import queue
 import time
 
-from .. import cycle, history
+from .. import cycle, history, verdicts
 from ..errors import ConnectError, Interrupted, RelaunchError, UsageError
 from ..host.connection import connect
 from ..host.spec import HostSpec
+from ..layouts import complete_checkpoints
+from ..manifest import CheckpointRecord
 from ..retry import retrying
+from ..transports import open_store
 from . import recover as rent
 from .failures import first_line, recoverable
-from .looks import Looker
+from .looks import Looker, View
 from .state import WatchBase
 
 REPLACED_LOOKS = 5            # a replaced instance is looked at every REPLACED_LOOKS x guard.every seconds
@@ -298,6 +302,21 @@ class Replacing(WatchBase):
         return any((t.address, t.port) == (mine.address, mine.port)
                    for t in (cycle.make_target(self.recipe, s) for s in self.specs))
 
+    def newest_held(self) -> CheckpointRecord | None:
+        """The newest checkpoint the store holds now by its bytes (size and hash, read again), not by its
+        record; None when it holds none, or cannot be read (which never ends a training)."""
+        try:
+            store = open_store(self.recipe)
+            store.read()
+            for record in reversed(store.manifest.ordered() if store.manifest else []):
+                if not verdicts.store_holds(record, store.observe(record)):
+                    return record
+        except (Interrupted, UsageError):
+            raise
+        except RelaunchError as exc:
+            self._post("warn", f"reading the store: {first_line(exc)}")
+        return None
+
     def look_at_replaced(self) -> None:
         for name, looker in list(self.replaced.items()):
             view = looker.view()
@@ -309,18 +328,29 @@ class Replacing(WatchBase):
                 continue
             looker.stop()
             del self.replaced[name]
-            stored = self.store_newest()
             if not view.look.training:
                 self.warn(f"{name} (replaced) answers again; its training is not running. It is still billing "
                           "until you destroy it")
                 continue
-            if view.newest_complete is not None and view.newest_complete > (stored or 0):
-                self.warn(f"{name} (replaced) answers again and is still training; it holds a checkpoint at step "
-                          f"{view.newest_complete}, newer than the store's newest verified ({stored}): left running. "
-                          f"The replacement resumed from the store; keep one of them (`relaunch evacuate RECIPE "
-                          f"{name} --stop` stops it) and destroy the other: both are billing")
-                continue
-            self.warn(f"{name} (replaced) answers again and was still training; it holds nothing newer than the "
-                      "store: ending its training now. It is still billing until you destroy it")
-            self.emit("replaced-back", node=name)
-            self.ending = self.background.submit(cycle.stop_training, self.current(10), [view.spec], self.inner)
+            # the store's bytes are hashed: in the background, never holding up the loop
+            self.ending = self.background.submit(self.end_replaced, view)
+
+    def end_replaced(self, view: View) -> None:
+        """End a replaced instance's training when that loses no checkpoint (verdicts.end_replaced),
+        else leave it running and say why; from a background thread."""
+        assert view.look is not None
+        name, listing, c = view.host, view.look.listing, self.recipe.checkpoint
+        newest = complete_checkpoints(listing, c.layout, c.pattern) if listing is not None else []
+        held = self.newest_held()
+        verdict = verdicts.end_replaced(listing is not None, newest[-1].name if newest else None,
+                                        newest[-1].step if newest else None, held.name if held else None,
+                                        held.step if held else None)
+        if not verdict:
+            self._post("warn", f"{name} (replaced) answers again and is still training: left running, {verdict.why}. "
+                               f"The replacement resumed from the store; keep one of them (`relaunch evacuate RECIPE "
+                               f"{name} --stop` stops it) and destroy the other: both are billing")
+            return
+        self._post("warn", f"{name} (replaced) answers again and was still training; {verdict.why}: ending its "
+                           "training now. It is still billing until you destroy it")
+        self.emit("replaced-back", node=name)
+        cycle.stop_training(self.current(10), [view.spec], self.inner)
