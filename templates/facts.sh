@@ -39,19 +39,21 @@ fi
 # A run this login cannot see in its tmux: this recipe's run.sh (how relaunch starts training) in any
 # user's process, other users' tmux servers, a checkpoint folder this user cannot look into. Only
 # processes of this box count: its mount namespace (a machine of containers, or the sandbox, shows
-# other boxes' processes too). The pattern's [.] keeps grep from finding its own command line.
+# other boxes' processes too), told by the id of its root mount: the whole mount table would do but
+# for mounts made between two reads of it. The pattern's [.] keeps grep from finding its own command line.
+root_mount() { awk '$5 == "/" { print $1; exit }' "$1" 2>/dev/null; }
 if [ -n "${name:-}" ]; then
-  mnt=$(cat /proc/self/mountinfo 2>/dev/null)
+  mnt=$(root_mount /proc/self/mountinfo)
   for f in $(grep -l -s -e "/[.]relaunch/$name/run[.]sh" /proc/[0-9]*/cmdline 2>/dev/null); do
     d=${f%/cmdline}
     case "$(cat "$d/comm" 2>/dev/null)" in tmux*|"") continue ;; esac   # a tmux server keeps its first argv
-    [ "$(cat "$d/mountinfo" 2>/dev/null)" = "$mnt" ] || continue
+    [ "$(root_mount "$d/mountinfo")" = "$mnt" ] || continue
     echo "run_process=$(stat -c '%u %U' "$d" 2>/dev/null) ${d#/proc/}"
   done
   for f in $(grep -l -s -x "tmux: server" /proc/[0-9]*/comm 2>/dev/null); do
     d=${f%/comm}
     [ "$(stat -c %u "$d" 2>/dev/null)" != "$(id -u)" ] || continue
-    [ "$(cat "$d/mountinfo" 2>/dev/null)" = "$mnt" ] || continue
+    [ "$(root_mount "$d/mountinfo")" = "$mnt" ] || continue
     echo "other_tmux=$(stat -c '%u %U' "$d" 2>/dev/null) ${d#/proc/}"
   done
 fi
