@@ -16,6 +16,7 @@ from .interval import badput_now
 from .job import Lag, StoreState, drift
 from .recipe import Recipe
 from .savecosts import read_command, saves_of, summarize
+from .steps import lineage
 from .steps.checkpoint import instance_checkpoints
 from .steps.guard import LOOK_DEADLINE as GUARD_LOOK_DEADLINE
 from .steps.guard import guard_session, look_command, parse_look, source_lines
@@ -48,6 +49,7 @@ class Status(Lag):
     store_error: str = ""                        # the store did not answer: what it said
     notices: dict[str, Any] | None = None        # which guard sources can fire here, the loss bound when none
     badput: dict[str, Any] | None = None         # what checkpoints cost the run now (the Checkpointer's metric lines)
+    aside: list[str] = field(default_factory=list)   # abandoned branches' checkpoints: where they are (lineage)
 
 
 def read_store(store: Store, ui: UI) -> tuple[StoreState | None, str]:
@@ -67,6 +69,8 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
     with remote:
         job = gather(remote, recipe, node, notices=True)
         job.facts.store, store_error = read_store(store, ui)
+        manifest = job.facts.store.manifest if job.facts.store else None
+        lineage.apply(manifest, [job])             # a rollback on the instance the store has not heard of yet
         notices = protection(job, job.facts.notices)
         facts, paths = job.facts.host, job.paths
         result = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt,
@@ -84,10 +88,10 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
             newest = listing[-1]
             result.newest, result.newest_step = newest.name, newest.step
             result.newest_mtime = max((e.mtime for e in newest.files), default=None)
-        manifest = job.facts.store.manifest if job.facts.store else None
         stored = manifest.newest() if manifest else None
         if stored is not None:
             result.stored, result.stored_step, result.stored_written_at = stored.name, stored.step, stored.written_at
+        result.aside = lineage.aside_lines(manifest, [job])
         if job.facts.lock and facts.venv_freeze is not None:
             result.drift = drift(job.facts.lock, facts.venv_freeze)
         look = remote.exec(look_command(job), deadline=GUARD_LOOK_DEADLINE)
@@ -144,6 +148,7 @@ def render(s: Status, recipe: Recipe) -> str:
     if s.lag_steps is not None:
         minutes = f", {s.lag_seconds / 60:.1f} min" if s.lag_seconds is not None else ""
         out.append(f"  a loss right now would cost: {s.lag_steps} steps{minutes}")
+    out += aside_block(s.aside, "  ")
     out.append(f"  free disk under checkpoint.dir: {human(s.free_bytes)}")
     out.append("  env: " + ("matches the lock" if not s.drift else f"{len(s.drift)} difference(s) from the lock: "
                             + "; ".join(s.drift[:5])))
@@ -173,6 +178,7 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
             job.facts.store = state
         group = instance_checkpoints(jobs[0])
         manifest = jobs[0].facts.store.manifest if jobs[0].facts.store else None
+        lineage.apply(manifest, jobs)
         stored = manifest.newest() if manifest else None
         found = []
         for job in jobs:
@@ -198,6 +204,7 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
             ui.warn(f"could not read the history of interruptions from {store.label}: {shorten(exc.message, 200)}")
         found[0].badput = saving_costs(remotes[jobs[0].host], jobs[0].paths.log, entries)
         found[0].watch = read_state(recipe.name, store.label)
+        found[0].aside = lineage.aside_lines(manifest, jobs)
         return found
 
 
@@ -218,6 +225,7 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     if first.lag_steps is not None:
         minutes = f", {first.lag_seconds / 60:.1f} min" if first.lag_seconds is not None else ""
         out.append(f"a loss right now would cost: {first.lag_steps} steps{minutes}")
+    out += aside_block(first.aside, "")
     for s in statuses:
         if s.notices:
             out.append(f"notices that can reach {s.host}: {s.notices['said'][-1]}")
@@ -227,6 +235,14 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
         out.append(f"last lines of {recipe.run.log} on {first.host}:")
         out += ["  " + line for line in first.log_tail]
     return "\n".join(out)
+
+
+def aside_block(lines: list[str], indent: str) -> list[str]:
+    """The abandoned branches (a resume from an older checkpoint): never the newest, kept, and where."""
+    if not lines:
+        return []
+    return [f"{indent}set aside (abandoned branches: never resumed, never pruned):"] + \
+        [f"{indent}  {line}" for line in lines]
 
 
 def watch_lines(w: dict[str, Any] | None) -> list[str]:

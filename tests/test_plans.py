@@ -88,7 +88,7 @@ def planned(case: dict[str, Any], state: Path) -> list[Action]:
     job, store = job_for(case, state)
     what = case["plan"]
     if what == "up":
-        return plan_up(job, store)[0].actions
+        return plan_up(job, store, wanted=case.get("checkpoint"))[0].actions
     if what == "stop":
         return plan_stop(job)
     if what == "meta":
@@ -308,6 +308,27 @@ def _(got: list[dict[str, Any]]) -> None:
     [restore] = [a for a in got if a["step"] == "checkpoint"]
     assert restore["title"].startswith("verify /root/ckpt/ckpt-00000020.pt against the store manifest")
     assert not [a for a in got if a["argv"]]                                                  # nothing copied
+
+
+@promise("case-up-rollback")
+def _(got: list[dict[str, Any]]) -> None:
+    # the branch: from the instance's clock (facts), named by what it resumed
+    branch = "20251130T102000Z-from-ckpt-00000010.pt"
+    aside = one(got, "set aside ckpt-00000020.pt, ckpt-00000030.pt")
+    command = aside["command"]
+    assert command.startswith("cd -- /root/ckpt && mkdir -p -- .relaunch-aside/" + branch)
+    # the lineage file first (whole: a temporary file renamed), then one rename per checkpoint
+    assert command.index("mv -f -- .relaunch-aside/lineage.jsonl.tmp .relaunch-aside/lineage.jsonl") < \
+        command.index("mv -T --")
+    lineage = json.loads(shlex.split(command.split("printf '%s\\n' ", 1)[1].split(";", 1)[0])[0])
+    assert (lineage["id"], lineage["resumed"], lineage["step"], lineage["aside"]) == \
+        (branch, "ckpt-00000010.pt", 10, ["ckpt-00000020.pt", "ckpt-00000030.pt"])
+    assert "for n in ckpt-00000020.pt ckpt-00000030.pt; do" in command
+    stored = one(got, "set aside in the store: ckpt-00000020.pt, ckpt-00000030.pt")
+    assert stored["call"] == "store.record_branch" and stored["where"] == "local"
+    # after the restore, before training starts: no save of the new branch is ever among them
+    assert at(got, "verify /root/ckpt/ckpt-00000010.pt") < at(got, "set aside ckpt") < \
+        at(got, "set aside in the store") < at(got, "start tmux session planned")
 
 
 @promise("case-up-secrets")

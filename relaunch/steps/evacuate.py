@@ -48,6 +48,9 @@ class Report(Lag):
     damaged: list[str] = field(default_factory=list)      # "name: why" (a save that did not finish)
     pruned: list[str] = field(default_factory=list)
     set_aside: list[str] = field(default_factory=list)    # the store held them differently from their record
+    # the instance's rollbacks the store learned now: branch id -> the records set aside (steps/lineage.py)
+    branches: dict[str, list[str]] = field(default_factory=dict)
+    displaced: list[str] = field(default_factory=list)    # "name: where": an abandoned branch's, a new save's name
     verified_now: list[str] = field(default_factory=list)  # checked in the store after the copy
     bytes_copied: int = 0
     seconds: float = 0.0
