@@ -77,7 +77,7 @@ def plan_group_up(jobs: list[Job], store: Store, known_hosts: str, exclude: froz
     plan.extend([a for again in resumed for a in tag(plan_env(again), again)])
     plan.extend(lanes)
     plan.extend(cleanup)
-    plan.extend(plan_branch(resumed, choice)[1])
+    plan.extend(plan_branch(resumed, choice, exclude)[1])
     plan.extend([barrier("launch", f"starting training on {len(jobs)} nodes")])
     for again in resumed:
         launch = [dataclasses.replace(a, produces=f"{a.produces}@{again.host}" if a.produces else "")

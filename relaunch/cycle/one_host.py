@@ -39,7 +39,7 @@ def plan_up(job: Job, store: Store, exclude: frozenset[str] = frozenset(),
     changed = what_changed(choice.record, form, job)
     preflight = plan_preflight(job, choice.copy_bytes)
     job, restore = plan_restore(job, store, choice)
-    _, aside = plan_branch([job], choice)
+    _, aside = plan_branch([job], choice, exclude)
     plan = Plan(job.host, reads=list(job.facts.reads))
     if changed:
         plan.extend([Action("launch", "the group's shape", say=changed)])

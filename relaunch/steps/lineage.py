@@ -62,18 +62,21 @@ def said(branch: Branch, marked: list[str], store: str) -> str:
             f"are an abandoned run's; {stored}{where} (kept, never the newest again)")
 
 
-def plan_branch(jobs: list[Job], choice: Choice) -> tuple[Branch | None, list[Action]]:
+def plan_branch(jobs: list[Job], choice: Choice, exclude: frozenset[str] = frozenset()) -> tuple[Branch | None,
+                                                                                             list[Action]]:
     """`up` resuming a checkpoint older than others on the instance or in the store: the branch,
     and its actions. On every node, the later complete checkpoints go aside (one rename each, the
     branch appended to the lineage file first); then the store sets its later records aside (under
-    its lock). Run before the command starts, so no save of the new branch is ever among them."""
+    its lock). Run before the command starts, so no save of the new branch is ever among them.
+    `exclude`: store records `up` could not use (damaged, not held): a fallback past them is not
+    a rollback, and they stay as they are."""
     first = jobs[0]
     store = first.facts.store
     manifest = store.manifest if store is not None else None
     resumed = choice.record.name if choice.record else (choice.on_instance.name if choice.on_instance else "")
     step = choice.step
     here = [cp.name for cp in instance_checkpoints(first) if cp.step > step and cp.name not in first.facts.damaged]
-    stored = [r.name for r in manifest.ordered() if r.step > step] if manifest else []
+    stored = [r.name for r in manifest.ordered() if r.step > step and r.name not in exclude] if manifest else []
     if not here and not stored:
         return None, []
     at = first.facts.host.now or time.time()
