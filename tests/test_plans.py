@@ -601,6 +601,30 @@ def test_a_group_plan_copies_once_then_fans_out(state: Path) -> None:
     assert [a.host for a in actions if a.title.startswith("start tmux")] == [j.host for j in jobs]
 
 
+def test_a_groups_rollback_sets_each_nodes_later_parts_aside_there_once_before_the_start(state: Path) -> None:
+    """`up --checkpoint` of an older checkpoint on a node group: every node moves its own parts of
+    the later checkpoints aside (one branch, the id from node 0's clock), the store sets its later
+    records aside once, and both before any node starts training."""
+    from relaunch.cycle import plan_group_up
+
+    jobs, store = group_jobs(state, 2)
+    case = json.loads((FIX / "case-up-rollback.json").read_text())["patch"]
+    for job in jobs:
+        job.facts.store = Facts.from_dict({"host": {}, "store": {"label": "s", **case["store"]}}).store
+        job.facts.listing = Facts.from_dict({"host": {}, "listing": case["listing"]}).listing
+        job.facts.host.now = case["host"]["now"]
+    plan, resumed = plan_group_up(jobs, store, "known hosts lines\n", wanted="ckpt-00000010.pt")
+    actions = plan.actions
+    aside = [a for a in actions if a.title.startswith("set aside ckpt-00000020.pt, ckpt-00000030.pt")]
+    assert [a.host for a in aside] == [j.host for j in jobs]
+    assert all("/.relaunch-aside/20251130T102000Z-from-ckpt-00000010.pt" in a.title for a in aside)
+    [stored] = [a for a in actions if a.call == "store.record_branch"]
+    assert stored.args["branch"].aside == ["ckpt-00000020.pt", "ckpt-00000030.pt"]
+    starts = [actions.index(a) for a in actions if a.title.startswith("start tmux")]
+    assert max(actions.index(a) for a in [*aside, stored]) < min(starts)
+    assert all(job.step == 10 for job in resumed)
+
+
 def test_a_group_copy_pins_each_nodes_part_on_that_node_and_unpins_it_there(state: Path) -> None:
     """Each node pins the files it sends, at the same time as the others; every copy and hash of
     a part reads that node's pins; each node's unpin runs also after a failure; a node that could

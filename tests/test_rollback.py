@@ -219,3 +219,35 @@ def test_a_new_save_of_an_abandoned_name_moves_the_old_bytes_out_of_its_way(kind
     assert pruned.returncode == 0, pruned.stderr
     assert json.loads(pruned.stdout)["pruned"] == ["ckpt-00000010.pt"]      # keep 3 of the new branch only
     assert hashlib.sha256(read_back(kind, store, server, "ckpt-00000030.pt")).hexdigest() == old[30]
+
+
+def test_a_trainers_own_rollback_reaches_the_store_with_the_next_copy_round(tmp_path, sandbox, ssh, ssh_key):
+    """A training that resumed an older save by itself (relaunch.train.set_aside, as its Checkpointer
+    and callbacks call it; here from the run's command) while the store holds the later ones: the
+    next `sync --once` reads the instance's lineage file, sets the store's later records aside and
+    says so, and the new branch's save of an abandoned name is copied as the newest."""
+    inst = sandbox()
+    home, store = tmp_path / "state", tmp_path / "store"
+    rollback = ("python -c 'from relaunch import train; train.set_aside(\"'$HOME'/ckpt\", "
+                "[\"ckpt-00000020.pt\", \"ckpt-00000030.pt\"], \"ckpt-00000010.pt\", 10)'; sleep 600")
+    recipe = plain_recipe(tmp_path, name="by-itself", key=ssh_key, command=rollback, checkpoint={"keep": 3})
+    old = {step: plant(ssh, inst, step) for step in (10, 20, 30)}
+    assert run_cli("evacuate", str(recipe), inst.host, home=home).returncode == 0
+    up = run_cli("up", str(recipe), inst.host, home=home)
+    assert up.returncode == 0, up.stderr
+    wait_for("the training's rollback", lambda: "ckpt-00000030.pt" not in ssh(inst, "ls ~/ckpt").stdout)
+    assert "set aside in the store" not in up.stderr            # up resumed the newest: no branch of its own
+    new = plant(ssh, inst, 20)
+    synced = run_cli("sync", str(recipe), inst.host, "--once", "--json", home=home)
+    assert synced.returncode == 0, synced.stderr
+    assert "set aside (training resumed an older checkpoint: an abandoned branch): ckpt-00000020.pt, " \
+           "ckpt-00000030.pt" in synced.stderr
+    report = json.loads(synced.stdout)
+    assert list(report["branches"].values()) == [["ckpt-00000020.pt", "ckpt-00000030.pt"]]
+    assert report["stored"] == "ckpt-00000020.pt" and hashlib.sha256((store / "ckpt-00000020.pt").read_bytes()
+                                                                      ).hexdigest() == new
+    [branch] = manifest_of(store)["branches"]
+    assert (branch["resumed"], branch["step"], branch["by"]) == ("ckpt-00000010.pt", 10, "a training script")
+    kept = store / ".relaunch" / "aside" / branch["id"] / "ckpt-00000020.pt"
+    assert hashlib.sha256(kept.read_bytes()).hexdigest() == old[20]
+    assert [c["name"] for c in manifest_of(store)["checkpoints"] if c.get("aside")] == ["ckpt-00000030.pt"]

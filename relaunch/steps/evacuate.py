@@ -192,5 +192,8 @@ def round_line(report: Report) -> str:
     damaged = f"; NOT copied, damaged on the instance: {'; '.join(report.damaged)}" if report.damaged else ""
     unchanged = (f"; unchanged: {', '.join(report.unchanged)} (same sizes as their verified copies)"
                  if report.unchanged else "")
+    aside = [name for names in report.branches.values() for name in names]
+    branched = (f"; set aside (training resumed an older checkpoint: an abandoned branch): {', '.join(aside)}"
+                if aside else "")
     return (f"{time.strftime('%H:%M:%S')} copied {copied} ({human(report.bytes_copied)}{speed}){skipped}{damaged}"
-            f"{unchanged}; {newest}; {lag}")
+            f"{unchanged}{branched}; {newest}; {lag}")
