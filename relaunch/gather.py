@@ -23,6 +23,7 @@ from .layouts import LISTING_COMMAND, Entry, complete_checkpoints, parse_listing
 from .layouts.dcp import MARKER as DCP_MARKER
 from .layouts.dcp import required_files
 from .recipe import Recipe
+from .steps import lineage
 from .steps.checkpoint import instance_checkpoints
 from .transports import Store
 
@@ -143,6 +144,7 @@ def gather(remote: Remote, recipe: Recipe, node: Node, store: Store | None = Non
             facts.listing = without(facts.listing, vanished)
     if store is not None:
         facts.store = store.read(writing)
+        lineage.apply(facts.store.manifest, [job])     # a rollback the store has not heard of yet
         if facts.listing:
             facts.damaged = read_damaged(remote, job)
             facts.reads.append(hash_command(paths.ckpt_dir, facts.host.python, ()))
@@ -223,6 +225,7 @@ def gather_group(pairs: list[tuple[Node, Remote]], recipe: Recipe, store: Store 
     state = store.read(writing) if store is not None else None
     damaged: dict[str, str] = {}
     if state is not None:
+        lineage.apply(state.manifest, jobs)
         for job in jobs:
             job.facts.store = state
             damaged.update(read_damaged(remotes[job.host], job))

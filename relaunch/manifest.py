@@ -9,10 +9,17 @@ Layout of a store root:
                                      checkpoint.dir on the instance)
     .relaunch/manifest.json          the trusted record: every checkpoint's files, size, sha256
     .relaunch/freeze.txt, versions.json, log-tail.txt
+    .relaunch/aside/<branch>/...     an abandoned branch's files, moved when a new save of the same
+                                     name took their place (the manifest's branch says so)
+
+Lineage: a training resumed from an older checkpoint starts a new branch (`Branch`). The records
+of the run before it that are newer than that checkpoint stay, marked `aside` with the branch's
+id: never "newest", never counted or deleted by `keep`, never overwritten.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -20,10 +27,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from relaunch.errors import CheckpointError, UsageError
+from relaunch.train import BRANCH_ID
 
 META_DIR = ".relaunch"
 MANIFEST = "manifest.json"
-FORMAT = 1  # manifest format version, written into the file for later migrations
+# the manifest's format version: 1 until a branch is recorded, then 2, which an older relaunch
+# refuses (loudly) rather than read as if the abandoned branch's checkpoints were the newest
+FORMAT = 1
+FORMAT_BRANCHES = 2
+ASIDE = "aside"             # .relaunch/aside/<branch id>/: bytes a new save of the same name displaced
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -89,6 +101,7 @@ class CheckpointRecord:
     # how training ran when it saved this (run.json of the `up` that started it): world size,
     # processes per node, grad_accum, global and micro batch; None when relaunch did not start it
     saved_with: dict[str, Any] | None = None
+    aside: str | None = None   # the id of the branch that set it aside (None: the current branch's)
 
     @property
     def is_dir(self) -> bool:
@@ -112,17 +125,92 @@ class CheckpointRecord:
 
 
 @dataclass
+class Branch:
+    """A training resumed from a checkpoint older than the newest: the checkpoints newer than it
+    belong to an abandoned branch and are set aside (on the instance: moved under
+    `<checkpoint.dir>/.relaunch-aside/<id>/`; in the store: their records marked with `id`)."""
+
+    id: str                   # "<UTC time>-from-<name>": also its folder under .relaunch-aside/
+    resumed: str              # the checkpoint training resumed from
+    step: int                 # its step
+    at: float                 # when, in seconds since the epoch (the clock of whoever branched)
+    aside: list[str] = field(default_factory=list)   # what was set aside where it branched
+    by: str = ""              # who branched: `relaunch up`, relaunch.train's Checkpointer or a callback
+    host: str = ""            # the instance it branched on ("" unknown)
+    where: str = ""           # the folder on that instance holding what it set aside
+    moved: dict[str, str] = field(default_factory=dict)  # name -> where its store bytes went, once displaced
+
+    def as_dict(self) -> dict[str, Any]:
+        said = {k: v for k, v in (("by", self.by), ("host", self.host), ("where", self.where)) if v}
+        return {"id": self.id, "resumed": self.resumed, "step": self.step, "at": self.at, "aside": list(self.aside),
+                **said, **({"moved": dict(self.moved)} if self.moved else {})}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Branch:
+        """ValueError (TypeError, KeyError) when it is not one."""
+        if not isinstance(raw, dict):
+            raise ValueError("a branch is not a JSON object")
+        step, at = raw["step"], raw["at"]
+        if not isinstance(step, int) or isinstance(step, bool) or not isinstance(at, (int, float)):
+            raise ValueError(f"branch {raw.get('id')!r}: step or at is not a number")
+        aside, moved = raw.get("aside") or [], raw.get("moved") or {}
+        if not isinstance(aside, list) or not all(isinstance(n, str) for n in aside) or not isinstance(moved, dict):
+            raise ValueError(f"branch {raw.get('id')!r}: aside or moved is malformed")
+        ident, resumed = raw["id"], raw["resumed"]
+        if not isinstance(ident, str) or not BRANCH_ID.fullmatch(ident) or not isinstance(resumed, str):
+            raise ValueError(f"branch {ident!r}: its id is not a folder name relaunch makes, or resumed is not a "
+                             "string")
+        return cls(id=ident, resumed=resumed, step=step, at=float(at), aside=list(aside), by=str(raw.get("by", "")),
+                   host=str(raw.get("host", "")), where=str(raw.get("where", "")),
+                   moved={str(k): str(v) for k, v in moved.items()})
+
+
+@dataclass
 class StoreManifest:
     recipe: str
     checkpoints: dict[str, CheckpointRecord] = field(default_factory=dict)
+    branches: list[Branch] = field(default_factory=list)   # oldest first
 
     def ordered(self) -> list[CheckpointRecord]:
-        """Oldest first by step (the name breaks ties)."""
-        return sorted(self.checkpoints.values(), key=lambda r: (r.step, r.name))
+        """The current branch's records, oldest first by step (the name breaks ties): what
+        "newest" and `keep` look at. Records set aside are in `aside_records`."""
+        return sorted((r for r in self.checkpoints.values() if r.aside is None), key=lambda r: (r.step, r.name))
 
     def newest(self) -> CheckpointRecord | None:
         records = self.ordered()
         return records[-1] if records else None
+
+    def aside_records(self) -> list[CheckpointRecord]:
+        """The records of abandoned branches, oldest first by step."""
+        return sorted((r for r in self.checkpoints.values() if r.aside is not None), key=lambda r: (r.step, r.name))
+
+    def branch(self, branch: Branch, everything: bool = False) -> list[str]:
+        """Record `branch` (once: a branch already recorded changes nothing) and set aside the
+        current records newer than its step that were written before it branched (`everything`:
+        all of them, for `up`, which branches before training can save anything). A save of the
+        new branch, written after it, stays current even when it reached the store before the
+        branch did (a copy round that read the instance in between). The names set aside."""
+        if any(known.id == branch.id for known in self.branches):
+            return []
+        self.branches.append(branch)
+        marked = []
+        for record in self.ordered():
+            if record.step > branch.step and (everything or record.written_at is None
+                                              or record.written_at < branch.at):
+                # replaced, never changed in place: a store may hold the records it read (hf's base)
+                self.checkpoints[record.name] = dataclasses.replace(record, aside=branch.id)
+                marked.append(record.name)
+        return marked
+
+    def displace(self, name: str, where: str) -> None:
+        """An aside record whose name a new save takes: its record goes, its branch says where its
+        bytes went (`where`)."""
+        record = self.checkpoints.pop(name)
+        self.branches = [dataclasses.replace(b, moved={**b.moved, name: where}) if b.id == record.aside else b
+                         for b in self.branches]
+
+    def branch_of(self, record: CheckpointRecord) -> Branch | None:
+        return next((b for b in self.branches if b.id == record.aside), None)
 
     def add(self, record: CheckpointRecord) -> None:
         self.checkpoints[record.name] = record
@@ -137,7 +225,7 @@ class StoreManifest:
         """
         if keep < 1:
             raise UsageError(f"checkpoint.keep must be at least 1, not {keep}")
-        records = self.ordered()
+        records = self.ordered()          # the current branch's: an abandoned one's are never pruned
         drop = [r for r in (records[:-keep] if len(records) > keep else []) if r.name not in protect]
         for record in drop:
             del self.checkpoints[record.name]
@@ -148,7 +236,7 @@ class StoreManifest:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": FORMAT,
+            "format": FORMAT_BRANCHES if self.branches else FORMAT,
             "recipe": self.recipe,
             # a list, oldest first, reads better than a dict keyed by name
             "checkpoints": [
@@ -159,10 +247,12 @@ class StoreManifest:
                     "host": r.host,
                     **({"written_at": r.written_at} if r.written_at is not None else {}),
                     **({"saved_with": r.saved_with} if r.saved_with else {}),
+                    **({"aside": r.aside} if r.aside is not None else {}),
                     "files": {p: f.as_dict() for p, f in sorted(r.files.items())},
                 }
-                for r in self.ordered()
+                for r in sorted(self.checkpoints.values(), key=lambda r: (r.step, r.name))
             ],
+            **({"branches": [b.as_dict() for b in self.branches]} if self.branches else {}),
         }
 
     @classmethod
@@ -185,12 +275,14 @@ class StoreManifest:
     def _parse(cls, doc: Any) -> StoreManifest:
         if not isinstance(doc, dict):
             raise ValueError("not a JSON object")
-        if doc.get("format") != FORMAT:
-            raise ValueError(f"unknown format {doc.get('format')!r} (this relaunch reads {FORMAT})")
+        if doc.get("format") not in (FORMAT, FORMAT_BRANCHES):
+            raise ValueError(f"unknown format {doc.get('format')!r} (this relaunch reads {FORMAT} and "
+                             f"{FORMAT_BRANCHES})")
         recipe = doc["recipe"]
         if not isinstance(recipe, str):
             raise ValueError("recipe is not a string")
-        manifest = cls(recipe=recipe)
+        manifest = cls(recipe=recipe, branches=[Branch.from_dict(b) for b in doc.get("branches") or []])
+        known = {b.id for b in manifest.branches}
         for raw in doc["checkpoints"]:
             step = raw["step"]
             if not isinstance(step, int) or isinstance(step, bool):
@@ -213,7 +305,11 @@ class StoreManifest:
                 host=str(raw["host"]),
                 written_at=float(raw["written_at"]) if raw.get("written_at") is not None else None,
                 saved_with=_saved_with(raw.get("saved_with")),
+                aside=raw.get("aside"),
             )
+            if record.aside is not None and (not isinstance(record.aside, str) or record.aside not in known):
+                raise ValueError(f"checkpoint {record.name!r}: set aside by branch {record.aside!r}, which is "
+                                 "not recorded")
             record.check()
             if record.name in manifest.checkpoints:
                 raise ValueError(f"checkpoint {record.name!r} listed twice")

@@ -17,6 +17,7 @@ from .interval import badput_now
 from .job import Job, Lag, StoreState, drift
 from .recipe import Recipe
 from .savecosts import read_command, saves_of, summarize
+from .steps import lineage
 from .steps.checkpoint import instance_checkpoints
 from .steps.guard import LOOK_DEADLINE as GUARD_LOOK_DEADLINE
 from .steps.guard import guard_session, look_command, parse_look, source_lines
@@ -55,6 +56,7 @@ class Status(Lag):
     store_error: str = ""                        # the store did not answer: what it said
     notices: dict[str, Any] | None = None        # which guard sources can fire here, the loss bound when none
     badput: dict[str, Any] | None = None         # what checkpoints cost the run now (the Checkpointer's metric lines)
+    aside: list[str] = field(default_factory=list)   # abandoned branches' checkpoints: where they are (lineage)
 
 
 def read_store(store: Store, ui: UI) -> tuple[StoreState | None, str]:
@@ -74,6 +76,8 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
     with remote:
         job = gather(remote, recipe, node, notices=True)
         job.facts.store, store_error = read_store(store, ui)
+        manifest = job.facts.store.manifest if job.facts.store else None
+        lineage.apply(manifest, [job])             # a rollback on the instance the store has not heard of yet
         notices = protection(job, job.facts.notices)
         facts, paths = job.facts.host, job.paths
         result = Status(host=job.host, alive=facts.session_alive, free_bytes=facts.free_ckpt,
@@ -92,11 +96,11 @@ def status(recipe: Recipe, spec: HostSpec, ui: UI, lines: int = 10) -> Status:
             newest = listing[-1]
             result.newest, result.newest_step = newest.name, newest.step
             result.newest_mtime = max((e.mtime for e in newest.files), default=None)
-        manifest = job.facts.store.manifest if job.facts.store else None
         stored = manifest.newest() if manifest else None
         if stored is not None:
             result.stored, result.stored_step, result.stored_written_at = stored.name, stored.step, stored.written_at
         result.env, result.drift = env_state(job)
+        result.aside = lineage.aside_lines(manifest, [job])
         look = remote.exec(look_command(job), deadline=GUARD_LOOK_DEADLINE)
         if look.ok:
             seen = parse_look(look.stdout)
@@ -181,6 +185,7 @@ def render(s: Status, recipe: Recipe) -> str:
     if s.lag_steps is not None:
         minutes = f", {s.lag_seconds / 60:.1f} min" if s.lag_seconds is not None else ""
         out.append(f"  a loss right now would cost: {s.lag_steps} steps{minutes}")
+    out += aside_block(s.aside, "  ")
     out.append(f"  free disk under checkpoint.dir: {human(s.free_bytes)}")
     out.append(f"  env: {s.env}")
     out += _guard_lines(s, recipe)
@@ -209,6 +214,7 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
             job.facts.store = state
         group = instance_checkpoints(jobs[0])
         manifest = jobs[0].facts.store.manifest if jobs[0].facts.store else None
+        lineage.apply(manifest, jobs)
         stored = manifest.newest() if manifest else None
         found = []
         for job in jobs:
@@ -234,6 +240,7 @@ def group_status(recipe: Recipe, specs: list[HostSpec], ui: UI, lines: int = 10)
             ui.warn(f"could not read the history of interruptions from {store.label}: {shorten(exc.message, 200)}")
         found[0].badput = saving_costs(remotes[jobs[0].host], jobs[0].paths.log, entries)
         found[0].watch = read_state(recipe.name, store.label)
+        found[0].aside = lineage.aside_lines(manifest, jobs)
         return found
 
 
@@ -254,6 +261,7 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
     if first.lag_steps is not None:
         minutes = f", {first.lag_seconds / 60:.1f} min" if first.lag_seconds is not None else ""
         out.append(f"a loss right now would cost: {first.lag_steps} steps{minutes}")
+    out += aside_block(first.aside, "")
     for s in statuses:
         if s.unseen:
             out.append(f"{s.host}: {s.unseen}")
@@ -266,6 +274,14 @@ def render_group(statuses: list[Status], recipe: Recipe) -> str:
         out.append(f"last lines of {first.log} on {first.host}:")
         out += ["  " + line for line in first.log_tail]
     return "\n".join(out)
+
+
+def aside_block(lines: list[str], indent: str) -> list[str]:
+    """The abandoned branches (a resume from an older checkpoint): never the newest, kept, and where."""
+    if not lines:
+        return []
+    return [f"{indent}set aside (abandoned branches: never resumed, never pruned):"] + \
+        [f"{indent}  {line}" for line in lines]
 
 
 def watch_lines(w: dict[str, Any] | None) -> list[str]:

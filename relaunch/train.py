@@ -27,6 +27,9 @@ transformers and Lightning are imported only inside the callbacks that need them
 - `GlobalBatchSampler`: a sampler whose order depends only on the seed, the step and the global
   batch, never on the world size, so a run resumed on another number of processes sees exactly
   the samples the uninterrupted run would have seen.
+- `set_aside`: a resume from an older checkpoint starts a new branch; the later checkpoints go
+  under `.relaunch-aside/` in their folder and the branch into its lineage file, which relaunch
+  reads. The Checkpointer's `restore` and both callbacks call it; a loop of your own may too.
 
 What `relaunch up` exports for this module (run.sh): RELAUNCH_STOP_SIGNAL (run.stop.signal),
 RELAUNCH_NOTICE (the guard's notice record) and RELAUNCH_STARTED (when this run started, so that
@@ -63,6 +66,7 @@ __all__ = [
     "mark_complete",
     "notice",
     "save_accelerate_state",
+    "set_aside",
     "stop_requested",
     "trainer_callback",
 ]
@@ -71,6 +75,8 @@ STOP_SIGNAL_ENV = "RELAUNCH_STOP_SIGNAL"
 NOTICE_ENV = "RELAUNCH_NOTICE"
 STARTED_ENV = "RELAUNCH_STARTED"
 COMPLETE_MARKER = "relaunch-complete.json"   # the accelerate layout reads it (relaunch/layouts/accelerate.py)
+ASIDE_DIR = ".relaunch-aside"                # in a checkpoint folder: abandoned branches (no layout lists it)
+LINEAGE_FILE = "lineage.jsonl"               # in ASIDE_DIR: one JSON line per branch (relaunch reads it)
 NOTICE_LOOK_EVERY = 1.0                      # seconds between looks at the notice record
 
 
@@ -263,6 +269,95 @@ def stop_requested() -> bool:
 def notice() -> dict[str, Any] | None:
     """The guard's notice record of this run, or None."""
     return install().notice()
+
+
+# -- lineage: a resume from an older checkpoint starts a new branch ------------------------------
+def _utc(at: float) -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(at))
+
+
+BRANCH_ID = re.compile(r"[A-Za-z0-9_=+-][A-Za-z0-9_.=+-]*")   # what a branch id may be (a folder name)
+
+
+def branch_id(resumed: str, at: float) -> str:
+    """`<UTC time>-from-<name>`: the branch's name, and its folder under `.relaunch-aside/`."""
+    name = os.path.basename(os.path.normpath(resumed)) if os.path.isabs(resumed) else resumed
+    name = re.sub(r"[^A-Za-z0-9_.=+-]", "-", name.replace("/", "--"))
+    return f"{_utc(at)}-from-{name or 'scratch'}"
+
+
+def set_aside(folder: str | os.PathLike[str], names: list[str], resumed: str, step: int,
+              by: str = "a training script", ident: str | None = None,
+              at: float | None = None) -> dict[str, Any] | None:
+    """Training in `folder` resumed from `resumed` (at `step`) while `names` (checkpoints of later
+    steps, relative to `folder`) are there: they belong to an abandoned branch. Each goes under
+    `folder/.relaunch-aside/<id>/` with one rename, never deleted, so that neither a layout
+    (relaunch's listing leaves the folder out) nor the trainer's own rotation sees them, and the
+    branch is appended to `.relaunch-aside/lineage.jsonl` first (written whole: a temporary file
+    renamed), which `relaunch evacuate`, `sync` and `watch` read to set the same ones aside in the
+    store. Returns the branch's record, None when there is nothing to set aside."""
+    folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
+    present = sorted(n for n in names if os.path.lexists(os.path.join(folder, n)))
+    if not present:
+        return None
+    at = time.time() if at is None else at
+    ident = ident or branch_id(resumed, at)
+    aside = os.path.join(folder, ASIDE_DIR)
+    where = os.path.join(aside, ident)
+    record = {"id": ident, "resumed": resumed, "step": int(step), "at": at, "aside": present, "by": by,
+              "where": where}
+    os.makedirs(where, exist_ok=True)
+    lineage = os.path.join(aside, LINEAGE_FILE)
+    try:
+        with open(lineage) as handle:
+            before = handle.read()
+    except FileNotFoundError:
+        before = ""
+    if ident not in _branch_ids(before):        # the nodes of a group sharing one folder: once
+        if before and not before.endswith("\n"):
+            before += "\n"
+        tmp = f"{lineage}.tmp-{os.getpid()}"
+        with open(tmp, "w") as handle:
+            handle.write(before + json.dumps(record, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, lineage)                  # the branch is known before anything moves
+    for name in present:
+        target = os.path.join(where, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.rename(os.path.join(folder, name), target)
+    _fsync_dir(folder)
+    _fsync_dir(where)
+    return record
+
+
+def _branch_ids(text: str) -> set[str]:
+    ids = set()
+    for line in text.splitlines():
+        try:
+            ids.add(json.loads(line)["id"])
+        except (ValueError, TypeError, KeyError):
+            continue                              # a line cut short by a crash of an older writer
+    return ids
+
+
+def _said_aside(record: dict[str, Any]) -> None:
+    _say(f"training resumed from {record['resumed']} (step {record['step']}) while newer checkpoints were there: "
+         f"a new branch; {', '.join(record['aside'])} set aside in {record['where']} (kept, never counted as "
+         "the newest again)")
+
+
+_STEP_NAME = re.compile(r"step=(\d+)")                 # Lightning's `epoch=3-step=1200.ckpt`
+_HF_CHECKPOINT = re.compile(r"checkpoint-(\d+)")       # the Trainer's folders
+
+
+def _newer_here(folder: str, step: int, pattern: re.Pattern[str]) -> list[str]:
+    """The names directly in `folder` whose step (the pattern's group) is later than `step`."""
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(n for n in entries if (m := pattern.fullmatch(n)) and int(m[1]) > step)
 
 
 # -- checkpoints without a marker of their own ---------------------------------------------------
@@ -581,7 +676,8 @@ class Checkpointer:
     removed, so that no folder a layout counts ever misses a file.
 
     Resuming: `restore(path)` loads any world size's save (DCP reshards; the script recomputes
-    its gradient accumulation as before). RNG states and per-rank sampler states come back when
+    its gradient accumulation as before). A save older than the folder's later ones starts a new
+    branch: those go aside (`set_aside`) before it returns. RNG states and per-rank sampler states come back when
     the world size is the same; the scheduler, the step, `extra` and a GlobalBatchSampler's
     position always.
 
@@ -810,6 +906,31 @@ class Checkpointer:
                 _discard(path)
             except OSError as exc:
                 _say(f"keep={self.keep}: {path} stays: {exc}")
+
+    def _set_aside_newer(self, found: str, step: int) -> None:
+        """Restoring a save older than the folder's later ones starts a new branch: on every node,
+        those later saves (complete or not) go aside (`set_aside`), so that `keep` prunes only
+        this branch's older saves and `newest()` (and relaunch's layouts) see this branch's.
+        Collective, like restore: one branch id for every node."""
+        inside = os.path.dirname(os.path.abspath(found)) == self.dir
+        resumed = os.path.basename(os.path.abspath(found)) if inside else found
+        ident = [branch_id(resumed, time.time())]
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(ident, src=0, group=self._control)
+        error: OSError | None = None
+        if self.leader:
+            pattern = re.compile(re.escape(self.prefix) + r"(\d+)")
+            newer = [n for n in _newer_here(self.dir, step, pattern) if os.path.isdir(os.path.join(self.dir, n))]
+            try:
+                record = set_aside(self.dir, newer, resumed, step, "relaunch.train.Checkpointer", ident=ident[0])
+            except OSError as exc:
+                error, record = exc, None
+            if record is not None:
+                _said_aside(record)
+        if self._reduce(1.0 if error else 0.0, self._control, "MAX") > 0:
+            raise error or RuntimeError("relaunch.train: setting the later saves aside failed on another node")
 
     # -- saving -------------------------------------------------------------------------------
     def _state(self, step: int, extra: Any) -> dict[str, Any]:
@@ -1065,6 +1186,7 @@ class Checkpointer:
                 _say(f"the data order changed since {found}: {', '.join(changed)} (the samples of each step differ "
                      "from the uninterrupted run's)")
             self.sampler.start_step = step
+        self._set_aside_newer(found, step)
         self.extra, self.restored = common.get("extra"), found
         self.saved_step = self._committed_step = step
         self._mark, self._mark_step = time.monotonic(), step
@@ -1128,6 +1250,18 @@ def trainer_callback() -> type:
             self.stopping = False
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            # the state is the resumed checkpoint's by now: later `checkpoint-N` folders in
+            # output_dir are an abandoned branch's; left there, save_total_limit would delete this
+            # branch's saves around them, and relaunch's layout would call the highest the newest
+            writes = state.is_local_process_zero if getattr(args, "save_on_each_node", False) else \
+                state.is_world_process_zero
+            if writes and args.output_dir:
+                newer = [n for n in _newer_here(args.output_dir, state.global_step, _HF_CHECKPOINT)
+                         if os.path.isdir(os.path.join(args.output_dir, n))]
+                resumed = f"checkpoint-{state.global_step}" if state.global_step else ""
+                record = set_aside(args.output_dir, newer, resumed, state.global_step, "relaunch.train.TrainerCallback")
+                if record is not None:
+                    _said_aside(record)
             jit = bool(getattr(args, "enable_jit_checkpoint", False))
             self.jit = jit and _world_size(args) < 2
             # on top of the JIT handler: chained to it with one process, never with several
@@ -1202,6 +1336,24 @@ def lightning_callback(package: Any = None) -> type:
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.stop = (self.stop or install()).install(chain=False)
+            if trainer.is_global_zero:
+                self._set_aside_newer(trainer)
+
+        @staticmethod
+        def _set_aside_newer(trainer: Any) -> None:
+            """The loops are the resumed checkpoint's by now: `*.ckpt` of later steps in a
+            ModelCheckpoint's folder are an abandoned branch's (never the newest again)."""
+            for cb in trainer.checkpoint_callbacks:
+                folder = getattr(cb, "dirpath", None)
+                if not isinstance(cb, pl.callbacks.ModelCheckpoint) or not folder or not os.path.isdir(folder):
+                    continue
+                step = trainer.global_step
+                newer = [n for n in os.listdir(folder) if n.endswith(".ckpt") and
+                         (found := _STEP_NAME.findall(n)) and int(found[-1]) > step]
+                resumed = f"step={step}" if step else ""
+                record = set_aside(folder, newer, resumed, step, "relaunch.train.LightningCallback")
+                if record is not None:
+                    _said_aside(record)
 
         def _checkpoint(self, trainer: Any) -> tuple[str, bool]:
             """Where the save goes, and whether the trainer's ModelCheckpoint saves this step itself."""

@@ -1,9 +1,10 @@
 # relaunch: read-only facts about this instance. Changes nothing.
-# Inputs (set above this line by relaunch, shell-quoted): py_want venv ckpt session apt run_info freeze_py name
+# Inputs (set above this line by relaunch, shell-quoted): py_want venv ckpt session apt run_info freeze_py name lineage
 set -u
 echo "home=$HOME"
 echo "user=$(id -un)"
 echo "uid=$(id -u)"
+echo "now=$(date +%s)"
 py=""
 for c in "python$py_want" python3 python; do
   p=$(command -v "$c" 2>/dev/null) || continue
@@ -73,6 +74,13 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   else
     echo "gpu_error=nvidia-smi failed (exit $rc): $(printf '%s' "$gpus" | head -n 1)"
   fi
+fi
+# the branches training started by resuming an older checkpoint (relaunch.train.set_aside)
+if [ -n "${lineage:-}" ] && [ -f "$lineage" ]; then
+  echo "--- lineage"
+  cat -- "$lineage"
+  echo
+  echo "--- end"
 fi
 if [ -n "${run_info:-}" ] && [ -f "$run_info" ]; then
   echo "--- run"

@@ -88,7 +88,7 @@ def planned(case: dict[str, Any], state: Path) -> list[Action]:
     job, store = job_for(case, state)
     what = case["plan"]
     if what == "up":
-        return plan_up(job, store)[0].actions
+        return plan_up(job, store, wanted=case.get("checkpoint"))[0].actions
     if what == "stop":
         return plan_stop(job)
     if what == "meta":
@@ -308,6 +308,27 @@ def _(got: list[dict[str, Any]]) -> None:
     [restore] = [a for a in got if a["step"] == "checkpoint"]
     assert restore["title"].startswith("verify /root/ckpt/ckpt-00000020.pt against the store manifest")
     assert not [a for a in got if a["argv"]]                                                  # nothing copied
+
+
+@promise("case-up-rollback")
+def _(got: list[dict[str, Any]]) -> None:
+    # the branch: from the instance's clock (facts), named by what it resumed
+    branch = "20251130T102000Z-from-ckpt-00000010.pt"
+    aside = one(got, "set aside ckpt-00000020.pt, ckpt-00000030.pt")
+    command = aside["command"]
+    assert command.startswith("cd -- /root/ckpt && mkdir -p -- .relaunch-aside/" + branch)
+    # the lineage file first (whole: a temporary file renamed), then one rename per checkpoint
+    assert command.index("mv -f -- .relaunch-aside/lineage.jsonl.tmp .relaunch-aside/lineage.jsonl") < \
+        command.index("mv -T --")
+    lineage = json.loads(shlex.split(command.split("printf '%s\\n' ", 1)[1].split(";", 1)[0])[0])
+    assert (lineage["id"], lineage["resumed"], lineage["step"], lineage["aside"]) == \
+        (branch, "ckpt-00000010.pt", 10, ["ckpt-00000020.pt", "ckpt-00000030.pt"])
+    assert "for n in ckpt-00000020.pt ckpt-00000030.pt; do" in command
+    stored = one(got, "set aside in the store: ckpt-00000020.pt, ckpt-00000030.pt")
+    assert stored["call"] == "store.record_branch" and stored["where"] == "local"
+    # after the restore, before training starts: no save of the new branch is ever among them
+    assert at(got, "verify /root/ckpt/ckpt-00000010.pt") < at(got, "set aside ckpt") < \
+        at(got, "set aside in the store") < at(got, "start tmux session planned")
 
 
 @promise("case-up-secrets")
@@ -578,6 +599,30 @@ def test_a_group_plan_copies_once_then_fans_out(state: Path) -> None:
     assert {a.host for a in cleanup} == {j.host for j in jobs} and all("relaunch-fanout" in a.command for a in cleanup)
     assert all(job.checkpoint.endswith("/ckpt/ckpt-00000020.pt") and job.step == 20 for job in resumed)
     assert [a.host for a in actions if a.title.startswith("start tmux")] == [j.host for j in jobs]
+
+
+def test_a_groups_rollback_sets_each_nodes_later_parts_aside_there_once_before_the_start(state: Path) -> None:
+    """`up --checkpoint` of an older checkpoint on a node group: every node moves its own parts of
+    the later checkpoints aside (one branch, the id from node 0's clock), the store sets its later
+    records aside once, and both before any node starts training."""
+    from relaunch.cycle import plan_group_up
+
+    jobs, store = group_jobs(state, 2)
+    case = json.loads((FIX / "case-up-rollback.json").read_text())["patch"]
+    for job in jobs:
+        job.facts.store = Facts.from_dict({"host": {}, "store": {"label": "s", **case["store"]}}).store
+        job.facts.listing = Facts.from_dict({"host": {}, "listing": case["listing"]}).listing
+        job.facts.host.now = case["host"]["now"]
+    plan, resumed = plan_group_up(jobs, store, "known hosts lines\n", wanted="ckpt-00000010.pt")
+    actions = plan.actions
+    aside = [a for a in actions if a.title.startswith("set aside ckpt-00000020.pt, ckpt-00000030.pt")]
+    assert [a.host for a in aside] == [j.host for j in jobs]
+    assert all("/.relaunch-aside/20251130T102000Z-from-ckpt-00000010.pt" in a.title for a in aside)
+    [stored] = [a for a in actions if a.call == "store.record_branch"]
+    assert stored.args["branch"].aside == ["ckpt-00000020.pt", "ckpt-00000030.pt"]
+    starts = [actions.index(a) for a in actions if a.title.startswith("start tmux")]
+    assert max(actions.index(a) for a in [*aside, stored]) < min(starts)
+    assert all(job.step == 10 for job in resumed)
 
 
 def test_a_group_copy_pins_each_nodes_part_on_that_node_and_unpins_it_there(state: Path) -> None:

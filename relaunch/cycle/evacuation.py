@@ -18,10 +18,11 @@ from ..host.remote import Remote
 from ..host.spec import HostSpec
 from ..job import Job
 from ..layouts import Checkpoint, Entry
-from ..manifest import CheckpointRecord
+from ..manifest import ASIDE, CheckpointRecord
 from ..plan import LOCAL, Action
 from ..recipe import Recipe
 from ..scripts import this_run, whole_lines
+from ..steps import lineage
 from ..steps.checkpoint import instance_checkpoints
 from ..steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan_copy, plan_meta, plan_unpin
 from ..steps.group import tag
@@ -82,6 +83,12 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
     for each in jobs:
         each.facts.store = state
     report = Report(store=store.label, verified_by=store.hash_name)
+    # a rollback on the instance (its lineage file): the abandoned branch's records set aside
+    # before anything is ranked or copied (written with the manifest, below)
+    branches = {b.id: b for b in lineage.box_branches(jobs)}
+    for ident, marked in lineage.apply(state.manifest, jobs).items():
+        report.branches[ident] = marked
+        ui.step(job.host, "evacuate", lineage.said(branches[ident], marked, store.label))
     listing = instance_checkpoints(job)
     at_start = listing[-1] if listing else None     # what a sync round must have verified when it ends
     copied_any = False          # a copy ran (and pinned first)
@@ -285,6 +292,9 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
     Whether a copy ran (it pinned first, so it removed what a killed relaunch left pinned)."""
     job = jobs[0]
     known = store.manifest.checkpoints.get(cp.name) if store.manifest else None
+    if known is not None and known.aside is not None:
+        _displace(job, store, executor, known, report)         # a new branch's save of an abandoned name
+        known = None
     sizes = {e.path: e.size for e in cp.files}
     parts = parts_of(jobs, cp)
     if known is not None and not recopy:
@@ -347,6 +357,21 @@ def _evacuate_one(jobs: list[Job], store: Store, executor: Executor, cp: Checkpo
     executor.ui.step(job.host, "evacuate", f"{cp.name} verified: {len(sizes)} file(s){where}, "
                                            f"{results.get(f'verified:{cp.name}') or store.hash_name}")
     return True
+
+
+def _displace(job: Job, store: Store, executor: Executor, known: CheckpointRecord, report: Report) -> None:
+    """The instance's checkpoint has the name of a record an abandoned branch left (training went
+    past the step it resumed from): that record's files move out of its way (never deleted, never
+    overwritten: `.relaunch/aside/<branch>/`; a Hub repo keeps them in its history), its branch says
+    where, and the manifest without it is written before the new copy begins."""
+    assert store.manifest is not None and known.aside is not None
+    seen = executor.run_one(_observe_action(store, known, size_only=True))
+    where = store.set_aside(known, sorted(seen), into=f"{ASIDE}/{known.aside}") or "nowhere: the store held none of it"
+    store.manifest.displace(known.name, where)
+    store.flush()
+    report.displaced.append(f"{known.name}: {where}")
+    executor.ui.step(job.host, "evacuate", f"{known.name} of the abandoned branch {known.aside} makes way for the "
+                                           f"new branch's save of that name: {where}")
 
 
 def _copy(jobs: list[Job], store: Store, executor: Executor, cp: Checkpoint, parts: list[tuple[Job, Checkpoint]],

@@ -19,6 +19,7 @@ from ..steps.checkpoint import choose, instance_checkpoints, on_every_node, plan
 from ..steps.env import plan_env
 from ..steps.group import barrier, check_reshard, plan_fanout, shape, shaped, tag, what_changed
 from ..steps.launch import plan_launch
+from ..steps.lineage import plan_branch
 from ..steps.preflight import plan_preflight
 from ..transports import Store, open_store
 from ..ui import UI
@@ -76,6 +77,7 @@ def plan_group_up(jobs: list[Job], store: Store, known_hosts: str, exclude: froz
     plan.extend([a for again in resumed for a in tag(plan_env(again), again)])
     plan.extend(lanes)
     plan.extend(cleanup)
+    plan.extend(plan_branch(resumed, choice, exclude)[1])
     plan.extend([barrier("launch", f"starting training on {len(jobs)} nodes")])
     for again in resumed:
         launch = [dataclasses.replace(a, produces=f"{a.produces}@{again.host}" if a.produces else "")

@@ -16,6 +16,7 @@ from ..steps.checkpoint import choose, plan_restore
 from ..steps.env import plan_env
 from ..steps.group import check_reshard, shape, shaped, what_changed
 from ..steps.launch import plan_launch
+from ..steps.lineage import plan_branch
 from ..steps.preflight import plan_preflight
 from ..transports import Store, open_store
 from ..ui import UI
@@ -38,10 +39,11 @@ def plan_up(job: Job, store: Store, exclude: frozenset[str] = frozenset(),
     changed = what_changed(choice.record, form, job)
     preflight = plan_preflight(job, choice.copy_bytes)
     job, restore = plan_restore(job, store, choice)
+    _, aside = plan_branch([job], choice, exclude)
     plan = Plan(job.host, reads=list(job.facts.reads))
     if changed:
         plan.extend([Action("launch", "the group's shape", say=changed)])
-    plan.extend([*preflight, *plan_env(job), *restore, *plan_launch(job)])
+    plan.extend([*preflight, *plan_env(job), *restore, *aside, *plan_launch(job)])
     return plan, job
 
 

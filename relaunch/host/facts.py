@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..scripts import plain, with_inputs
+from ..train import ASIDE_DIR, LINEAGE_FILE
 from .spec import Target
 
 FACTS_DEADLINE = 90.0       # the script bounds each slow probe itself (nvidia-smi on a broken box hangs)
@@ -19,6 +20,7 @@ class HostFacts:
     home: str = ""
     user: str = ""
     uid: int = -1
+    now: float = 0.0              # the instance's clock when the facts were read (seconds since the epoch)
     python: str = ""              # interpreter matching env.python, "" if none
     python3_version: str = ""
     venv_module: bool = False
@@ -43,6 +45,8 @@ class HostFacts:
     runs: list[dict[str, Any]] = field(default_factory=list)
     other_tmux: list[dict[str, Any]] = field(default_factory=list)
     ckpt_hidden: str = ""
+    # checkpoint.dir's lineage file: the branches started there by resuming an older checkpoint
+    lineage: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def is_root(self) -> bool:
@@ -73,7 +77,7 @@ FREEZE_PY = (
 def facts_script(python: str, venv: str, ckpt: str, session: str, apt: list[str],
                  templates: Path | None = None, run_info: str = "", name: str = "") -> str:
     return with_inputs(plain("facts.sh", templates), py_want=python, venv=venv, ckpt=ckpt, session=session,
-                       run_info=run_info,
+                       run_info=run_info, lineage=f"{ckpt.rstrip('/')}/{ASIDE_DIR}/{LINEAGE_FILE}",
                        apt=" ".join(apt), freeze_py=FREEZE_PY, name=name)
 
 
@@ -115,6 +119,7 @@ def parse_facts(text: str) -> HostFacts:
     facts.home = values.get("home", "")
     facts.user = values.get("user", "")
     facts.uid = int(values["uid"]) if values.get("uid", "").isdigit() else -1
+    facts.now = float(_number(values.get("now")))
     facts.python = values.get("python", "")
     facts.python3_version = values.get("python3_version", "")
     facts.venv_module = values.get("venv_module") == "1"
@@ -139,6 +144,13 @@ def parse_facts(text: str) -> HostFacts:
     facts.runs = _processes(lists.get("run_process", []))
     facts.other_tmux = _processes(lists.get("other_tmux", []))
     facts.ckpt_hidden = values.get("ckpt_hidden", "")
+    for line in sections.get("lineage", []):
+        try:
+            branch = json.loads(line)
+        except ValueError:
+            continue                      # a line cut short (the file is replaced whole, but be lenient)
+        if isinstance(branch, dict):
+            facts.lineage.append(branch)
     return facts
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from relaunch.errors import CheckpointError
 from relaunch.layouts.base import Entry
+from relaunch.train import ASIDE_DIR
 
 # relaunch runs this on the instance with {dir} shell-quoted. -mindepth 1 leaves out the folder
 # itself; %P is the path relative to it; %T@ is the mtime in seconds (kept, but never used to
 # order checkpoints); find does not follow symlinks by default, so a symlink is one entry "l".
-LISTING_COMMAND = "find {dir} -mindepth 1 -printf '%y %s %T@ %P\\0'"
+# An abandoned branch's checkpoints (relaunch.train.set_aside) are not listed: no layout counts them.
+LISTING_COMMAND = f"find {{dir}} -mindepth 1 -name {ASIDE_DIR} -prune -o -printf '%y %s %T@ %P\\0'"
 
 
 def _decode(raw: bytes) -> str:

@@ -115,6 +115,14 @@ def _wanted(job: Job, name: str, records: list[CheckpointRecord], local: list[Ch
     store = job.facts.store
     assert store is not None
     names = ", ".join(r.name for r in records) or "none"
+    aside = store.manifest.checkpoints.get(name) if store.manifest else None
+    branch = store.manifest.branch_of(aside) if store.manifest and aside else None
+    if aside is not None:
+        resumed = f" when training resumed from {branch.resumed or 'scratch'}" if branch else ""
+        raise CheckpointError(f"--checkpoint {name}: it belongs to an abandoned branch, set aside{resumed} "
+                              f"(branch {aside.aside}); relaunch resumes only the current branch",
+                              f"its files stay in the store {store.label} under {name}; the current branch holds: "
+                              f"{names}")
     raise CheckpointError(f"--checkpoint {name}: no such verified checkpoint in the store {store.label} and no "
                           "complete one of that name on the instance", f"the store holds: {names}")
 

@@ -48,6 +48,9 @@ class Report(Lag):
     damaged: list[str] = field(default_factory=list)      # "name: why" (a save that did not finish)
     pruned: list[str] = field(default_factory=list)
     set_aside: list[str] = field(default_factory=list)    # the store held them differently from their record
+    # the instance's rollbacks the store learned now: branch id -> the records set aside (steps/lineage.py)
+    branches: dict[str, list[str]] = field(default_factory=dict)
+    displaced: list[str] = field(default_factory=list)    # "name: where": an abandoned branch's, a new save's name
     verified_now: list[str] = field(default_factory=list)  # checked in the store after the copy
     bytes_copied: int = 0
     seconds: float = 0.0
@@ -189,5 +192,8 @@ def round_line(report: Report) -> str:
     damaged = f"; NOT copied, damaged on the instance: {'; '.join(report.damaged)}" if report.damaged else ""
     unchanged = (f"; unchanged: {', '.join(report.unchanged)} (same sizes as their verified copies)"
                  if report.unchanged else "")
+    aside = [name for names in report.branches.values() for name in names]
+    branched = (f"; set aside (training resumed an older checkpoint: an abandoned branch): {', '.join(aside)}"
+                if aside else "")
     return (f"{time.strftime('%H:%M:%S')} copied {copied} ({human(report.bytes_copied)}{speed}){skipped}{damaged}"
-            f"{unchanged}; {newest}; {lag}")
+            f"{unchanged}{branched}; {newest}; {lag}")

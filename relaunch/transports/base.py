@@ -24,7 +24,7 @@ from .. import processes
 from ..errors import EvacuationError
 from ..host.hashing import FileHash
 from ..layouts import Checkpoint
-from ..manifest import EXTRA_HASHES, CheckpointRecord, FileRecord, Seen, StoreManifest, utc_now
+from ..manifest import EXTRA_HASHES, Branch, CheckpointRecord, FileRecord, Seen, StoreManifest, utc_now
 from ..paths import state_dir
 from ..plan import LOCAL, Action, Ref
 from ..ui import UI
@@ -176,6 +176,20 @@ class Store(ABC):
         """Write the manifest as it is (with the metadata some stores hold back until then)."""
         self.save_manifest(self.manifest or StoreManifest(recipe=self.recipe_name))
 
+    def record_branch(self, branch: Branch, ui: UI) -> list[str]:
+        """`up` resumed an older checkpoint: set aside every current record newer than it (they are
+        an abandoned branch's), and record the branch; under the store's lock, on the manifest as it
+        is now. The names set aside."""
+        with self.lock(ui):
+            self.read(writing=True)
+            manifest = self.manifest
+            if manifest is None:
+                return []
+            marked = manifest.branch(branch, everything=True)
+            self.save_manifest(manifest)
+            self.manifest = manifest
+            return marked
+
     def record(self, record: CheckpointRecord) -> None:
         """Name a verified, committed checkpoint in the manifest (written after the bytes)."""
         manifest = self.manifest or StoreManifest(recipe=self.recipe_name)
@@ -219,9 +233,11 @@ class Store(ABC):
         """The record's files as the store holds them now (absent ones left out), with the hashes
         the store itself gives; `size_only`: presence and size, which costs no reading of bytes."""
 
-    def set_aside(self, record: CheckpointRecord, paths: list[str]) -> str:
-        """Move files of a record that the store no longer holds as recorded out of the way of a new
-        copy (never deleted, never overwritten); where they went, in words."""
+    def set_aside(self, record: CheckpointRecord, paths: list[str], into: str | None = None) -> str:
+        """Move files of a record out of the way of a new copy (never deleted, never overwritten):
+        files the store no longer holds as recorded go to `.relaunch/damaged/<name>.<time>/`; with
+        `into`, to `.relaunch/<into>/` (an abandoned branch's). Where they went, in words ("": nowhere,
+        a store whose history keeps them)."""
         return ""
 
     # -- one writer at a time -----------------------------------------------------------------

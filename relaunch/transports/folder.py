@@ -377,10 +377,12 @@ class StoreFolder:
                 seen[path] = Seen(st.st_size, {} if size_only else {"sha256": self.hash_file(self.root / path)})
         return seen
 
-    def set_aside(self, name: str, paths: list[str]) -> str:
-        """Move the named store files (found damaged) to `.relaunch/damaged/<name>.<time>/`, so a new
-        copy can take their place: relaunch never deletes or overwrites a file it did not verify now."""
-        folder = self.meta / DAMAGED / f"{name}.{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}"
+    def set_aside(self, name: str, paths: list[str], into: str | None = None) -> str:
+        """Move the named store files (found damaged) to `.relaunch/damaged/<name>.<time>/` (with
+        `into`: `.relaunch/<into>/`, an abandoned branch's), so a new copy can take their place:
+        relaunch never deletes or overwrites a file it did not verify now."""
+        folder = (self.meta / into if into else
+                  self.meta / DAMAGED / f"{name}.{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}")
         moved = 0
         for path in paths:
             try:

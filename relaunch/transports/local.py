@@ -231,8 +231,8 @@ class LocalPathStore(Store):
     def observe(self, record: CheckpointRecord, size_only: bool = False) -> dict[str, Seen]:
         return self.fs.observe(record, size_only)
 
-    def set_aside(self, record: CheckpointRecord, paths: list[str]) -> str:
-        return self.fs.set_aside(record.name, paths)
+    def set_aside(self, record: CheckpointRecord, paths: list[str], into: str | None = None) -> str:
+        return self.fs.set_aside(record.name, paths, into)
 
     takes_parts = True
 

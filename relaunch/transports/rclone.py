@@ -304,8 +304,9 @@ class RcloneStore(Store):
         return {path: Seen(int(entry["Size"]), {k.lower(): str(v) for k, v in (entry.get("Hashes") or {}).items()})
                 for path, entry in self.remote_listing(sorted(record.files)).items()}
 
-    def set_aside(self, record: CheckpointRecord, paths: list[str]) -> str:
-        folder = f"{META_DIR}/damaged/{record.name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    def set_aside(self, record: CheckpointRecord, paths: list[str], into: str | None = None) -> str:
+        folder = (f"{META_DIR}/{into}" if into else
+                  f"{META_DIR}/damaged/{record.name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
         for path in paths:
             result = self.run("moveto", self._path(path), self._path(f"{folder}/{path}"))
             if result.status != 0:

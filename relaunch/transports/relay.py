@@ -78,8 +78,8 @@ class Relay(Store):
     def observe(self, record: CheckpointRecord, size_only: bool = False) -> dict[str, Seen]:
         return self.remote.observe(record, size_only)
 
-    def set_aside(self, record: CheckpointRecord, paths: list[str]) -> str:
-        return self.remote.set_aside(record, paths)
+    def set_aside(self, record: CheckpointRecord, paths: list[str], into: str | None = None) -> str:
+        return self.remote.set_aside(record, paths, into)
 
     # -- evacuation ---------------------------------------------------------------------------
     def plan_receive(self, job: Job, cp: Checkpoint, every_byte: bool = False) -> list[Action]:

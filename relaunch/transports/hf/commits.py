@@ -99,7 +99,8 @@ class Commits(HfRepo):
             theirs = self._manifest_at(snap)
             merged = merge_manifests(self._base or StoreManifest(recipe=self.recipe_name), self._saved(ours),
                                      theirs, self.label)
-            full = StoreManifest(recipe=merged.recipe, checkpoints={**merged.checkpoints, **synthetic})
+            full = StoreManifest(recipe=merged.recipe, checkpoints={**merged.checkpoints, **synthetic},
+                                 branches=merged.branches)
             if decide is not None:
                 decide(full)
             final = self._saved(full)
@@ -129,6 +130,7 @@ class Commits(HfRepo):
             base = self._base or StoreManifest(recipe=self.recipe_name)
             manifest.checkpoints = {**base.checkpoints, **{n: r for n, r in manifest.checkpoints.items()
                                                           if n in self._synthetic}}
+            manifest.branches = list(base.branches)
             raise
-        manifest.recipe, manifest.checkpoints = full.recipe, full.checkpoints
+        manifest.recipe, manifest.checkpoints, manifest.branches = full.recipe, full.checkpoints, full.branches
         self.manifest = manifest

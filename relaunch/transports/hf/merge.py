@@ -4,8 +4,10 @@ applied to the head; a name another writer recorded with other files is refused,
 
 from __future__ import annotations
 
+import dataclasses
+
 from ...errors import EvacuationError
-from ...manifest import CheckpointRecord, StoreManifest
+from ...manifest import Branch, CheckpointRecord, StoreManifest
 
 
 class HeadMoved(Exception):
@@ -19,7 +21,8 @@ def merge_manifests(base: StoreManifest, ours: StoreManifest, theirs: StoreManif
     files is an EvacuationError, never overwritten. A record we dropped is dropped only while
     theirs still holds it as we knew it. What we did not change is theirs to keep or drop.
     """
-    merged = StoreManifest(recipe=theirs.recipe, checkpoints=dict(theirs.checkpoints))
+    merged = StoreManifest(recipe=theirs.recipe, checkpoints=dict(theirs.checkpoints),
+                           branches=merge_branches(theirs.branches, ours.branches))
     for name in sorted(set(base.checkpoints) | set(ours.checkpoints)):
         was, mine, now = base.checkpoints.get(name), ours.checkpoints.get(name), theirs.checkpoints.get(name)
         if mine == was:
@@ -31,7 +34,19 @@ def merge_manifests(base: StoreManifest, ours: StoreManifest, theirs: StoreManif
             merged.checkpoints[name] = mine
         elif now.files != mine.files:
             raise conflict_error(label, now)
+        elif mine.aside != now.aside:
+            # set aside by either writer: aside (a branch is never undone by a merge)
+            merged.checkpoints[name] = dataclasses.replace(now, aside=now.aside or mine.aside)
     return merged
+
+
+def merge_branches(theirs: list[Branch], ours: list[Branch]) -> list[Branch]:
+    """Both writers' branches, once each by id (theirs first); where the displaced bytes of each went,
+    from both."""
+    mine = {b.id: b for b in ours}
+    merged = [dataclasses.replace(b, moved={**b.moved, **mine[b.id].moved}) if b.id in mine else b for b in theirs]
+    known = {b.id for b in theirs}
+    return merged + [b for b in ours if b.id not in known]
 
 
 def conflict_error(label: str, theirs: CheckpointRecord) -> EvacuationError:

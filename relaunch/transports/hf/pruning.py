@@ -17,7 +17,8 @@ class Pruning(Commits):
 
     def prune(self, manifest: StoreManifest, keep: int, protect: frozenset[str] = frozenset()) -> list[str]:
         self._delete_orphans()
-        preview = StoreManifest(recipe=manifest.recipe, checkpoints=dict(manifest.checkpoints))
+        preview = StoreManifest(recipe=manifest.recipe, checkpoints=dict(manifest.checkpoints),
+                                branches=list(manifest.branches))
         if not preview.drop_beyond(keep, protect):
             return []
         known = frozenset(manifest.checkpoints)
@@ -29,7 +30,7 @@ class Pruning(Commits):
             dropped[:] = merged.drop_beyond(keep, protect | (frozenset(merged.checkpoints) - known))
 
         full = self._commit_manifest(manifest, decide)      # unlisted first: a crash leaves harmless extra files
-        manifest.recipe, manifest.checkpoints = full.recipe, full.checkpoints
+        manifest.recipe, manifest.checkpoints, manifest.branches = full.recipe, full.checkpoints, full.branches
         self.manifest = manifest
         self._delete_unlisted(dropped)
         return [r.name for r in dropped]

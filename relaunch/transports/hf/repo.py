@@ -203,12 +203,14 @@ class HfRepo(Store):
     def _saved(self, manifest: StoreManifest) -> StoreManifest:
         """What of a manifest is written to the repo: all but the records read from last-checkpoint/."""
         return StoreManifest(recipe=manifest.recipe, checkpoints={
-            n: r for n, r in manifest.checkpoints.items() if n not in self._synthetic})
+            n: r for n, r in manifest.checkpoints.items() if n not in self._synthetic},
+            branches=list(manifest.branches))
 
     def _manifest_at(self, snap: Snapshot) -> StoreManifest:
         """The manifest saved at snap.sha (empty when there is none), read again unless it is ours."""
         if snap.sha == self._revision and self._base is not None:
-            return StoreManifest(recipe=self._base.recipe, checkpoints=dict(self._base.checkpoints))
+            return StoreManifest(recipe=self._base.recipe, checkpoints=dict(self._base.checkpoints),
+                                 branches=list(self._base.branches))
         path = f"{META_DIR}/{MANIFEST}"
         if path not in snap.files:
             return StoreManifest(recipe=self.recipe_name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ...errors import UsageError
-from ...manifest import check_relpath
+from ...manifest import CheckpointRecord, check_relpath
 from ...recipe import Recipe
 from ...ui import redact
 from .client import hub_token
@@ -35,3 +35,11 @@ class HfStore(Pruning, MetaFiles, ViaInstance, ViaLocal):
         if token:
             redact.add([token])
         return cls(f"{owner}/{name}", subfolder, recipe.name, token, os.environ.get("HF_ENDPOINT") or None)
+
+    def set_aside(self, record: CheckpointRecord, paths: list[str], into: str | None = None) -> str:
+        """Nothing moves in a Hub repo: its history keeps every commit, so an abandoned branch's files
+        (`into`) stay reachable at the commit read last when a new save replaces them at the head."""
+        if into is None or not paths or not self._revision:
+            return ""
+        return (f"kept in the history of {self.repo_id} at commit {self._revision[:12]} (the new save replaces "
+                "them at the head)")
