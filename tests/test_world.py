@@ -101,7 +101,7 @@ def test_nothing_to_copy_while_the_log_shows_progress_is_not_safe(tmp_path, sand
     evac = run_cli("evacuate", str(recipe), inst.host, home=home)
     assert evac.returncode == 6, evac.stderr
     assert "the log says step" in evac.stderr
-    assert "~/checkpoints does not exist: destroying loses" in evac.stderr
+    assert "/root/checkpoints does not exist: destroying loses" in evac.stderr
     assert "DO NOT destroy" in evac.stderr and "safe to destroy" not in evac.stderr
 
     allowed = run_cli("evacuate", str(recipe), inst.host, "--allow-empty", home=home)
@@ -140,7 +140,7 @@ def test_nothing_to_copy_when_how_long_training_ran_cannot_be_read_is_not_safe(t
     evac = run_cli("evacuate", str(recipe), inst.host, home=home)
     assert evac.returncode == 6, evac.stderr
     assert ("no step in the log, and how long training has run could not be read (the tmux session's start or "
-            "the instance's clock); ~/ckpt does not exist: destroying may lose all of it") in evac.stderr
+            "the instance's clock); /root/ckpt does not exist: destroying may lose all of it") in evac.stderr
     assert "`relaunch evacuate --allow-empty` accepts it" in evac.stderr
     assert "DO NOT destroy" in evac.stderr and "safe to destroy" not in evac.stderr
 
