@@ -668,9 +668,9 @@ class Checkpointer:
     node renames its own part to `step-N/`, and rank 0 renames its folder, holding `.metadata`,
     last. So `layout: dcp` (and `auto`) counts `step-N` exactly when it is whole, on one node or
     across a node group, and a process killed mid-write leaves only a `tmp-` folder, removed
-    when the next run starts. A `step-N/` already there (saved again after a resume) moves to a
-    `tmp-old-` name first, rank 0's before any other node's part changes; it comes back if the
-    save does not commit (at the next start, when the process was killed). Nothing is deleted
+    when the next run starts. A `step-N/` already there (saved again by a run that did not
+    restore) moves to a `tmp-old-` name first, rank 0's before any other node's part changes; it
+    comes back if the save does not commit (at the next start, when the process was killed). Nothing is deleted
     until every rank knows the new checkpoint is complete: then the earlier `step-N/` and all but
     the last `keep` checkpoints go, each renamed to a `tmp-gone-` name before its files are
     removed, so that no folder a layout counts ever misses a file.

@@ -387,8 +387,9 @@ SAVED_AGAIN = """
         ckpt.save(20)
         ckpt.wait()
         sys.exit(0)
-    ckpt.restore(os.path.join(folder, "step-00000010"))  # resumed from the older one: step 20 is saved again
-    step(2.0)                                            # (other weights than the first step 20's)
+    # a run that starts over without restoring (a resume from an older one sets 20 aside first, see
+    # test_rollback): step 20 is saved again, with other weights than the first step 20's
+    step(2.0)
     rename = os.rename
     def into_place(src, dst, *args, **kwargs):
         if os.path.basename(src) == "tmp-step-00000020":  # the new step 20 into place: the earlier one is aside
@@ -425,9 +426,9 @@ def test_a_step_saved_again_whose_rename_fails_puts_the_earlier_one_back_and_fin
         job.steps(1)
         ckpt.save(20)
         ckpt.wait()
-        earlier = digests(folder / "step-00000020")
-        assert ckpt.restore(str(folder / "step-00000010")) == 10
-        job.steps(2)
+    earlier = digests(folder / "step-00000020")
+    job.steps(2)
+    with job.checkpointer(folder, keep=3) as ckpt:      # a run that starts over without restoring: 20 saved again
         rename, refused = os.rename, []
 
         def into_place(src, dst, *args, **kwargs):   # type: ignore[no-untyped-def]
@@ -525,8 +526,7 @@ GROUP = """
 
     if phase == "start":
         sys.exit(0)
-    if phase.startswith("again"):        # resumed from step 10 (as `up` puts it on every node): 20 saved again
-        ckpt.restore(sys.argv[5])
+    if phase.startswith("again"):        # a start over without restoring: 20 saved again, other weights
         step(2.0)
     else:
         ckpt.save(10)
@@ -602,10 +602,7 @@ def test_a_node_group_killed_while_saving_a_step_again_gets_the_earlier_one_back
     nodes = [tmp_path / "node0" / "ckpt", tmp_path / "node1" / "ckpt"]
     assert [code for code, _ in run_group(tmp_path, nodes, "first")] == [0, 0]
     earlier = [digests(node / "step-00000020") for node in nodes]
-    restored = tmp_path / "restored" / "step-00000010"       # step 10 whole, as `up` puts it on each node
-    for node in nodes:
-        shutil.copytree(node / "step-00000010", restored, dirs_exist_ok=True)
-    (zero, out0), (one, out1) = run_group(tmp_path, nodes, "again", restored)
+    (zero, out0), (one, out1) = run_group(tmp_path, nodes, "again")
     assert zero == -signal.SIGKILL, out0[-3000:]
     assert one == 3 and "the save of step 20 failed" in out1, out1[-3000:]
     # node 1's new part is in place, rank 0's earlier step 20 aside: nothing counts step 20 meanwhile
@@ -623,12 +620,9 @@ def test_a_failed_commit_of_a_step_saved_again_takes_the_new_part_off_a_node_tha
     puts in place goes when rank 0's rename fails, never left beside rank 0's earlier step 20."""
     nodes = [tmp_path / "node0" / "ckpt", tmp_path / "node1" / "ckpt"]
     assert [code for code, _ in run_group(tmp_path, nodes, "first")] == [0, 0]
-    restored = tmp_path / "restored" / "step-00000010"
-    for node in nodes:
-        shutil.copytree(node / "step-00000010", restored, dirs_exist_ok=True)
     shutil.rmtree(nodes[1] / "step-00000020")
     earlier = digests(nodes[0] / "step-00000020")
-    results = run_group(tmp_path, nodes, "again-raise", restored)
+    results = run_group(tmp_path, nodes, "again-raise")
     assert [code for code, _ in results] == [3, 3], results
     assert digests(nodes[0] / "step-00000020") == earlier
     assert not (nodes[1] / "step-00000020").exists()
