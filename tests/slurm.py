@@ -80,13 +80,16 @@ class Cluster:
     def requeued(self, job: str, restarts: int, timeout: float = 180) -> None:
         """Wait until the job is back in the queue after its `restarts`-th end, then release it until
         it starts (Slurm sets the requeue's BeginTime once the job's end is processed: a release
-        before that is undone)."""
+        before that is undone). Not within the second of that end: the nodes revoked the job's
+        credential then, in whole seconds, and refuse a launch whose credential is no newer ("Job
+        N already killed, do not launch batch job": the job FAILED at once, exit 1:0, under load);
+        the two minutes of BeginTime are Slurm's own guard against that."""
         def started() -> bool:
             found = self.job(job)
             if int(found.get("Restarts") or 0) < restarts:
                 return False
             if found.get("JobState") == "PENDING":
-                if found.get("Reason") == "BeginTime":
+                if found.get("Reason") == "BeginTime" and time.time() >= _ended(found) + 2:
                     self.release(job)
                 return False
             return found.get("JobState") in ("RUNNING", "COMPLETED", "FAILED")
@@ -247,3 +250,15 @@ def start(nodes: dict[str, Instance], gateway: str) -> Cluster:
     except BaseException:
         cluster.stop()
         raise
+
+
+def _ended(job: dict[str, str]) -> float:
+    """When the job's last run ended, as this machine's clock reads it (scontrol prints local time):
+    a requeue submits the job again once that end is processed (its EndTime, while it waits, is an
+    estimate of the next end)."""
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(job.get("SubmitTime", "")).timestamp()
+    except ValueError:                          # "Unknown"
+        return time.time()
