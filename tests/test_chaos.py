@@ -575,14 +575,24 @@ def check_safe(world: World, what: str, got: Outcome, before: dict[str, Ident]) 
                        f"wrote it:\n{got.stderr[-3000:]}")
 
 
-def check_stopped(world: World, got: Outcome, stops_before: int, was_running: bool) -> None:
+def check_stopped(world: World, got: Outcome, stops_before: int, was_running: bool, fired: int) -> None:
     """An exit 0 `evacuate --stop`: the save the stop asked for (the trainer's own record: the step it
-    stopped at) is in the store by its bytes, and training no longer runs on the instance."""
+    stopped at) is in the store by its bytes, and training no longer runs on the instance. A training
+    that killed itself in its stop where the test armed it (a prune after the stop's save) recorded no
+    stop: then the newest whole checkpoint it left on the instance is in the store."""
     if got.status != 0:
         return
     if world.trainers():
         world.fail(f"evacuate --stop exited 0 and the training still runs on the instance:\n{got.stderr[-3000:]}")
+    world.refresh()
     stops = world.stops()[stops_before:]
+    if was_running and not stops and len(world.fired) > fired:
+        newest = newest_of(world, world.on_instance())
+        if newest is not None and not [i for i in world.ids().values() if world.branches.on(i) and i[0] >= newest]:
+            world.fail(f"evacuate --stop exited 0 after the training killed itself in its stop, and the store's "
+                       f"files do not hold its newest checkpoint left on the instance (step {newest}):\n"
+                       f"{got.stderr[-3000:]}")
+        return
     if was_running and not stops:
         world.fail(f"evacuate --stop exited 0, and the training it was to stop never recorded its stop and save:\n"
                    f"{got.stderr[-3000:]}")
@@ -903,7 +913,7 @@ def step(world: World, rng: random.Random, command: str, fault: str) -> Outcome:
     if command in ("sync", "evacuate", "evacuate-stop"):
         check_safe(world, command, got, before)
     if command == "evacuate-stop":
-        check_stopped(world, got, stops, running)
+        check_stopped(world, got, stops, running, fired)
     if command == "up":
         check_resume(world, got, starts, verified, before, fired)
     check_credentials(world, command)
