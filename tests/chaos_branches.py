@@ -104,6 +104,7 @@ class Fork:
     name: str            # the checkpoint it resumed
     at: Ident            # that checkpoint's identity
     ids: set[str]        # the branch ids relaunch gave it (lineage file, manifest), when it wrote one
+    before: int | None = None   # the line of the latest start when it was asked (no start since: still that)
 
 
 @dataclass
@@ -139,16 +140,18 @@ class Branches:
                 self.parents[int(words[0])] = (None if words[1] == "-" else int(words[1]), int(words[2]))
         if line.strip().isdigit():
             started = int(line)
+            if self.forks and started == self.forks[-1].before:
+                return          # no start since the rollback (its `up` failed before training began)
             pending = self.forks[-1].line if self.forks else None
             # a rollback relaunch acted on is current from then on: a start that went elsewhere is
             # a resume of the abandoned branch, which the check of that start reports
             if pending is None or started == pending or started not in (self.parents.get(pending, (None, 0))[0],):
                 self.current = started
 
-    def fork(self, line: int, name: str, at: Ident, ids: set[str]) -> None:
+    def fork(self, line: int, name: str, at: Ident, ids: set[str], before: int | None = None) -> None:
         self.parents[line] = (at[1], at[0])
         self.current = line
-        self.forks.append(Fork(line, name, at, ids))
+        self.forks.append(Fork(line, name, at, ids, before))
 
     def forget(self, fork: Fork) -> None:
         """A rollback only the lost instance knew of: the line it left is current again."""

@@ -1059,6 +1059,7 @@ def rollback(world: World, rng: random.Random, fault: str) -> Outcome | None:
     world.ssh(world.inst, f"echo {line} {name} > ~/branch", timeout=30)
     lineage, branches = world.lineage_ids(), world.store_branches()
     starts, fired = len(world.starts()), len(world.fired)
+    before = world.read("line").strip()
     got = run(world, rng, ["up", str(world.recipe), *world.hosts(), "--checkpoint", name], fault)
     world.trace.append(f"rollback: up --checkpoint {name} (step {at[0]}, the newest {newest}) ({fault}) -> "
                        f"{'killed' if got.status is None else got.status}")
@@ -1078,7 +1079,7 @@ def rollback(world: World, rng: random.Random, fault: str) -> Outcome | None:
         world.ssh(world.inst, "rm -f ~/branch", timeout=30)
         world.trace.append(f"rollback to {name} not taken")
         return got
-    world.branches.fork(line, name, at, taken)
+    world.branches.fork(line, name, at, taken, int(before) if before.isdigit() else None)
     world.abandoned += [Abandoned(n, i, world.inst.name, line) for n, i in later_here.items()]
     world.abandoned += [Abandoned(n, i, None, line) for n, i in later_stored.items() if n not in world.hurt]
     world.trace.append(f"a new branch from {name}: abandoned {sorted({**later_here, **later_stored})}")
