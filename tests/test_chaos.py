@@ -255,6 +255,7 @@ class World:
     hurt: set[str] = field(default_factory=set)   # store checkpoints this test damaged or deleted a file of
     whole_before: bool = False               # a whole checkpoint of the current branch existed after the last step
     fired: dict[str, int] = field(default_factory=dict)   # the trainer's own kills, by fault
+    sigterm_at: int | None = None            # the starts recorded when the test last sent the training SIGTERM
 
     # -- what the world holds ----------------------------------------------------------------------
     def nodes(self) -> list[sb.Instance]:
@@ -451,6 +452,7 @@ def delete_file(world: World, rng: random.Random) -> str:
 
 
 def sigterm_training(world: World, rng: random.Random) -> str:
+    world.sigterm_at = len(world.starts())
     hit = 0
     for pid in world.trainers():
         try:
@@ -578,18 +580,21 @@ def check_safe(world: World, what: str, got: Outcome, before: dict[str, Ident]) 
 def check_stopped(world: World, got: Outcome, stops_before: int, was_running: bool, fired: int) -> None:
     """An exit 0 `evacuate --stop`: the save the stop asked for (the trainer's own record: the step it
     stopped at) is in the store by its bytes, and training no longer runs on the instance. A training
-    that killed itself in its stop where the test armed it (a prune after the stop's save) recorded no
-    stop: then the newest whole checkpoint it left on the instance is in the store."""
+    that killed itself in its stop where the test armed it (a prune after the stop's save), or that
+    the test had sent SIGTERM already (every process of it, torchrun too: a worker whose launcher is
+    gone fails in its stop's collectives), recorded no stop: then the newest whole checkpoint it left
+    on the instance is in the store."""
     if got.status != 0:
         return
     if world.trainers():
         world.fail(f"evacuate --stop exited 0 and the training still runs on the instance:\n{got.stderr[-3000:]}")
     world.refresh()
     stops = world.stops()[stops_before:]
-    if was_running and not stops and len(world.fired) > fired:
+    stopping = world.sigterm_at is not None and world.sigterm_at == len(world.starts())
+    if was_running and not stops and (len(world.fired) > fired or stopping):
         newest = newest_of(world, world.on_instance())
         if newest is not None and not [i for i in world.ids().values() if world.branches.on(i) and i[0] >= newest]:
-            world.fail(f"evacuate --stop exited 0 after the training killed itself in its stop, and the store's "
+            world.fail(f"evacuate --stop exited 0 after the training died in its stop, and the store's "
                        f"files do not hold its newest checkpoint left on the instance (step {newest}):\n"
                        f"{got.stderr[-3000:]}")
         return
