@@ -815,6 +815,49 @@ class Checkpointer:
                     and os.path.getsize(os.path.join(path, DCP_MARKER)) > 0]
         return complete[-1] if complete else None
 
+    def _newest_whole(self) -> str | None:
+        """The newest checkpoint whose every file (those its `.metadata` names) is in some node's
+        folder: what a start without `path` resumes. Collective. One with a file on no node (the
+        node that held its part was replaced, its disk with it) is said and passed over: loading it
+        fails, at every start. (Without a shared disk each rank reads its own folder, which `up`
+        fills with the whole checkpoint it restores.)"""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint import FileSystemReader
+
+        candidates: list[tuple[str, list[str]]] = []
+        if self.rank == 0:
+            for _, path in reversed(self._steps_here()):
+                try:       # (this file alone is on the instance: DCP reads what its `.metadata` names)
+                    storage = FileSystemReader(path).read_metadata().storage_data or {}
+                    candidates.append((path, sorted({info.relative_path for info in storage.values()})))
+                except Exception:        # no `.metadata`, or not DCP's: not complete, no layout counts it
+                    continue
+        shared: list[Any] = [candidates]
+        if self.distributed:
+            dist.broadcast_object_list(shared, src=0, group=self._control)
+        here: dict[str, list[str]] = {}
+        if self.leader:
+            for path, _ in shared[0]:
+                name = os.path.basename(path)
+                try:
+                    here[name] = os.listdir(os.path.join(self.dir, name))
+                except OSError:
+                    here[name] = []
+        every: list[Any] = [here]
+        if self.distributed:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, here, group=self._control)
+        for path, needed in shared[0]:
+            name = os.path.basename(path)
+            held = {file for node in every if node for file in node.get(name, [])}
+            missing = [file for file in needed if file not in held]
+            if not missing:
+                return path
+            if self.rank == 0:
+                _say(f"{path} is not resumed: {len(missing)} of its files are on no node ({', '.join(missing[:3])}"
+                     f"{', ...' if len(missing) > 3 else ''}): a node's part is missing")
+        return None
+
     def _asides(self) -> dict[str, list[str]]:
         """name -> the `tmp-old-` folders holding an earlier `name` of this prefix, moved aside."""
         pattern = re.compile(rf"{TEMP_PREFIX}old-\d+-({re.escape(self.prefix)}\d+)")
@@ -1138,17 +1181,14 @@ class Checkpointer:
 
     # -- resuming -----------------------------------------------------------------------------
     def restore(self, path: str | os.PathLike[str] | None = None) -> int:
-        """Load `path` (relaunch's `{{ checkpoint }}`; empty or None: the newest complete
-        checkpoint in the folder) at any world size, and return its step; 0 when there is none."""
-        import torch.distributed as dist
+        """Load `path` (relaunch's `{{ checkpoint }}`; empty or None: the newest checkpoint in the
+        folder whose every file is on some node) at any world size, and return its step; 0 when
+        there is none."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        chosen = [os.path.expanduser(os.fspath(path)) if path else (self.newest() if self.rank == 0 else None)]
-        if self.distributed and not path:
-            dist.broadcast_object_list(chosen, src=0, group=self._control)
-        found = chosen[0]
+        found = os.path.expanduser(os.fspath(path)) if path else self._newest_whole()
         if not found:
             if self.rank == 0:
                 _say(f"no checkpoint in {self.dir}: a fresh start")

@@ -1,18 +1,24 @@
-"""Faults searched, not listed: seeded random schedules of `up`, `sync --once`, `evacuate`, `watch`
-and lost instances, with faults at random moments, and the invariants a user relies on checked
-after every step against the world (the bytes in the store's own files, the trainer's own record of
-what it resumed from and of the save a stop asked for, the instance's disk and processes, the
-sandbox instances that exist), never against relaunch's bookkeeping: a manifest record may choose
-what to look at, never prove it is there.
+"""Faults searched, not listed: seeded random schedules of `up`, `sync --once`, `evacuate`, `watch`,
+lost instances and rollbacks (`up --checkpoint` of an older checkpoint), with faults at random
+moments, and the invariants a user relies on checked after every step against the world (the bytes
+in the store's own files, the trainer's own record of what it resumed from, of its branches and of
+the save a stop asked for, the instance's disk and processes, the sandbox instances that exist),
+never against relaunch's bookkeeping: a manifest record may choose what to look at, never prove it
+is there.
 
 Real sandbox instances, the real CLI, rsync, tmux; the store is a local folder on a small tmpfs (so
 that it can fill up), a real `rclone serve s3` copied to through the instance (so that credentials
 travel), or a local Hub server that speaks the real API (copied to from here, or, every other Hub
-schedule, by the instance's own `hf` with the token). Every fourth schedule is a `watch` left
-alone: a reclaim notice (AWS, GCP), AWS's rebalance recommendation, a silent loss replaced by
-`recover.command`, or a 2-node group that shrinks and grows back.
+schedule, by the instance's own `hf` with the token). Every other schedule on a local folder or
+rclone trains through relaunch.train.Checkpointer (tests/chaos_ckpt_trainer.py: PyTorch DCP,
+torchrun), half of those on the local folder as a 2-node group with `keep: 1`, and kills itself
+where it is told to: part way through a prune, between the two renames of a node's save. Every
+fourth schedule is a `watch` left alone: a reclaim notice (AWS, GCP), AWS's rebalance
+recommendation, a silent loss replaced by `recover.command`, or a 2-node group that shrinks and
+grows back.
 
-    RELAUNCH_CHAOS_SCHEDULES=N   how many schedules (CI runs a small fixed budget, a watch among them)
+    RELAUNCH_CHAOS_SCHEDULES=N   how many schedules, from RELAUNCH_CHAOS_FIRST (without either: CI's 4
+                                 chosen seeds, a watch, a rollback and kills in a prune among them)
     RELAUNCH_CHAOS_STEPS=N       steps per schedule (CI: 6; the long run: 9)
     RELAUNCH_CHAOS_FIRST=S       the first seed (a long run after an earlier one tries new schedules)
     RELAUNCH_CHAOS_SEED=S        replay one schedule (a failure prints its seed and steps)
@@ -32,6 +38,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +47,12 @@ from typing import Any
 import pytest
 import yaml
 
-from chaos_trainer import content
+from chaos_branches import Branches, Ident, dcp_identity, identities, merged
+from chaos_trainer import content, identity
 from conftest import host_side_address
 from e2e import EXAMPLE, cli_env, plain_recipe, stacks, wait_for, whole
 from relaunch import sandbox as sb
+from relaunch.sandbox.console import anchor_pid
 from test_faults import in_instance
 from test_guard import metadata_service, set_keys
 from test_watch import go_silent
@@ -52,19 +61,26 @@ from test_watch_unattended import sandbox_env
 SCHEDULES = int(os.environ.get("RELAUNCH_CHAOS_SCHEDULES", "4"))
 STEPS = int(os.environ.get("RELAUNCH_CHAOS_STEPS", "6"))
 FIRST = int(os.environ.get("RELAUNCH_CHAOS_FIRST", "0"))
+# CI's budget, one of each kind, chosen by their plans: 32 trains through the Checkpointer on a local
+# store and arms a kill in a prune three times, early and before any loss the test makes; 2 rolls back
+# (a plain trainer through rclone); 1 is a watch; 3 the Hub
+CI = [32, 1, 2, 3]
+LONG = {"RELAUNCH_CHAOS_SCHEDULES", "RELAUNCH_CHAOS_FIRST"} & {*os.environ}
 SEEDS = ([int(os.environ["RELAUNCH_CHAOS_SEED"])] if os.environ.get("RELAUNCH_CHAOS_SEED")
-         else list(range(FIRST, FIRST + SCHEDULES)))
+         else list(range(FIRST, FIRST + SCHEDULES)) if LONG else CI)
 DEADLINE = 300            # no command may take longer, whatever the fault
 CONTRACT = {0, 3, 4, 5, 6, 130}   # 1 is a bug, 2 is bad input: neither may appear here
 TRAINER = Path(__file__).with_name("chaos_trainer.py")
+CKPT_TRAINER = Path(__file__).with_name("chaos_ckpt_trainer.py")
 MANIFEST = Path(".relaunch") / "manifest.json"
+ASIDE = ".relaunch-aside"              # where a rollback sets the later checkpoints aside on the instance
 # a seed's kind: any 4 consecutive seeds hold one of each, so the CI's budget holds a watch schedule
 KINDS = ["local", "watch", "rclone", "hf"]
 SCENARIOS = ["notice-aws", "loss", "notice-gcp", "group", "rebalance"]
 
 
-def expected(step: int) -> str:
-    return hashlib.sha256(content(step)).hexdigest()
+def expected(step: int, line: int = 0) -> str:
+    return hashlib.sha256(content(step, line)).hexdigest()
 
 
 def step_of(name: str) -> int:
@@ -73,6 +89,17 @@ def step_of(name: str) -> int:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def trains_with_checkpointer(seed: int) -> bool:
+    """Every other local-folder and rclone schedule trains through relaunch.train.Checkpointer (seed 32's
+    does, seed 2's does not: the CI's budget holds one of each)."""
+    return KINDS[seed % len(KINDS)] in ("local", "rclone") and (seed // len(KINDS) + (seed % len(KINDS) == 2)) % 2 == 0
+
+
+def as_group(seed: int) -> bool:
+    """Every other Checkpointer schedule on a local folder: a 2-node group, `keep: 1`."""
+    return trains_with_checkpointer(seed) and KINDS[seed % len(KINDS)] == "local" and (seed // 8) % 2 == 1
 
 
 # -- the store, read where its bytes are -----------------------------------------------------------
@@ -85,12 +112,28 @@ class FolderStore:
     def files(self) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in sorted(self.root.glob("ckpt-*.pt")) if p.is_file()}
 
+    def ids(self) -> dict[str, Ident]:
+        """name -> identity of every checkpoint the store holds exactly as the trainer wrote it."""
+        return identities(self.root)
+
+    def parts(self) -> list[str]:
+        """Every file of a checkpoint at its own name (what a fault may hit), relative to the root."""
+        return sorted(str(p.relative_to(self.root)) for pattern in ("ckpt-*.pt", "step-*/*")
+                      for p in self.root.glob(pattern) if p.is_file())
+
     def manifest(self) -> dict:
         path = self.root / MANIFEST
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             return {}
+
+    def kept_aside(self, name: str, ident: Ident) -> bool:
+        """Is `name`, as written, under `.relaunch/aside/` (where a new save of its name moved it)?"""
+        for path in (self.root / ".relaunch" / "aside").rglob(name):
+            if (identity(path.read_bytes()) if path.is_file() else dcp_identity(path)) == ident:
+                return True
+        return False
 
     def flip(self, name: str, rng: random.Random) -> None:
         path = self.root / name
@@ -130,10 +173,24 @@ class HubStore:
                     out[name] = data
         return out
 
+    def ids(self) -> dict[str, Ident]:
+        return {name: ident for name, data in self.files().items() if (ident := identity(data)) is not None}
+
+    def parts(self) -> list[str]:
+        return sorted(self.files())
+
     def manifest(self) -> dict:
         entry = self._head().get(f"{self.prefix}/{MANIFEST}")
         data = self._read(entry) if entry else None
         return json.loads(data) if data else {}
+
+    def kept_aside(self, name: str, ident: Ident) -> bool:
+        """A Hub repo keeps what a new save of its name replaced in its history: at some commit."""
+        for commit in self.server.commits(self.repo):
+            data = self.server.read_files(self.repo, commit["sha"]).get(f"{self.prefix}/{name}")
+            if data is not None and identity(data) == ident:
+                return True
+        return False
 
     def flip(self, name: str, rng: random.Random) -> None:
         # the Hub's blobs are content-addressed: a byte flipped is another writer committing other bytes there
@@ -145,6 +202,17 @@ class HubStore:
         self.server.store.commit("model", self.repo, "main", f"delete {name}", {}, [f"{self.prefix}/{name}"])
 
 
+class Trace(list[str]):
+    """A schedule's steps, each with the seconds since it began (where a slow or stuck step shows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began = time.monotonic()
+
+    def append(self, step: str) -> None:
+        super().append(f"{time.monotonic() - self.began:5.0f}s  {step}")
+
+
 @dataclass
 class Outcome:
     status: int | None          # None: killed by the test (kill -9)
@@ -154,8 +222,18 @@ class Outcome:
 
 
 @dataclass
+class Abandoned:
+    """A checkpoint of a branch a rollback left, where it was when relaunch set it aside."""
+    name: str
+    ident: Ident
+    node: str | None            # the instance whose .relaunch-aside/ holds it; None: in the store
+    fork: int                   # the line of the branch that left it
+    lost: bool = False          # that instance is gone (a provider took it)
+
+
+@dataclass
 class World:
-    """One schedule's instance, store and trace."""
+    """One schedule's instances, store and trace, and what the test knows of the run's branches."""
     seed: int
     tmp: Path
     sandbox: Any
@@ -169,34 +247,134 @@ class World:
     secret: str | None
     index_dir: Path | None
     local_disk: Path | None = None           # the tmpfs a local store lives on (it can fill up)
-    trace: list[str] = field(default_factory=list)
+    script: str = "chaos_trainer.py"         # the trainer (chaos_ckpt_trainer.py: the Checkpointer)
+    others: list[sb.Instance] = field(default_factory=list)   # a node group's nodes after node 0
+    trace: Trace = field(default_factory=Trace)
+    branches: Branches = field(default_factory=Branches)
+    abandoned: list[Abandoned] = field(default_factory=list)
+    hurt: set[str] = field(default_factory=set)   # store checkpoints this test damaged or deleted a file of
+    whole_before: bool = False               # a whole checkpoint of the current branch existed after the last step
+    fired: dict[str, int] = field(default_factory=dict)   # the trainer's own kills, by fault
+    sigterm_at: int | None = None            # the starts recorded when the test last sent the training SIGTERM
 
     # -- what the world holds ----------------------------------------------------------------------
+    def nodes(self) -> list[sb.Instance]:
+        return [self.inst, *self.others]
+
+    def hosts(self) -> list[str]:
+        return [n.host for n in self.nodes()]
+
+    def disk(self, inst: sb.Instance | None = None) -> Path | None:
+        """The instance's home folder, read from this machine (through its sshd's mount namespace:
+        also when its link is down); None once it is gone."""
+        inst = inst or self.inst
+        try:
+            root = Path(f"/proc/{anchor_pid(inst.name)}/root{inst.home}")
+        except Exception:
+            return None
+        return root if root.is_dir() else None
+
+    def read(self, file: str, inst: sb.Instance | None = None) -> str:
+        """A file in the instance's home folder, whole lines only ('' when it is not there)."""
+        home = self.disk(inst)
+        try:
+            return whole((home / file).read_text(errors="replace")) if home else ""
+        except OSError:
+            return ""
+
+    def ids(self) -> dict[str, Ident]:
+        """name -> identity of every checkpoint the store's own files hold exactly as the trainer wrote it."""
+        return self.store.ids()
+
     def held(self) -> dict[int, str]:
         """step -> name of every checkpoint the store's own files hold exactly as the trainer wrote it."""
-        return {step_of(name): name for name, data in self.store.files().items()
-                if sha256(data) == expected(step_of(name))}
+        return {ident[0]: name for name, ident in self.ids().items()}
+
+    def listed(self) -> set[str]:
+        """The checkpoints the store's manifest lists as the current branch's (not set aside)."""
+        return {c["name"] for c in self.store.manifest().get("checkpoints", []) if not c.get("aside")}
 
     def newest_held(self) -> int | None:
-        """The newest step the store holds byte for byte, among those its manifest lists (the record
-        chooses what `up` may resume from; only the bytes prove it is there)."""
-        listed = {c["name"] for c in self.store.manifest().get("checkpoints", [])}
-        return max((step for step, name in self.held().items() if name in listed), default=None)
+        """The newest step of the current branch the store holds byte for byte, among those its manifest
+        lists (the record chooses what `up` may resume from; only the bytes prove it is there)."""
+        listed = self.listed()
+        return max((ident[0] for name, ident in self.ids().items() if name in listed and self.branches.on(ident)),
+                   default=None)
 
-    def on_instance(self) -> dict[int, str]:
-        """step -> sha256 of the complete checkpoints on the instance now ({} when it cannot be reached)."""
-        out = self.ssh(self.inst, "cd ~/ckpt 2>/dev/null && sha256sum ckpt-*.pt 2>/dev/null; true",
-                       check=False, timeout=30)
-        found = {}
-        for line in out.stdout.splitlines():
-            digest, name = line.split()
-            found[step_of(name)] = digest
+    def _look(self, sub: str = "ckpt") -> Path | None:
+        """The checkpoint folder `sub` of every node, as one folder here (None: node 0 is gone)."""
+        homes = [self.disk(n) for n in self.nodes()]
+        if homes[0] is None:
+            return None
+        if len(homes) == 1:
+            return homes[0] / sub
+        return merged([h / sub for h in homes if h is not None], self.tmp / "look" / sub.replace("/", "_"))
+
+    def on_instance(self) -> dict[str, Ident]:
+        """name -> identity of the whole checkpoints in checkpoint.dir on the instance (a group: on its
+        nodes together); {} when it is gone."""
+        folder = self._look()
+        return identities(folder) if folder else {}
+
+    def instance_asides(self) -> dict[tuple[str, str], Ident]:
+        """(branch folder, name) -> identity of the whole checkpoints a rollback set aside on the instance."""
+        home = self.disk()
+        found: dict[tuple[str, str], Ident] = {}
+        if home is None:
+            return found
+        try:
+            branches = sorted(p.name for p in (home / "ckpt" / ASIDE).iterdir() if p.is_dir())
+        except OSError:
+            return found
+        for branch in branches:
+            folder = self._look(f"ckpt/{ASIDE}/{branch}")
+            for name, ident in (identities(folder) if folder else {}).items():
+                found[(branch, name)] = ident
         return found
+
+    def lineage_ids(self, inst: sb.Instance | None = None) -> set[str]:
+        """The branch ids in the instance's lineage file (relaunch's record of its rollbacks there)."""
+        ids = set()
+        for row in self.read(f"ckpt/{ASIDE}/lineage.jsonl", inst).splitlines():
+            try:
+                ids.add(json.loads(row)["id"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        return ids
+
+    def store_branches(self) -> set[str]:
+        return {b.get("id", "") for b in self.store.manifest().get("branches", [])}
+
+    def refresh(self) -> None:
+        """Learn what the trainer recorded (its lines, the kills it landed on itself), and keep the
+        current branch's fork where its next start looks for it."""
+        self.branches.learn(self.read("branches.log"), self.read("line"))
+        for node in self.nodes():
+            for i, row in enumerate(self.read("faults.log", node).splitlines()):
+                key = f"{node.name} {i} {row}"      # the same leftover may be where two kills land
+                if key not in self.fired:
+                    self.fired[key] = 1
+                    self.trace.append(f"the trainer on {node.host} killed itself: {row}")
+        fork = self.branches.forks[-1] if self.branches.forks else None
+        home = self.disk()
+        if fork is not None and fork.line == self.branches.current and home is not None:
+            # the start that resumes the fork's checkpoint takes the new branch's line (its bytes
+            # differ from the abandoned ones'), also on a later start or another instance
+            try:
+                ask = home / "branch"
+                if not ask.exists():
+                    ask.write_text(f"{fork.line} {fork.name}\n")
+                    os.chown(ask, (home / ".").stat().st_uid, (home / ".").stat().st_gid)
+            except OSError:
+                pass
+
+    def identify(self, step: int, digest: str) -> Ident | None:
+        """The checkpoint of `step` whose bytes hash to `digest`, on a line the trainer took."""
+        return next(((step, line) for line in self.branches.lines() | {0} if expected(step, line) == digest), None)
 
     def lines(self, file: str) -> list[str]:
         """The whole lines of a file the trainer appends to (~/starts.log, ~/stops.log)."""
-        out = self.ssh(self.inst, f"cat ~/{file} 2>/dev/null; true", check=False, timeout=30).stdout
-        return whole(out).splitlines()
+        return self.read(file).splitlines()
 
     def starts(self) -> list[str]:
         return self.lines("starts.log")
@@ -206,21 +384,23 @@ class World:
         return [int(line.split()[-1]) for line in self.lines("stops.log") if line.startswith("stopped at step ")]
 
     def trainers(self, inst: sb.Instance | None = None) -> list[int]:
-        """The trainer's processes on the instance (read from this machine: also when its link is down)."""
-        pids = subprocess.run(["ip", "netns", "pids", f"rl-{(inst or self.inst).name}"], capture_output=True,
-                              text=True).stdout.split()
+        """The trainer's processes on the instance (every node of a group; read from this machine: also
+        when a link is down)."""
         found = []
-        for pid in pids:
-            try:
-                if b"chaos_trainer.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    found.append(int(pid))
-            except OSError:
-                continue
+        for node in [inst] if inst else self.nodes():
+            pids = subprocess.run(["ip", "netns", "pids", f"rl-{node.name}"], capture_output=True,
+                                  text=True).stdout.split()
+            for pid in pids:
+                try:
+                    if self.script.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        found.append(int(pid))
+                except OSError:
+                    continue
         return found
 
     def trainer_step(self) -> int | None:
         """The newest step the running trainer printed (its log, read through /proc: no link needed)."""
-        for pid in self.trainers():
+        for pid in self.trainers(self.inst):
             try:
                 log = Path(f"/proc/{pid}/cwd/{self.name}.log").read_text(errors="replace")
             except OSError:
@@ -252,24 +432,27 @@ class World:
 
 # -- faults --------------------------------------------------------------------------------------------
 def flip_byte(world: World, rng: random.Random) -> str:
-    names = sorted(world.store.files())
+    names = world.store.parts()
     if not names:
         return "flip: nothing in the store"
     name = rng.choice(names)
     world.store.flip(name, rng)
+    world.hurt.add(name.split("/")[0])
     return f"flip a byte of {name} in the store"
 
 
 def delete_file(world: World, rng: random.Random) -> str:
-    names = sorted(world.store.files())
+    names = world.store.parts()
     if not names:
         return "delete: nothing in the store"
     name = rng.choice(names)
     world.store.delete(name)
+    world.hurt.add(name.split("/")[0])
     return f"delete {name} from the store"
 
 
 def sigterm_training(world: World, rng: random.Random) -> str:
+    world.sigterm_at = len(world.starts())
     hit = 0
     for pid in world.trainers():
         try:
@@ -278,6 +461,14 @@ def sigterm_training(world: World, rng: random.Random) -> str:
         except ProcessLookupError:
             continue
     return f"SIGTERM to the training ({hit} process(es))"
+
+
+def arm(world: World, rng: random.Random, fault: str) -> str:
+    """The Checkpointer kills itself at its next prune (or between the two renames of a node's save):
+    armed by a file on one node, landed by the training's own process (chaos_ckpt_trainer.py)."""
+    node = rng.choice(world.nodes())
+    world.ssh(node, f"touch ~/{fault}", timeout=30)
+    return f"{fault} armed on {node.host}"
 
 
 def run(world: World, rng: random.Random, args: list[str], fault: str) -> Outcome:
@@ -347,67 +538,115 @@ def check_exit(world: World, what: str, got: Outcome) -> None:
         world.fail(f"{what} exited 130 without a Ctrl-C:\n{got.stderr[-3000:]}")
 
 
-def check_safe(world: World, what: str, got: Outcome, before: dict[int, str]) -> None:
+def newest_of(world: World, found: dict[str, Ident]) -> int | None:
+    """The newest step of the current branch among `found`."""
+    return max((ident[0] for ident in found.values() if world.branches.on(ident)), default=None)
+
+
+def check_safe(world: World, what: str, got: Outcome, before: dict[str, Ident]) -> None:
     """An exit 0 evacuate / sync --once: the store's files hold, byte for byte, the newest complete
-    checkpoint the instance had when the command started (or a newer one the trainer wrote meanwhile)."""
+    checkpoint of the current branch the instance had when the command started (or a newer one the
+    trainer wrote meanwhile), and the newest it names is the current branch's."""
     if got.status != 0:
         return
-    held = world.held()
-    if before and not [step for step in held if step >= max(before)]:
-        world.fail(f"{what} exited 0, but the store's files do not hold step {max(before)} (the instance's newest "
-                   f"when it started) or anything newer, as the trainer wrote it: {sorted(held)}\n"
-                   f"{got.stderr[-3000:]}")
+    ids = world.ids()
+    newest = newest_of(world, before)
+    if newest is not None and not [i for i in ids.values() if world.branches.on(i) and i[0] >= newest]:
+        world.fail(f"{what} exited 0, but the store's files do not hold step {newest} of the current branch (the "
+                   f"instance's newest when it started) or anything newer, as the trainer wrote it: "
+                   f"{sorted(ids.items())}\n{got.stderr[-3000:]}")
     try:
         report = json.loads(got.stdout)
     except ValueError:
         world.fail(f"{what} --json exited 0 without one JSON document on stdout:\n{got.stdout[-2000:]}")
         return
+    stored = report.get("stored")
+    if stored and stored in ids and not world.branches.on(ids[stored]):
+        world.fail(f"{what} named {stored} the newest, a checkpoint of an abandoned branch:\n{got.stderr[-3000:]}")
     # "already there" is a claim about the store now: by every byte, or (`unchanged`, in sync rounds)
     # by the size it names
     files = world.store.files()
     verified_now = report.get("verified_now", [])
     for name in report.get("already", []) + verified_now:
         if name in report.get("unchanged", []) and name not in verified_now:
-            if len(files.get(name, b"")) != len(content(step_of(name))):
+            sizes = {len(content(step_of(name), line)) for line in world.branches.lines() | {0}}
+            if name.endswith(".pt") and len(files.get(name, b"")) not in sizes:
                 world.fail(f"{what} called {name} unchanged, but the store holds another size")
-        elif step_of(name) not in held:
+        elif name not in ids:
             world.fail(f"{what} counted {name} as in the store, but the store's files do not hold it as the trainer "
                        f"wrote it:\n{got.stderr[-3000:]}")
 
 
-def check_stopped(world: World, got: Outcome, stops_before: int, was_running: bool) -> None:
+def check_stopped(world: World, got: Outcome, stops_before: int, was_running: bool, fired: int) -> None:
     """An exit 0 `evacuate --stop`: the save the stop asked for (the trainer's own record: the step it
-    stopped at) is in the store by its bytes, and training no longer runs on the instance."""
+    stopped at) is in the store by its bytes, and training no longer runs on the instance. A training
+    that killed itself in its stop where the test armed it (a prune after the stop's save), or that
+    the test had sent SIGTERM already (every process of it, torchrun too: a worker whose launcher is
+    gone fails in its stop's collectives), recorded no stop: then the newest whole checkpoint it left
+    on the instance is in the store."""
     if got.status != 0:
         return
     if world.trainers():
         world.fail(f"evacuate --stop exited 0 and the training still runs on the instance:\n{got.stderr[-3000:]}")
+    world.refresh()
     stops = world.stops()[stops_before:]
+    stopping = world.sigterm_at is not None and world.sigterm_at == len(world.starts())
+    if was_running and not stops and (len(world.fired) > fired or stopping):
+        newest = newest_of(world, world.on_instance())
+        if newest is not None and not [i for i in world.ids().values() if world.branches.on(i) and i[0] >= newest]:
+            world.fail(f"evacuate --stop exited 0 after the training died in its stop, and the store's "
+                       f"files do not hold its newest checkpoint left on the instance (step {newest}):\n"
+                       f"{got.stderr[-3000:]}")
+        return
     if was_running and not stops:
         world.fail(f"evacuate --stop exited 0, and the training it was to stop never recorded its stop and save:\n"
                    f"{got.stderr[-3000:]}")
-    if stops and stops[-1] not in world.held():
+    if stops and not [i for i in world.ids().values() if i[0] == stops[-1] and world.branches.on(i)]:
         world.fail(f"evacuate --stop exited 0, but the save the stop asked for (step {stops[-1]}, the trainer's own "
                    f"record) is not in the store's files as the trainer wrote it:\n{got.stderr[-3000:]}")
 
 
 def check_resume(world: World, got: Outcome, starts_before: int, verified: int | None,
-                 had: dict[int, str]) -> None:
-    """`up` never resumes from a checkpoint older than the newest the store holds, nor from bytes that
-    are not what the trainer wrote."""
+                 had: dict[str, Ident], fired: int, wanted: str | None = None) -> None:
+    """`up` never resumes from a checkpoint older than the current branch's newest the store holds,
+    nor from another branch's, nor from bytes that are not what the trainer wrote (a DCP checkpoint
+    missing a node's part among them). A training that dies as it starts is a failure, unless it
+    killed itself there as the test asked (a prune's leftover removed at the start)."""
+    landed = lambda: len(world.fired) > fired     # noqa: E731
+    world.refresh()
+    if got.status == 4 and world.script != TRAINER.name and not landed():
+        world.fail(f"the training died as it started, and no fault of the test's was landed in it:\n"
+                   f"{got.stderr[-3000:]}")
     if got.status != 0 or "already running" in got.stderr:
         return
-    lines = wait_for("the trainer to record its start", lambda: world.starts()[starts_before:], timeout=30)
+
+    def started() -> list[str] | str:
+        world.refresh()
+        return world.starts()[starts_before:] or ((landed() or not world.trainers()) and "ended")
+
+    lines = wait_for("the trainer to record its start", started, timeout=120)
+    if lines == "ended":
+        if not landed():
+            world.fail(f"`up` exited 0 and the training ended before it recorded its start:\n{got.stderr[-3000:]}")
+        return
     line = lines[0].split()
     if line[0] == "fresh":
-        if verified is not None or had:
+        if verified is not None or newest_of(world, had) is not None:
             world.fail(f"up started fresh while the store held step {verified} and the instance had "
                        f"{sorted(had)}:\n{got.stderr[-3000:]}")
         return
     _, name, digest, step = line
-    if digest != expected(int(step)):
-        world.fail(f"up resumed from {name} whose bytes are not what the trainer wrote (damaged or partial)")
-    if verified is not None and int(step) < verified:
+    ident = world.identify(int(step), digest)
+    if ident is None:
+        world.fail(f"up resumed from {name} whose bytes are not what the trainer wrote (damaged, partial, a "
+                   f"node's part missing)")
+    assert ident is not None
+    if wanted is not None and name != wanted:
+        world.fail(f"up --checkpoint {wanted} resumed from {name}:\n{got.stderr[-3000:]}")
+    if not world.branches.on(ident):
+        world.fail(f"up resumed from {name} (step {step}), a checkpoint of the branch a rollback abandoned:\n"
+                   f"{got.stderr[-3000:]}")
+    if wanted is None and verified is not None and int(step) < verified:
         world.fail(f"up resumed from step {step} while the store held step {verified}:\n{got.stderr[-3000:]}")
 
 
@@ -424,10 +663,98 @@ def check_credentials(world: World, what: str) -> None:
         world.fail(f"after {what}, the store's secret is on a command line on the instance")
 
 
+def check_counted_whole(world: World, what: str) -> None:
+    """A checkpoint folder under its own name on the instance (`step-N` with DCP's `.metadata`, which
+    the Checkpointer, relaunch's layout and `up` count as complete) holds every file its `.metadata`
+    names: a prune cut short leaves a `tmp-` folder, never a counted one with files gone. (One node:
+    a group's node 0 holds only its own part.)"""
+    home = world.disk()
+    if world.others or home is None:
+        return
+    from relaunch.layouts.dcp import required_files
+    try:
+        folders = [e for e in os.scandir(home / "ckpt") if re.fullmatch(r"step-\d+", e.name) and e.is_dir()]
+    except OSError:
+        return
+    for folder in folders:
+        try:
+            metadata = (Path(folder.path) / ".metadata").read_bytes()
+            have = set(os.listdir(folder.path))
+            missing = sorted(required_files(metadata) - have) if metadata else []
+        except (OSError, ValueError):        # renamed away meanwhile; no metadata: not counted
+            continue
+        if missing:
+            world.fail(f"after {what}, {folder.name} in checkpoint.dir on the instance has its .metadata and misses "
+                       f"{', '.join(missing)}: counted complete (newest, restore, evacuate) with files gone")
+
+
+def whole_somewhere(world: World) -> list[Ident]:
+    """The current branch's whole checkpoints: on the instance (every node's part), or verified in the
+    store (listed, and there by its bytes)."""
+    listed = world.listed()
+    found = list(world.on_instance().values()) + [i for n, i in world.ids().items() if n in listed]
+    return [i for i in found if world.branches.on(i)]
+
+
+def check_branches(world: World, what: str, got: Outcome | None, copied: bool = False) -> None:
+    """After every step, in the world: the abandoned branch stays where the user was told, nothing of
+    the current branch is set aside, "newest" is the current branch's (on the instance once a command
+    that read it ended well; in the store once a copy did), and a whole checkpoint never goes missing
+    but by a loss the test made itself."""
+    world.refresh()
+    on = world.branches.on
+    if got is not None and got.status == 0:
+        for name, ident in world.on_instance().items():
+            if not on(ident):
+                world.fail(f"after {what} (exit 0), {name} in checkpoint.dir on the instance is a checkpoint of the "
+                           f"branch a rollback abandoned ({ident}), where every layout counts it")
+    asides = world.instance_asides()
+    for (branch, name), ident in asides.items():
+        if on(ident):
+            world.fail(f"after {what}, {name}, a save of the current branch, is set aside on the instance ({branch})")
+    ids = world.ids()
+    for record in world.store.manifest().get("checkpoints", []):
+        ident = ids.get(record["name"])
+        if record.get("aside") and ident is not None and on(ident):
+            world.fail(f"after {what}, the store sets {record['name']}, a save of the current branch, aside")
+    listed = world.listed()
+    if copied and got is not None and got.status == 0:
+        newest = max((ids[n] for n in listed if n in ids), default=None)
+        if newest is not None and not on(newest):
+            world.fail(f"after {what} (exit 0), the store's newest checkpoint of the current branch is an abandoned "
+                       f"branch's: {newest}:\n{got.stderr[-3000:]}")
+    for gone in world.abandoned:
+        if gone.node is None:
+            kept = gone.name in world.hurt or ids.get(gone.name) == gone.ident or \
+                world.store.kept_aside(gone.name, gone.ident)
+        else:
+            # (a rollback's `up` killed part way leaves it in checkpoint.dir: the next command completes it)
+            kept = gone.lost or any(n == gone.name and i == gone.ident for (_, n), i in asides.items()) or \
+                world.on_instance().get(gone.name) == gone.ident
+        if not kept:
+            where = "in the store" if gone.node is None else "set aside on the instance"
+            world.fail(f"after {what}, {gone.name} of the abandoned branch ({gone.ident}) is no longer {where}, "
+                       "where the user was told it is kept")
+    check_counted_whole(world, what)
+    whole_now = whole_somewhere(world)
+    if world.whole_before and not whole_now:
+        try:        # a save, a prune, a rename in flight: look again until the folders settle
+            whole_now = wait_for("a whole checkpoint of the current branch", lambda: whole_somewhere(world),
+                                 timeout=30, every=1)
+        except AssertionError:
+            world.fail(f"after {what}, no whole checkpoint of the current branch is left, on the instance (every "
+                       "node's part) or verified in the store, and the test removed none")
+    world.whole_before = bool(whole_now)
+
+
 # -- one schedule ---------------------------------------------------------------------------------------
-COMMANDS = ["up", "up", "sync", "evacuate", "evacuate", "evacuate-stop", "watch", "lose-instance"]
+COMMANDS = ["up", "up", "sync", "evacuate", "evacuate", "evacuate-stop", "watch", "lose-instance", "rollback"]
 DURING = ["none", "none", "none", "kill-9", "ctrl-c", "silent", "store-full"]
 BETWEEN = ["none", "none", "none", "flip", "delete", "sigterm-training"]
+# the Checkpointer kills itself: part way through a prune; between the two renames of a node's save
+# (node 1's at every save, node 0's only for a step saved again: a group's)
+LANDED = {"single": ["kill-in-prune"], "group": ["kill-in-prune", "kill-in-resave"]}
+GROUP_PORT = 29531
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -439,9 +766,11 @@ def test_random_schedules_keep_every_promise(seed, tmp_path, sandbox, ssh, ssh_k
         kind_store = "hf" if (seed // (len(KINDS) * len(SCENARIOS))) % 2 else "local"
     else:
         kind_store = kind
+    checkpointer, grouped = trains_with_checkpointer(seed), as_group(seed)
     home = tmp_path / "state"
     mount = None
     index_dir = None
+    files = {"chaos_trainer.py": "~/chaos_trainer.py"}
     if kind_store == "rclone":
         anchor = sandbox()                   # holds the address the S3 server listens on, for the whole schedule
         server = s3_remote(bind=host_side_address(anchor))
@@ -449,7 +778,7 @@ def test_random_schedules_keep_every_promise(seed, tmp_path, sandbox, ssh, ssh_k
         inst = sandbox(rate="8mbit", index_dir=package_index)
         store: FolderStore | HubStore = FolderStore(server.bucket_dir / "c")
         env, secret = server.env, server.secret_key
-        sections = {"env": {"index_url": inst.index_url, "files": {"chaos_trainer.py": "~/chaos_trainer.py"}},
+        sections = {"env": {"index_url": inst.index_url, "files": files},
                     "checkpoint": {"remote": f"rclone:{server.name}:{server.bucket}/c", "via": "instance"}}
     elif kind_store == "hf" and (seed // len(KINDS)) % 2:     # the instance runs `hf` itself, with the token
         anchor = sandbox()                   # holds the address the Hub listens on, for the whole schedule
@@ -459,36 +788,53 @@ def test_random_schedules_keep_every_promise(seed, tmp_path, sandbox, ssh, ssh_k
         inst = sandbox(rate="8mbit", index_dir=package_index)
         store, env = HubStore(hub, "acme/chaos", "run"), hub.env(tmp_path / "hfhome")
         secret = hub.token
-        sections = {"env": {"index_url": inst.index_url, "files": {"chaos_trainer.py": "~/chaos_trainer.py"}},
+        sections = {"env": {"index_url": inst.index_url, "files": files},
                     "checkpoint": {"remote": "hf:acme/chaos/run", "via": "instance"}}
     elif kind_store == "hf":
         hub = hf_hub(lfs_threshold=1000)
         hub.store.create_repo("model", "acme/chaos")
         inst = sandbox(rate="8mbit")
         store, env, secret = HubStore(hub, "acme/chaos", "run"), hub.env(tmp_path / "hfhome"), None
-        sections = {"env": {"files": {"chaos_trainer.py": "~/chaos_trainer.py"}},
-                    "checkpoint": {"remote": "hf:acme/chaos/run", "via": "local"}}
+        sections = {"env": {"files": files}, "checkpoint": {"remote": "hf:acme/chaos/run", "via": "local"}}
     else:
         mount = tmp_path / "storefs"
         mount.mkdir()
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], check=True)
-        inst = sandbox(rate="8mbit")
+        index_dir = package_index if checkpointer else None
+        inst = sandbox(rate="8mbit", **({"index_dir": package_index} if checkpointer else {}))
         store, env, secret = FolderStore(mount / "store"), {}, None
-        sections = {"env": {"files": {"chaos_trainer.py": "~/chaos_trainer.py"}},
-                    "checkpoint": {"remote": str(mount / "store")}}
+        sections = {"env": {"files": files}, "checkpoint": {"remote": str(mount / "store")}}
     shutil.copy(TRAINER, tmp_path / "chaos_trainer.py")
     name = f"chaos{seed}"
-    recipe = plain_recipe(tmp_path, name=name, key=ssh_key, command='python ~/chaos_trainer.py "{{ checkpoint }}"',
-                          **sections)
+    command = 'python ~/chaos_trainer.py "{{ checkpoint }}"'
+    others = []
+    if checkpointer:
+        # torch from the example's lock; the trainer under torchrun, on one node or two (a folder each)
+        shutil.copy(CKPT_TRAINER, tmp_path / CKPT_TRAINER.name)
+        shutil.copy(EXAMPLE / "requirements.lock", tmp_path / "requirements.lock")
+        files[CKPT_TRAINER.name] = f"~/{CKPT_TRAINER.name}"
+        sections["env"].update(index_url=inst.index_url, lock="requirements.lock",
+                               vars={"CHAOS_KEEP": "1" if grouped else "2", "OMP_NUM_THREADS": "1"})
+        sections["checkpoint"].update(layout="dcp", keep=1 if grouped else 2)
+        sections["run"] = {"nproc_per_node": 1, "ready": "^(resumed|fresh|started rank)", "grace": 180,
+                           "stop": {"signal": "TERM", "timeout": 120}}
+        command = ("torchrun --nnodes {{ nnodes }} --node-rank {{ node_rank }} --nproc-per-node 1 "
+                   f"--master-addr {{{{ master_addr }}}} --master-port {GROUP_PORT} ~/{CKPT_TRAINER.name} "
+                   '"{{ checkpoint }}"')
+        if grouped:
+            others = [sandbox(rate="8mbit", index_dir=package_index)]
+    recipe = plain_recipe(tmp_path, name=name, key=ssh_key, command=command, **sections)
     world = World(seed, tmp_path, sandbox, ssh, recipe, name, store, home, inst, env, secret, index_dir,
-                  local_disk=mount)
+                  local_disk=mount, script=CKPT_TRAINER.name if checkpointer else TRAINER.name, others=others)
     try:
         if scenario is not None:
             world.trace.append(f"watch schedule: {scenario}, {kind_store} store")
             watch_schedule(world, rng, scenario, ssh_key)
         else:
-            world.trace.append(f"{kind_store} store, via {sections['checkpoint'].get('via', 'local')}")
-            schedule(world, rng)
+            trainer = ("relaunch.train.Checkpointer" + (", a 2-node group, keep 1" if grouped else "")
+                       if checkpointer else "files")
+            world.trace.append(f"{kind_store} store, via {sections['checkpoint'].get('via', 'local')}; {trainer}")
+            schedule(world, rng, LANDED["group" if grouped else "single"] if checkpointer else [])
         print(f"chaos schedule {seed}:", *world.trace, sep="\n  ")      # shown with -s, and in the long run's log
     finally:
         if mount is not None:
@@ -496,12 +842,12 @@ def test_random_schedules_keep_every_promise(seed, tmp_path, sandbox, ssh, ssh_k
 
 
 def args_for(world: World, command: str) -> list[str]:
-    host = world.inst.host
-    return {"up": ["up", str(world.recipe), host],
-            "sync": ["sync", str(world.recipe), host, "--once", "--json"],
-            "evacuate": ["evacuate", str(world.recipe), host, "--json"],
-            "evacuate-stop": ["evacuate", str(world.recipe), host, "--stop", "--json"],
-            "watch": ["watch", str(world.recipe), host, "--json"]}[command]
+    hosts = world.hosts()
+    return {"up": ["up", str(world.recipe), *hosts],
+            "sync": ["sync", str(world.recipe), *hosts, "--once", "--json"],
+            "evacuate": ["evacuate", str(world.recipe), *hosts, "--json"],
+            "evacuate-stop": ["evacuate", str(world.recipe), *hosts, "--stop", "--json"],
+            "watch": ["watch", str(world.recipe), *hosts, "--json"]}[command]
 
 
 def nothing_saved_yet(world: World, rng: random.Random) -> None:
@@ -517,43 +863,54 @@ def nothing_saved_yet(world: World, rng: random.Random) -> None:
         world.fail(f"{command} on a fresh instance put checkpoints in the store: {sorted(world.held())}")
 
 
-def schedule(world: World, rng: random.Random) -> None:
-    if rng.random() < 0.3:
+def schedule(world: World, rng: random.Random, landed: list[str]) -> None:
+    # what happens, drawn before anything runs: the same seed is the same schedule whatever the timing
+    plan = random.Random(rng.random())
+    first_sync = plan.random() < 0.3
+    hold = plan.random() < 0.3
+    steps = [(plan.choice(BETWEEN + landed), plan.choice(COMMANDS), plan.choice(DURING)) for _ in range(STEPS)]
+    if first_sync:
         nothing_saved_yet(world, rng)
-    hold = rng.random() < 0.3
     if hold:        # the training saves nothing until the test lets it
         world.ssh(world.inst, "touch ~/hold-saves", timeout=30)
     first = run(world, rng, args_for(world, "up"), "none")
-    world.trace.append(f"up {world.inst.host}{' (saves held)' if hold else ''} -> {first.status}")
+    world.trace.append(f"up {' '.join(world.hosts())}{' (saves held)' if hold else ''} -> {first.status}")
     if first.status != 0:
         world.fail(f"the first up failed:\n{first.stderr[-3000:]}")
+    world.refresh()
     if hold:
         unsaved(world, rng)
-    for _ in range(STEPS):
-        between = rng.choice(BETWEEN)
+    for between, command, fault in steps:
         if between == "flip":
             world.trace.append(flip_byte(world, rng))
         elif between == "delete":
             world.trace.append(delete_file(world, rng))
         elif between == "sigterm-training":
             world.trace.append(sigterm_training(world, rng))
+        elif between.startswith("kill-in-"):
+            world.trace.append(arm(world, rng, between))
+        if between in ("flip", "delete"):
+            world.whole_before = bool(whole_somewhere(world))     # a loss the test made itself
         world.training_moves_on(rng.randint(1, 20))
-        command = rng.choice(COMMANDS)
-        fault = rng.choice(DURING)
         if fault == "store-full" and world.local_disk is None:
             fault = "none"
         if command == "lose-instance":
-            lose_instance(world, rng)
-            continue
-        step(world, rng, command, fault)
+            got: Outcome | None = lose_instance(world, rng)
+        elif command == "rollback":
+            got = rollback(world, rng, fault)
+        else:
+            got = step(world, rng, command, fault)
+        check_branches(world, command, got, copied=command in ("sync", "evacuate", "evacuate-stop"))
 
 
 def step(world: World, rng: random.Random, command: str, fault: str) -> Outcome:
     args = args_for(world, command)
+    world.refresh()
     before = world.on_instance()
     verified = world.newest_held()
     starts = len(world.starts())
     stops = len(world.stops())
+    fired = len(world.fired)
     running = bool(world.trainers())
     got = watch_for_a_while(world, rng, args, fault) if command == "watch" else run(world, rng, args, fault)
     world.trace.append(f"{command} ({fault}) -> {'killed' if got.status is None else got.status}")
@@ -561,9 +918,9 @@ def step(world: World, rng: random.Random, command: str, fault: str) -> Outcome:
     if command in ("sync", "evacuate", "evacuate-stop"):
         check_safe(world, command, got, before)
     if command == "evacuate-stop":
-        check_stopped(world, got, stops, running)
+        check_stopped(world, got, stops, running, fired)
     if command == "up":
-        check_resume(world, got, starts, verified, before)
+        check_resume(world, got, starts, verified, before, fired)
     check_credentials(world, command)
     return got
 
@@ -618,36 +975,120 @@ def watch_for_a_while(world: World, rng: random.Random, args: list[str], fault: 
     return got
 
 
-def lose_instance(world: World, rng: random.Random) -> None:
-    """The provider reclaims the instance without a word; a new one comes up, often at the same
-    address with a new host key, and `up` there must resume from the newest verified checkpoint."""
+def lose_instance(world: World, rng: random.Random) -> Outcome:
+    """The provider reclaims the instance (a group's: one of its nodes) without a word; a new one
+    comes up, often at the same address with a new host key, and `up` there must resume from the
+    newest verified checkpoint of the current branch."""
+    world.refresh()
     verified = world.newest_held()
     listed = bool(world.store.manifest().get("checkpoints"))
-    old = world.inst
+    nodes = world.nodes()
+    k = rng.randrange(len(nodes))
+    old = nodes[k]
+    fork = world.branches.forks[-1] if world.branches.forks else None
+    if fork is not None and fork.line == world.branches.current:
+        known = world.store_branches().union(*(world.lineage_ids(n) for n in nodes if n is not old))
+        if fork.ids and not fork.ids & known:
+            # a rollback that only this instance knew of (its lineage file; the store never heard of
+            # it) goes with it: the branch it left is the current one again
+            world.branches.forget(fork)
+            world.abandoned = [a for a in world.abandoned if a.fork != fork.line]
+            world.trace.append(f"the rollback to {fork.name} was known only to {old.host}: forgotten with it")
     sb.destroy(old.name)
+    for gone in world.abandoned:
+        gone.lost = gone.lost or gone.node is not None
     # providers reuse addresses: most often the new one gets the old address (and a new host key)
     where = {"address": old.address} if rng.random() < 0.8 else {}
-    world.inst = world.sandbox(rate="8mbit", index_dir=world.index_dir, **where) if world.index_dir else \
+    new = world.sandbox(rate="8mbit", index_dir=world.index_dir, **where) if world.index_dir else \
         world.sandbox(rate="8mbit", **where)
-    world.trace.append(f"lose {old.host}; new instance {world.inst.host}")
-    got = run(world, rng, ["up", str(world.recipe), world.inst.host], "none")
-    if world.inst.address == old.address:
-        world.trace.append(f"up {world.inst.host} (same address, new host key) -> {got.status}")
+    if k == 0:
+        world.inst = new
+    else:
+        world.others[k - 1] = new
+    world.trace.append(f"lose {old.host}; new instance {new.host}")
+    world.refresh()
+    world.whole_before = bool(whole_somewhere(world))       # a loss the test made itself
+    starts, fired, had = len(world.starts()), len(world.fired), world.on_instance()
+    got = run(world, rng, args_for(world, "up"), "none")
+    if new.address == old.address:
+        world.trace.append(f"up {new.host} (same address, new host key) -> {got.status}")
         if got.status != 3 or "HOST KEY CHANGED" not in got.stderr:
             world.fail(f"up on a reused address with a new host key was not refused:\n{got.stderr[-3000:]}")
-        got = run(world, rng, ["up", "--accept-new-host-key", str(world.recipe), world.inst.host], "none")
-    world.trace.append(f"up {world.inst.host} -> {got.status}")
+        got = run(world, rng, ["up", "--accept-new-host-key", *args_for(world, "up")[1:]], "none")
+    world.trace.append(f"up {' '.join(world.hosts())} -> {got.status}")
     check_exit(world, "up", got)
     if verified is None and listed and got.status != 0:
         # every checkpoint the store lists was damaged or deleted by this schedule: nothing to resume
         # from, said as such (a fresh start with the losses named would be exit 0, checked below)
         if got.status != 5 or "Error: " not in got.stderr:
             world.fail(f"up with only damaged checkpoints in the store did not say so (exit 5):\n{got.stderr[-3000:]}")
-        return
+        return got
     if got.status != 0:
         world.fail(f"up on the new instance failed without a fault:\n{got.stderr[-3000:]}")
-    check_resume(world, got, 0, verified, {})
+    check_resume(world, got, starts, verified, had, fired)
     check_credentials(world, "up")
+    return got
+
+
+def stop_training(world: World, rng: random.Random) -> None:
+    """The training stopped with its save, as a user does before going back (`up` leaves a running one alone)."""
+    if not world.trainers():
+        return
+    got = step(world, rng, "evacuate-stop", "none")
+    check_branches(world, "evacuate-stop", got, copied=True)
+    if world.trainers():            # the stop's copy failed (a damaged store, say): the stop itself
+        world.trace.append(sigterm_training(world, rng))
+        wait_for("the training to end", lambda: not world.trainers(), timeout=DEADLINE)
+
+
+def rollback(world: World, rng: random.Random, fault: str) -> Outcome | None:
+    """Back to an older checkpoint of the current branch (after a loss spike), in the store or on the
+    instance, while newer ones exist: `up --checkpoint NAME`, with a fault while it runs. Once relaunch
+    acted on it (its lineage file or the store's manifest say so, or training resumed it), the later
+    checkpoints are an abandoned branch's: kept where the user was told, never counted again."""
+    stop_training(world, rng)
+    world.refresh()
+    here, ids, listed = world.on_instance(), world.ids(), world.listed()
+    known = {n: i for n, i in {**{n: i for n, i in ids.items() if n in listed}, **here}.items()
+             if world.branches.on(i)}
+    newest = max((i[0] for i in known.values()), default=None)
+    older = sorted(n for n, i in known.items() if newest is not None and i[0] < newest)
+    if not older:
+        world.trace.append(f"rollback: nothing older than the newest to go back to ({sorted(known)})")
+        return None
+    name = rng.choice(older)
+    at = known[name]
+    later_here = {n: i for n, i in here.items() if i[0] > at[0]}
+    later_stored = {n: i for n, i in ids.items() if n in listed and i[0] > at[0] and world.branches.on(i)}
+    line = 1 + max((n for n in world.branches.lines() if n < 1_000_000), default=0)
+    world.ssh(world.inst, f"echo {line} {name} > ~/branch", timeout=30)
+    lineage, branches = world.lineage_ids(), world.store_branches()
+    starts, fired = len(world.starts()), len(world.fired)
+    before = world.read("line").strip()
+    got = run(world, rng, ["up", str(world.recipe), *world.hosts(), "--checkpoint", name], fault)
+    world.trace.append(f"rollback: up --checkpoint {name} (step {at[0]}, the newest {newest}) ({fault}) -> "
+                       f"{'killed' if got.status is None else got.status}")
+    check_exit(world, "up --checkpoint", got)
+    check_resume(world, got, starts, None, here, fired, wanted=name)
+    if got.status == 0:
+        untold = [n for n in sorted({**later_here, **later_stored}) if n not in got.stderr]
+        if untold:
+            world.fail(f"up --checkpoint {name} did not say where the later {', '.join(untold)} went:\n"
+                       f"{got.stderr[-3000:]}")
+    if world.trainers():
+        wait_for("the trainer to record its start",
+                 lambda: world.starts()[starts:] or len(world.fired) > fired or not world.trainers(), timeout=120)
+    taken = (world.lineage_ids() - lineage) | (world.store_branches() - branches)
+    resumed = any(s.split()[:2] == ["resumed", name] for s in world.starts()[starts:])
+    if not taken and not resumed:
+        world.ssh(world.inst, "rm -f ~/branch", timeout=30)
+        world.trace.append(f"rollback to {name} not taken")
+        return got
+    world.branches.fork(line, name, at, taken, int(before) if before.isdigit() else None)
+    world.abandoned += [Abandoned(n, i, world.inst.name, line) for n, i in later_here.items()]
+    world.abandoned += [Abandoned(n, i, None, line) for n, i in later_stored.items() if n not in world.hurt]
+    world.trace.append(f"a new branch from {name}: abandoned {sorted({**later_here, **later_stored})}")
+    return got
 
 
 # -- a watch left alone ---------------------------------------------------------------------------------
@@ -818,7 +1259,7 @@ def rebalance(world: World, metadata: Any, until: Any) -> None:
     """A rebalance recommendation: a round at once (after the one in flight, which began before it), whose
     checkpoint the store's files hold; training goes on."""
     err = world.tmp / "watch.err"
-    newest = max(world.on_instance(), default=None)
+    newest = max((ident[0] for ident in world.on_instance().values()), default=None)
     metadata.recommend_rebalance()
     world.trace.append("rebalance recommended")
 
@@ -839,6 +1280,7 @@ def loss(world: World, nodes: list[sb.Instance], until: Any) -> None:
     """The instance goes silent: the watch rents one replacement, names it, and training resumes there from
     the newest checkpoint the store holds (the trainer's own record of what it read)."""
     err = world.tmp / "watch.err"
+    world.refresh()             # the trainer's line: what the replacement's resume must read
     verified = world.newest_held()
     go_silent(world.inst)
     world.trace.append(f"{world.inst.host} goes silent (newest held: {verified})")
@@ -847,7 +1289,7 @@ def loss(world: World, nodes: list[sb.Instance], until: Any) -> None:
     world.trace.append(f"training resumed on {host}")
     address = host.split("@")[-1].rsplit(":", 1)[0]
     world.inst = next(i for i in sb.list_instances() if i.address == address)
-    check_resume(world, Outcome(0, "", ""), 0, verified, {})
+    check_resume(world, Outcome(0, "", ""), 0, verified, {}, len(world.fired))
 
 
 def group(world: World, nodes: list[sb.Instance], until: Any) -> None:

@@ -526,6 +526,9 @@ GROUP = """
 
     if phase == "start":
         sys.exit(0)
+    if phase == "resume":               # a start without a path: the newest whole across the nodes
+        print("resumed at step", ckpt.restore(None), flush=True)
+        sys.exit(0)
     if phase.startswith("again"):        # a start over without restoring: 20 saved again, other weights
         step(2.0)
     else:
@@ -628,3 +631,25 @@ def test_a_failed_commit_of_a_step_saved_again_takes_the_new_part_off_a_node_tha
     assert not (nodes[1] / "step-00000020").exists()
     assert group_complete(nodes) == ["step-00000010"]
     assert not [p for node in nodes for p in node.iterdir() if p.name.startswith("tmp-")]
+
+
+def test_a_group_start_passes_over_a_checkpoint_a_replaced_node_held_part_of(tmp_path):
+    """Node 1 replaced (its disk with it) since step 20 was saved: a start without a path (what `up`
+    runs when the store holds nothing verified) resumes step 10, whole on both nodes, and says why
+    not step 20, a file of which is on no node; it took rank 0's step 20 by its `.metadata` and
+    failed loading it, at every start (the chaos long run, seed 1224)."""
+    nodes = [tmp_path / "node0" / "ckpt", tmp_path / "node1" / "ckpt"]
+    assert [code for code, _ in run_group(tmp_path, nodes, "first")] == [0, 0]
+    whole = tmp_path / "step-00000010"                       # step 10 whole on every node, as `up` restores it
+    for node in nodes:
+        shutil.copytree(node / "step-00000010", whole, dirs_exist_ok=True)
+    shutil.rmtree(nodes[1])                                  # a new node 1: nothing of step 20 on it
+    for node in nodes:
+        shutil.copytree(whole, node / "step-00000010", dirs_exist_ok=True)
+    (zero, out0), (one, out1) = run_group(tmp_path, nodes, "resume")
+    assert (zero, one) == (0, 0), out0[-3000:] + out1[-3000:]
+    assert "resumed at step 10" in out0 and "resumed at step 10" in out1
+    assert "step-00000020 is not resumed: 1 of its files are on no node (__1_0.distcp)" in out0, out0
+    # rank 0's part of step 20 is kept, set aside with the branch it no longer is
+    assert group_complete(nodes) == ["step-00000010"]
+    assert list((nodes[0] / train.ASIDE_DIR).rglob("step-00000020"))

@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,42 @@ def test_a_trainers_own_rollback_reaches_the_store_with_the_next_copy_round(tmp_
     kept = store / ".relaunch" / "aside" / branch["id"] / "ckpt-00000020.pt"
     assert hashlib.sha256(kept.read_bytes()).hexdigest() == old[20]
     assert [c["name"] for c in manifest_of(store)["checkpoints"] if c.get("aside")] == ["ckpt-00000030.pt"]
+
+
+def test_a_rollback_on_a_full_store_disk_says_so_and_the_same_up_completes_it_once_there_is_room(
+        tmp_path, sandbox, ssh, ssh_key):
+    """`up --checkpoint` of an older checkpoint while the store's disk is full (a local store on a
+    small tmpfs): exit 5 naming the store and the full disk, no traceback, the store's manifest as it
+    was and no training started; once there is room, the same `up` trains, and the next copy round
+    sets the later records aside in the store. (The chaos long run, seed 1212: an internal error,
+    exit 1.)"""
+    inst = sandbox()
+    home, store = tmp_path / "state", tmp_path / "store"
+    store.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(store)], check=True)
+    try:
+        recipe = plain_recipe(tmp_path, name="full-aside", key=ssh_key, checkpoint={"keep": 3})
+        for step in (10, 20, 30):
+            plant(ssh, inst, step)
+        assert run_cli("evacuate", str(recipe), inst.host, home=home).returncode == 0
+        before = (store / ".relaunch" / "manifest.json").read_bytes()
+        filler = store / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)   # until it is full
+
+        full = run_cli("up", str(recipe), inst.host, "--checkpoint", "ckpt-00000010.pt", home=home)
+        assert full.returncode == 5, full.stderr
+        assert f"in the store {store} failed: No space left on device" in full.stderr, full.stderr
+        assert "internal error" not in full.stderr and "Traceback" not in full.stderr
+        assert (store / ".relaunch" / "manifest.json").read_bytes() == before
+        assert "sleep 600" not in ssh(inst, "ps -eo args").stdout
+
+        filler.unlink()
+        again = run_cli("up", str(recipe), inst.host, "--checkpoint", "ckpt-00000010.pt", home=home)
+        assert again.returncode == 0, again.stderr
+        assert wait_for("the training", lambda: "sleep 600" in ssh(inst, "ps -eo args").stdout)
+        # the instance's lineage file holds the branch: the next copy round tells the store
+        assert run_cli("sync", str(recipe), inst.host, "--once", home=home).returncode == 0
+        assert sorted(c["name"] for c in manifest_of(store)["checkpoints"] if c.get("aside")) == \
+            ["ckpt-00000020.pt", "ckpt-00000030.pt"]
+    finally:
+        subprocess.run(["umount", "-l", str(store)], check=False)

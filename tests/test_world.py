@@ -15,6 +15,7 @@ import pytest
 
 from conftest import host_side_address
 from e2e import plain_recipe, run_cli, start_cli, wait_for
+from relaunch.sandbox.console import anchor_pid
 from test_faults import plant, records
 
 
@@ -165,6 +166,55 @@ def test_a_record_whose_bytes_are_gone_does_not_count_towards_keep(tmp_path, san
             and "missing from the store; it does not count towards checkpoint.keep" in evac.stderr)
     assert "pruned ckpt-00000010.pt" not in evac.stderr
     assert sha(store / "ckpt-00000010.pt") == older
+    assert set(records(store)) == {"ckpt-00000010.pt", "ckpt-00000020.pt", "ckpt-00000030.pt"}
+
+
+# training saves again right after evacuate found the newest, ckpt-20, already in the store by its
+# record (its store check left for the verdict's, which is then the newer one's)
+SAVES_AFTER_THE_NEWEST = """
+import os
+import sys
+from relaunch.cli.main import main
+from relaunch.cycle import evacuation
+
+one = evacuation._evacuate_one
+
+def then_training_saves(jobs, store, executor, cp, *args, **kwargs):
+    copied = one(jobs, store, executor, cp, *args, **kwargs)
+    new = os.path.join(CKPT, "ckpt-00000030.pt")
+    if cp.name == "ckpt-00000020.pt" and not os.path.exists(new):
+        with open(new + ".tmp", "wb") as handle:
+            handle.write(os.urandom(3000))
+        os.replace(new + ".tmp", new)
+    return copied
+
+evacuation._evacuate_one = then_training_saves
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_newest_that_training_overtakes_is_checked_in_the_store_before_it_counts(tmp_path, sandbox, ssh, ssh_key):
+    """keep: 2. The store's ckpt-20 lost its bytes; evacuate finds ckpt-20 the instance's newest and
+    in the store by its record, and training saves ckpt-30 meanwhile. ckpt-20 is checked in the store
+    like any other and copied again: it was reported already there, and counted towards keep, with
+    its bytes gone (the chaos long run, seed 1216)."""
+    home, inst = tmp_path / "state", sandbox()
+    recipe = plain_recipe(tmp_path, name="overtaken", key=ssh_key)
+    store = tmp_path / "store"
+    plant(ssh, inst, 10)
+    newest = plant(ssh, inst, 20)
+    assert run_cli("evacuate", str(recipe), inst.host, home=home).returncode == 0
+    (store / "ckpt-00000020.pt").unlink()                 # a lifecycle rule
+
+    ckpt = f"/proc/{anchor_pid(inst.name)}/root{inst.home}/ckpt"
+    evac = run_cli("evacuate", str(recipe), inst.host, "--json", home=home,
+                   script=f"CKPT = {ckpt!r}\n" + SAVES_AFTER_THE_NEWEST)
+    assert evac.returncode == 0, evac.stderr
+    assert "training wrote ckpt-00000030.pt meanwhile" in evac.stderr
+    assert "ckpt-00000020.pt is in the store's manifest, but the store" in evac.stderr
+    report = json.loads(evac.stdout)
+    assert "ckpt-00000020.pt" in report["copied"] and "ckpt-00000020.pt" not in report["already"]
+    assert sha(store / "ckpt-00000020.pt") == newest
     assert set(records(store)) == {"ckpt-00000010.pt", "ckpt-00000020.pt", "ckpt-00000030.pt"}
 
 

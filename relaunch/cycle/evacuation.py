@@ -92,6 +92,7 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
     listing = instance_checkpoints(job)
     at_start = listing[-1] if listing else None     # what a sync round must have verified when it ends
     copied_any = False          # a copy ran (and pinned first)
+    unchecked: dict[str, Checkpoint] = {}     # counted already there, their store check left for the verdict's
     try:
         for _ in range(rounds):
             for cp in reversed(listing[-(1 if newest_only else keep):]):
@@ -99,6 +100,8 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
                     # the newest is checked in the store once, for the verdict, after everything else
                     copied_any = _evacuate_one(jobs, store, executor, cp, report, reverify,
                                                check_store=cp is not listing[-1]) or copied_any
+                    if cp is listing[-1] and cp.name in report.already and cp.name not in report.unchanged:
+                        unchecked[cp.name] = cp
             relist(jobs, remotes)
             listing = [cp for cp in instance_checkpoints(job) if cp.name not in _names(report.damaged)]
             newest = listing[-1] if listing else None
@@ -128,6 +131,11 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
             target = newest
         if target is not None and target.name in report.copied + report.already:
             _check_in_store(jobs, store, executor, target, report, reverify)
+        # a newest that training overtook meanwhile is not the verdict's: checked as any other, before
+        # it counts as already there (and towards `keep`)
+        for name, cp in unchecked.items():
+            if (target is None or name != target.name) and name in report.already:
+                _check_in_store(jobs, store, executor, cp, report, reverify)
         # deletion is the last step of a proof: nothing is pruned before the newest is checked in the store
         if report.copied and target is not None and target.name in report.verified_now:
             report.pruned = _prune(jobs, store, executor, report, keep, reverify)

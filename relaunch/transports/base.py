@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from .. import processes
-from ..errors import EvacuationError
+from ..errors import CheckpointError, EvacuationError
 from ..host.hashing import FileHash
 from ..layouts import Checkpoint
 from ..manifest import EXTRA_HASHES, Branch, CheckpointRecord, FileRecord, Seen, StoreManifest, utc_now
@@ -186,7 +186,14 @@ class Store(ABC):
             if manifest is None:
                 return []
             marked = manifest.branch(branch, everything=True)
-            self.save_manifest(manifest)
+            try:
+                self.save_manifest(manifest)
+            except OSError as exc:      # a full or read-only disk under a folder store: the user's to fix
+                raise CheckpointError(
+                    f"setting the abandoned branch's records aside in the store {self.label} failed: "
+                    f"{exc.strerror or exc}; the manifest is as it was and training did not start",
+                    "free space in the store (nothing was deleted), then rerun the same `relaunch up`",
+                    refused=True) from None
             self.manifest = manifest
             return marked
 
