@@ -279,12 +279,14 @@ def test_a_rollback_on_a_full_store_disk_says_so_and_the_same_up_completes_it_on
         assert f"in the store {store} failed: No space left on device" in full.stderr, full.stderr
         assert "internal error" not in full.stderr and "Traceback" not in full.stderr
         assert (store / ".relaunch" / "manifest.json").read_bytes() == before
-        assert "sleep 600" not in ssh(inst, "ps -eo args").stdout
+        # the instance's own tmux (its /tmp is private; `ps` would list every instance's processes)
+        assert ssh(inst, "tmux has-session -t =full-aside", check=False).returncode != 0
 
         filler.unlink()
         again = run_cli("up", str(recipe), inst.host, "--checkpoint", "ckpt-00000010.pt", home=home)
         assert again.returncode == 0, again.stderr
-        assert wait_for("the training", lambda: "sleep 600" in ssh(inst, "ps -eo args").stdout)
+        assert wait_for("the training", lambda: ssh(inst, "tmux has-session -t =full-aside",
+                                                    check=False).returncode == 0)
         # the instance's lineage file holds the branch: the next copy round tells the store
         assert run_cli("sync", str(recipe), inst.host, "--once", home=home).returncode == 0
         assert sorted(c["name"] for c in manifest_of(store)["checkpoints"] if c.get("aside")) == \
