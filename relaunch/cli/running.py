@@ -93,7 +93,9 @@ def evacuate(recipe: str, hosts: tuple[str, ...], stop: bool, allow_empty: bool,
              as_json: bool, verbose: bool, yes: bool) -> None:
     """Before destroying an instance: copy its checkpoints, env lock and log off it, verify every
     byte, check that the store holds the newest one now, then say `safe to destroy` (exit 0). Any
-    failure, or training progress with no checkpoint to copy: exit 6, DO NOT destroy."""
+    failure, or training progress with no checkpoint to copy: exit 6, DO NOT destroy. A checkpoint
+    saved meanwhile gets another round (3 in all); a training that ended by then, one more for its
+    last save; one that still saves faster than the copies: exit 6 (use --stop)."""
     from .. import cycle
 
     r = load(recipe, overrides, lock_needed=False)

@@ -12,7 +12,7 @@ from typing import Any
 from .. import verdicts
 from ..errors import EvacuationError, Interrupted, RelaunchError, UsageError
 from ..executor import Executor
-from ..gather import gather_group, read_listing, share_listings
+from ..gather import LISTING_DEADLINE, gather_group, read_listing, share_listings
 from ..host.facts import unseen_run
 from ..host.remote import Remote
 from ..host.spec import HostSpec
@@ -28,6 +28,7 @@ from ..steps.evacuate import LOG_TAIL_LINES, Report, Unpinned, hash_action, plan
 from ..steps.group import tag
 from ..steps.guard import newest_logged_step
 from ..steps.launch import tail_command
+from ..steps.stop import ended_command
 from ..transports import Damaged, Mismatch, Store, Vanished, open_store
 from ..transports.base import store_deadline
 from ..ui import UI
@@ -93,8 +94,9 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
     at_start = listing[-1] if listing else None     # what a sync round must have verified when it ends
     copied_any = False          # a copy ran (and pinned first)
     unchecked: dict[str, Checkpoint] = {}     # counted already there, their store check left for the verdict's
+    ended = False               # the training was seen ended: the listing after that is final
     try:
-        for _ in range(rounds):
+        for round_no in range(rounds + 1):
             for cp in reversed(listing[-(1 if newest_only else keep):]):
                 if cp.name not in report.copied + report.already + report.skipped + _names(report.damaged):
                     # the newest is checked in the store once, for the verdict, after everything else
@@ -102,8 +104,7 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
                                                check_store=cp is not listing[-1]) or copied_any
                     if cp is listing[-1] and cp.name in report.already and cp.name not in report.unchanged:
                         unchecked[cp.name] = cp
-            relist(jobs, remotes)
-            listing = [cp for cp in instance_checkpoints(job) if cp.name not in _names(report.damaged)]
+            listing = _relisted(jobs, remotes, report)
             newest = listing[-1] if listing else None
             report.newest = report.newest_step = report.newest_mtime = None
             if newest is not None:
@@ -111,12 +112,20 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
                 report.newest_mtime = max((e.mtime for e in newest.files), default=None)
             if newest is None or not require_newest or newest.name in report.copied + report.already:
                 break
+            if round_no + 1 >= rounds:
+                # out of rounds: a training that has ended writes nothing more, so one more round
+                # copies its last checkpoint; one still running outpaces every round
+                if ended or not _training_ended(jobs, remotes):
+                    raise EvacuationError(
+                        f"{job.host}: training keeps writing new checkpoints faster than they can be copied; "
+                        "the newest is not in the store yet", "stop training first (`relaunch evacuate --stop`), "
+                        "then evacuate again")
+                ended = True
+                listing = _relisted(jobs, remotes, report)
+                ui.step(job.host, "evacuate", f"training has ended; one more round for "
+                                              f"{(listing[-1] if listing else newest).name}")
+                continue
             ui.step(job.host, "evacuate", f"training wrote {newest.name} meanwhile; another round")
-        else:
-            raise EvacuationError(
-                f"{job.host}: training keeps writing new checkpoints faster than they can be copied; the "
-                "newest is not in the store yet", "stop training first (`relaunch evacuate --stop`), then "
-                "evacuate again")
         if not copied_any:
             # no copy ran, so none removed what a killed relaunch may have left pinned: a pin
             # holds the disk space the trainer's rotation meant to free
@@ -265,6 +274,21 @@ def _progress(job: Job, executor: Executor, unseen: str = "") -> verdicts.Progre
                              log_step=newest_logged_step(lines, job.recipe.run.metrics.step),
                              session_alive=host.session_alive, session_age=age, grace=job.recipe.run.grace,
                              unseen=unseen)
+
+
+def _relisted(jobs: list[Job], remotes: dict[str, Remote], report: Report) -> list[Checkpoint]:
+    """The instance's complete checkpoints now, without those found damaged."""
+    relist(jobs, remotes)
+    return [cp for cp in instance_checkpoints(jobs[0]) if cp.name not in _names(report.damaged)]
+
+
+def _training_ended(jobs: list[Job], remotes: dict[str, Remote]) -> bool:
+    """The training runs on no node now (an answer that is not `ended` counts as running)."""
+    for job in jobs:
+        result = remotes[job.host].exec(ended_command(job), deadline=LISTING_DEADLINE)
+        if result.status != 0 or result.stdout.strip() != b"ended":
+            return False
+    return True
 
 
 def relist(jobs: list[Job], remotes: dict[str, Remote]) -> None:

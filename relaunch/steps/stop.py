@@ -74,6 +74,20 @@ def end_command(job: Job) -> str:
             "i=0; while kill -0 -- \"-$pg\" 2>/dev/null && [ $i -lt 50 ]; do sleep 0.2; i=$((i+1)); done; fi; true")
 
 
+def running_test(job: Job) -> str:
+    """Shell test, true while the training runs (after group_script has set `pg`). A run relaunch
+    started ends with its tmux session (run.sh writes the exit status, then exits); in the session
+    of a run started by hand a shell stays when the command ends: its group is what ends."""
+    q = shlex.quote
+    return (f"{{ [ -s {q(job.paths.pgid_file)} ] && tmux has-session -t {q('=' + job.recipe.run.session)} "
+            "2>/dev/null; } || { [ -n \"$pg\" ] && kill -0 -- \"-$pg\" 2>/dev/null; }")
+
+
+def ended_command(job: Job) -> str:
+    """Prints `ended` once the training runs no more, `running` while it does."""
+    return f"{group_script(job)}; if {running_test(job)}; then echo running; else echo ended; fi"
+
+
 def plan_stop(job: Job) -> list[Action]:
     stop, session = job.recipe.run.stop, job.recipe.run.session
     if not job.facts.host.session_alive:
@@ -81,10 +95,7 @@ def plan_stop(job: Job) -> list[Action]:
     q = shlex.quote
     signal = signal_command(job)
     timeout = int(stop.timeout + 0.999)
-    # a run relaunch started ends with its tmux session (run.sh writes the exit status, then exits);
-    # in the session of a run started by hand a shell stays when the command ends: its group is what ends
-    running = (f"{{ [ -s {q(job.paths.pgid_file)} ] && tmux has-session -t {q('=' + session)} 2>/dev/null; }} || "
-               "{ [ -n \"$pg\" ] && kill -0 -- \"-$pg\" 2>/dev/null; }")
+    running = running_test(job)
     wait = (f"{group_script(job)}; end=$((SECONDS + {timeout})); while {running}; do "
             f"if [ \"$SECONDS\" -ge \"$end\" ]; then echo {q(STILL_RUNNING)}; exit 0; fi; sleep 1; done; "
             f"echo \"{STOPPED} $(cat -- {q(job.paths.status_file)} 2>/dev/null)\"")
