@@ -25,6 +25,8 @@ SIZE, KEEP = 200_000, 3
 # the drill's test saves more often, in shorter steps: a save lands between any look and a kill
 EVERY = int(os.environ.get("CHAOS_EVERY", "30"))
 TICK = float(os.environ.get("CHAOS_TICK", "0.1"))
+# the drill's test: a resumed run's steps come slower than the drill's looks at the log
+TICK_RESUMED = float(os.environ.get("CHAOS_TICK_RESUMED", TICK))
 
 
 def content(step: int, line: int = 0) -> bytes:
@@ -98,8 +100,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     saved = step
     hold = Path.home() / "hold-saves"
+    tick = TICK_RESUMED if resume else TICK
     while not stopping:
-        time.sleep(TICK)
+        time.sleep(tick)
         step += 1
         print(f"step {step} loss {1.0 / step:.6f}", flush=True)      # a number of the step alone
         if step % EVERY == 0 and not hold.exists():

@@ -229,8 +229,9 @@ def run_drill(recipe: Recipe, specs: list[HostSpec], ui: UI, resume_on: list[Hos
     ui.say(f"# drill 4/5: resuming on {' '.join(map(str, resume_on))}")
     up(recipe, resume_on, ui, accept_new_host_key=False)
     watch_after = _Watch(recipe, resume_on, ui)
-    resumed = watch_after.until(f"{after} steps after the resume", lambda f: any(s > newest.step + after - 1
-                                                                                for s in f), deadline)
+    # every step run twice is compared: the resumed run trains past the interruption, then `after` more
+    resumed = watch_after.until(f"{after} steps past step {drill.interrupted_at}, where it was interrupted",
+                                lambda f: any(s >= drill.interrupted_at + after for s in f), deadline)
     first_after = min((s for s in resumed if s > newest.step), default=None)
     if first_after is not None:
         drill.seconds_to_resume = watch_after.seen[first_after] - interrupted
