@@ -127,6 +127,20 @@ def test_the_exposure_is_said_when_the_copies_fall_behind_the_saves_and_once_whe
     assert meter.worst is not None and (meter.worst.lag_steps, meter.worst.newest_step) == (75, 125)
 
 
+def test_a_save_only_the_round_saw_counts_as_unverified() -> None:
+    """The round copying ckpt-25 saw ckpt-75, a save made after the look that listed 25 and 50:
+    two saves are unverified, so the copies are still behind, never "caught up" at a lag of two
+    saves (CI: "caught up" said at lag 50 with a save every 25)."""
+    meter = Meter()
+    meter.measure(listed(25, 50, 75), stored_at(0))
+    assert meter.news() == "behind"
+    report = Lag(newest="ckpt-100.pt", newest_step=100, newest_mtime=100.0, stored="ckpt-50.pt", stored_step=50,
+                 stored_written_at=50.0)
+    now = meter.measure(listed(50, 75), report)
+    assert now is not None and (now.newest_step, now.lag_steps, now.behind) == (100, 50, 2)
+    assert meter.news() == "behind"
+
+
 def test_the_exposure_takes_the_rounds_newest_when_the_look_before_it_is_older() -> None:
     """A save came between the look and the round that copied it: the instance's newest is the
     round's, never a store ahead of the instance."""

@@ -61,7 +61,11 @@ class Meter:
         if not complete:
             return None
         floor = stored.stored_step if stored.stored_step is not None else -1
-        self.unverified = {step for step in self.unverified | {c.step for c in complete} if step > floor}
+        seen_steps = {c.step for c in complete}
+        if stored.newest_step is not None:
+            # a save the round saw after the look is on the instance and not verified either
+            seen_steps.add(stored.newest_step)
+        self.unverified = {step for step in self.unverified | seen_steps if step > floor}
         newest = complete[-1]
         seen = Lag(newest=newest.name, newest_step=newest.step,
                    newest_mtime=max((e.mtime for e in newest.files), default=None))
