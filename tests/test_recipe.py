@@ -505,7 +505,22 @@ def test_the_store_and_the_pattern_are_rendered_once_with_the_name(tmp_path: Pat
         load_recipe(write(tmp_path, "x.yaml", "name: x\nenv: {python: '3.11'}\n"
                                               "checkpoint:\n  remote: 'rclone:r2:b/{{ host }}'\nrun: {command: x}\n"))
     assert str(info.value) == (f"{tmp_path / 'x.yaml'}:4: checkpoint.remote: 'host' is undefined: it is the same for "
-                               "every host, so it may use {{ name }} only")
+                               "every host, so it may use {{ name }} and env.vars that use nothing else")
+
+
+def test_the_store_may_use_env_vars_that_are_the_same_on_every_host(tmp_path: Path) -> None:
+    """The contract: every string may use any vars. A team's store names its project from
+    env.vars; a var that uses a host's variable is not one store, and is refused at its line."""
+    r = load_recipe(write(tmp_path, "r.yaml", "name: run1\nenv:\n  python: '3.11'\n  vars: {PROJECT: llama, "
+                                             "RUN: '{{ name }}-a', N: 3, OUT: '~/o/{{ host }}'}\n"
+                                             "checkpoint: {remote: 'rclone:r2:b/{{ PROJECT }}/{{ RUN }}{{ N }}', "
+                                             "pattern: '{{ PROJECT }}-*.pt'}\nrun: {command: x}\n"))
+    assert (r.checkpoint.remote, r.checkpoint.pattern) == ("rclone:r2:b/llama/run1-a3", "llama-*.pt")
+    assert r.env.vars["RUN"] == "{{ name }}-a"                  # the var itself is still rendered per host
+    with pytest.raises(RecipeError) as info:
+        load_recipe(write(tmp_path, "x.yaml", "name: x\nenv:\n  python: '3.11'\n  vars: {OUT: '~/o/{{ host }}'}\n"
+                                              "checkpoint:\n  remote: 'rclone:r2:b/{{ OUT }}'\nrun: {command: x}\n"))
+    assert str(info.value).startswith(f"{tmp_path / 'x.yaml'}:6: checkpoint.remote: 'OUT' is undefined: "), info.value
 
 
 def test_checkpoint_dir_is_a_template_variable(tmp_path: Path) -> None:

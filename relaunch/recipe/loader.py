@@ -460,29 +460,53 @@ def _cross_checks(recipe: Recipe) -> None:
 
 
 # Keys that name one thing for every host and node (the store, which files are checkpoints):
-# rendered once, here, with the recipe's name alone, so that every use and every message has the
-# value itself; the other strings are rendered per host (render.py).
+# rendered once, here, with the recipe's name and the env.vars that are the same on every host,
+# so that every use and every message has the value itself; the other strings are rendered per
+# host (render.py).
 ONE_FOR_EVERY_HOST = (("checkpoint", "remote"), ("checkpoint", "pattern"))
+
+
+def _same_on_every_host(data: dict[str, Any]) -> dict[str, Any]:
+    """`name`, and each of env.vars whose value uses no other variable than `name` (rendered with
+    the built-in variables only, as render.py does): `remote: s3:b/{{ PROJECT }}/{{ name }}`."""
+    import jinja2
+
+    ctx: dict[str, Any] = {"name": data.get("name")}
+    env = data.get("env")
+    variables = env.get("vars") if isinstance(env, dict) else None
+    if not isinstance(variables, dict):
+        return ctx
+    jinja = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    builtins = dict(ctx)
+    for var, value in variables.items():
+        if isinstance(value, (bool, int, float)):
+            ctx[var] = _scalar_text(value)
+        elif isinstance(value, str):
+            try:
+                ctx[var] = jinja.from_string(value).render(**builtins)
+            except jinja2.TemplateError:
+                pass            # it differs from host to host (or is wrong: its own key says so later)
+    return ctx
 
 
 def _render_one_for_every_host(data: dict[str, Any], origins: Origins) -> None:
     import jinja2
 
     section = data.get("checkpoint")
-    name = data.get("name")
     if not isinstance(section, dict):
         return
+    ctx: dict[str, Any] | None = None
     for path in ONE_FOR_EVERY_HOST:
         value = section.get(path[1])
         if not isinstance(value, str) or "{" not in value:
             continue
+        ctx = _same_on_every_host(data) if ctx is None else ctx
         try:
-            section[path[1]] = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(value).render(
-                name=name)
+            section[path[1]] = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(value).render(**ctx)
         except jinja2.TemplateError as exc:
             file, line = _locate(origins, path)
-            raise RecipeError(f"{exc.message}: it is the same for every host, so it may use {{{{ name }}}} only",
-                              file=file, line=line, key=".".join(path)) from None
+            raise RecipeError(f"{exc.message}: it is the same for every host, so it may use {{{{ name }}}} and "
+                              "env.vars that use nothing else", file=file, line=line, key=".".join(path)) from None
 
 
 def overrides_data(overrides: Sequence[str]) -> dict[str, Any]:
