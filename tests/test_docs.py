@@ -4,7 +4,8 @@ mkdocs.yml turns every problem it can see into a warning, which fails the strict
 a page or an anchor that does not exist, a page that no nav entry names, a nav entry whose file
 is missing. The tests
 below check the rest: the README links every page, the pages are all in the nav, the README's
-"Try it" commands are the ones .ci/run runs, and nothing of the site is fetched from the network.
+"Try it" commands are the ones .ci/run runs, every command and option the pages write exists, and
+nothing of the site is fetched from the network.
 """
 
 from __future__ import annotations
@@ -88,3 +89,50 @@ def test_the_readme_try_it_commands_are_what_ci_runs() -> None:
     assert (REPO / ".ci" / "run").read_text().rstrip().splitlines()[-1] == TRY_IT[1]
 
 
+
+
+def relaunch_lines() -> list[tuple[str, str]]:
+    """Each `relaunch ...` the README and the docs write, in a code block or inline: (where, text),
+    cut at the shell's separators and comments."""
+    found = []
+    for path in [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        text = path.read_text()
+        spans = re.findall(r"`(relaunch [^`]+)`", text)
+        spans += [ln for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M) for ln in block.splitlines()]
+        for span in spans:
+            for part in re.split(r"&&|\|\||;|\||\$\(|\n", span.split(" #")[0]):
+                part = part.strip().removeprefix("$ ").strip()
+                if part.startswith("relaunch "):
+                    found.append((path.relative_to(REPO).as_posix(), part))
+    return found
+
+
+def test_every_command_and_option_the_docs_write_exists() -> None:
+    """What the README and docs tell a user to type names commands and options relaunch has: a
+    renamed or dropped option fails here, not in a user's shell (placeholders such as HOST, [...]
+    and synopses are fine; only the names are checked)."""
+    import click
+
+    from relaunch.cli.main import cli
+
+    lines = relaunch_lines()
+    assert len(lines) > 100, len(lines)      # the scan reads the docs' blocks and inline commands
+    wrong = []
+    for where, text in lines:
+        cmd: click.Command = cli
+        for word in text.split()[1:]:
+            word = word.strip("[]()'\",.:")
+            if word.startswith("-"):
+                name = word.split("=")[0].split("[")[0]
+                names = {n for p in cmd.params for n in (*p.opts, *p.secondary_opts)} | {"-h", "--help"}
+                if name not in names and name not in ("-", "--"):
+                    wrong.append(f"{where}: {text!r}: {cmd.name} has no option {name}")
+            elif isinstance(cmd, click.Group) and word and word[0].islower():
+                sub = cmd.get_command(click.Context(cmd), word)
+                if sub is None:
+                    wrong.append(f"{where}: {text!r}: no command {word}")
+                    break
+                cmd = sub
+            elif isinstance(cmd, click.Group):
+                break                                 # COMMAND, <cmd>: a placeholder for any
+    assert not wrong, "\n".join(wrong)
