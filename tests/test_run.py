@@ -25,6 +25,7 @@ from injob_helpers import (  # noqa: F401  (end_what_was_started: the autouse fi
     said,
     start,
     stops,
+    stored,
     wait_saved,
 )
 from relaunch.injob import EXIT_REQUEUE
@@ -145,3 +146,64 @@ def test_an_rclone_store_from_the_node_itself(tmp_path: Path, s3_remote) -> None
     assert resumes(tmp_path) == [saved]
     second.send_signal(signal.SIGTERM)
     assert second.wait(60) == EXIT_REQUEUE, said(tmp_path)
+
+
+def test_a_damaged_newest_in_the_store_is_passed_over_for_the_one_before_it(tmp_path: Path) -> None:
+    """A byte of the store's newest checkpoint flipped after it was verified (a bad disk, a bad
+    copy by hand): the next run finds it by its sha256, says so, and resumes the one before it,
+    whole; the damaged file stays as it is (nothing in the store is deleted on a suspicion)."""
+    job_recipe(tmp_path, "--steps", "400")
+    proc = start(tmp_path)
+    wait_saved(tmp_path, step=30, proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == EXIT_REQUEUE, said(tmp_path)
+    manifest = stored(tmp_path)
+    assert manifest is not None
+    records = manifest.ordered()
+    assert len(records) >= 2, records              # keep: 2, the stop's save and one before it
+    before, newest = records[-2:]
+    assert newest.step == stops(tmp_path)[-1]
+    damaged = tmp_path / "store" / newest.name
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    second = start(tmp_path, home="home2")
+    wait_for("the next run to resume", lambda: resumes(tmp_path), timeout=120, explain=lambda: said(tmp_path))
+    assert resumes(tmp_path) == [before.step], said(tmp_path)
+    assert f"{newest.name} in the store" in said(tmp_path) and "damaged" in said(tmp_path), said(tmp_path)
+    assert damaged.read_bytes() == bytes(data)     # kept as it is, for the user to look at
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(60) == EXIT_REQUEUE, said(tmp_path)
+
+
+def test_a_hub_store_from_the_node_itself(tmp_path: Path, hf_hub) -> None:  # type: ignore[no-untyped-def]
+    """The store is a Hugging Face repo (a stand-in speaking the Hub's HTTP API to the real `hf`
+    client: no real Hub is reachable here), the token only in the job's environment: the stop's save
+    uploaded and verified, and the next run, on a fresh disk, downloads it and resumes there."""
+    hub = hf_hub()
+    hub.create_repo("acme/ckpts", private=True)
+    env = hub.env(tmp_path / "hfhome")
+    store = {"dir": "~/ckpt", "layout": "files", "pattern": "ckpt-*.pt", "keep": 2, "remote": "hf:acme/ckpts/job"}
+    job_recipe(tmp_path, "--sleep", "0.1", "--keep", "6", checkpoint=store,
+               env={"python": "3.11", "secrets": ["HF_TOKEN"]})
+    proc = start(tmp_path, env=env)
+
+    def manifest() -> dict | None:
+        try:
+            return json.loads(hub.read_files("acme/ckpts").get("job/.relaunch/manifest.json", b"null"))
+        except Exception:        # no repo yet
+            return None
+
+    wait_for("a checkpoint in the repo", lambda: (manifest() or {}).get("checkpoints") or proc.poll() is not None,
+             timeout=120, explain=lambda: said(tmp_path))
+    assert proc.poll() is None, said(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(90) == EXIT_REQUEUE, said(tmp_path)
+    saved = stops(tmp_path)[-1]
+    assert max(c["step"] for c in manifest()["checkpoints"]) == saved, manifest()
+    assert hub.token not in said(tmp_path) and hub.token not in (tmp_path / "recipe.yaml").read_text()
+    second = start(tmp_path, home="home2", env=env)
+    wait_for("the next run to resume", lambda: resumes(tmp_path), timeout=120, explain=lambda: said(tmp_path))
+    assert resumes(tmp_path) == [saved]
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(90) == EXIT_REQUEUE, said(tmp_path)
