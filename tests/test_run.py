@@ -207,3 +207,22 @@ def test_a_hub_store_from_the_node_itself(tmp_path: Path, hf_hub) -> None:  # ty
     assert resumes(tmp_path) == [saved]
     second.send_signal(signal.SIGTERM)
     assert second.wait(90) == EXIT_REQUEUE, said(tmp_path)
+
+
+def test_a_stop_whose_save_cannot_reach_the_store_is_exit_6_before_the_grace_ends(tmp_path: Path, s3_remote) -> None:  # type: ignore[no-untyped-def]
+    """The store goes silent (its server gone) before the stop: the save is made on the node but
+    never verified in the store, so the job says NOT verified, exit 6 (never 75: "requeue me, my
+    save is safe"), within the grace the engine gives, and the store still holds what it verified."""
+    s3 = s3_remote()
+    store = {"dir": "~/ckpt", "layout": "files", "pattern": "ckpt-*.pt", "keep": 2,
+             "remote": f"rclone:{s3.remote('job')}"}
+    job_recipe(tmp_path, "--sleep", "0.1", "--keep", "6", checkpoint=store)
+    proc = start(tmp_path, "--grace", "40", env=s3.env)
+    wait_for("a checkpoint in the remote", lambda: list((s3.bucket_dir / "job").glob("ckpt-*.pt")), timeout=120,
+             explain=lambda: said(tmp_path))
+    s3.stop()
+    before = sorted(p.name for p in (s3.bucket_dir / "job").glob("ckpt-*.pt"))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 6, said(tmp_path)
+    assert "is NOT verified in the store" in said(tmp_path) and stops(tmp_path), said(tmp_path)
+    assert sorted(p.name for p in (s3.bucket_dir / "job").glob("ckpt-*.pt")) == before

@@ -190,7 +190,7 @@ def _ended(outcome: Outcome, place: Placement, store: Store, training: Training,
     outcome.training_exit = status
     try:
         report = _final_round(copier, group, status == 0, ui, time.time() + 600)
-    except EvacuationError as exc:
+    except RelaunchError as exc:        # the training's own failure is what this run reports (exit 4)
         if status == 0:
             raise
         report = None
@@ -238,7 +238,7 @@ def _stopped(outcome: Outcome, stop: Stop, place: Placement, store: Store, train
             verified, why = report.safe, report.why
         elif isinstance(group, Follower):           # node 0's verdict of the group's copy
             verified, why = group.verified, group.why
-    except EvacuationError as exc:
+    except RelaunchError as exc:        # a store that fails or went silent: the save is not verified (exit 6, not 5)
         why = exc.message.splitlines()[0]
     outcome.seconds["copy"] = round(time.time() - copying, 1)
     if report is not None:
