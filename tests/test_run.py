@@ -226,3 +226,19 @@ def test_a_stop_whose_save_cannot_reach_the_store_is_exit_6_before_the_grace_end
     assert proc.wait(60) == 6, said(tmp_path)
     assert "is NOT verified in the store" in said(tmp_path) and stops(tmp_path), said(tmp_path)
     assert sorted(p.name for p in (s3.bucket_dir / "job").glob("ckpt-*.pt")) == before
+
+
+def test_with_env_lock_the_run_makes_the_venv_from_it_and_trains_in_it(tmp_path: Path, package_index: Path) -> None:
+    """env.lock in the recipe: the node's venv is made from the lock (from the index the recipe
+    names, here a local one), as `up` makes it, and the training runs with that venv's Python."""
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("mpmath==1.3.0\n")
+    probe = "import mpmath, sys; print('venv', sys.prefix, 'mpmath', mpmath.__version__, flush=True)"
+    job_recipe(tmp_path, env={"python": "3.11", "lock": str(lock), "index_url": f"file://{package_index}/simple/"},
+               run={"command": f"python -c \"{probe}\"", "workdir": "~/work", "log": str(tmp_path / "train.log")})
+    proc = start(tmp_path)
+    assert proc.wait(300) == 0, said(tmp_path)
+    venv = tmp_path / "home" / "venvs" / "injob"
+    assert f"venv {venv} mpmath 1.3.0" in log(tmp_path), log(tmp_path) + said(tmp_path)
+    frozen = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True)
+    assert "mpmath==1.3.0" in frozen.stdout, frozen
