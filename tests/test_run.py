@@ -242,3 +242,15 @@ def test_with_env_lock_the_run_makes_the_venv_from_it_and_trains_in_it(tmp_path:
     assert f"venv {venv} mpmath 1.3.0" in log(tmp_path), log(tmp_path) + said(tmp_path)
     frozen = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True)
     assert "mpmath==1.3.0" in frozen.stdout, frozen
+
+
+def test_a_training_that_logs_steps_and_saves_nowhere_relaunch_looks_is_exit_6_naming_checkpoint_dir(
+        tmp_path: Path) -> None:
+    """It finished (exit 0) after logging a step, and checkpoint.dir holds nothing: its progress
+    would be lost, so never 0, and the hint is about where it saves, not evacuate's --allow-empty."""
+    job_recipe(tmp_path, run={"command": "echo 'step 1 loss 1.0'", "workdir": "~/work",
+                              "log": str(tmp_path / "train.log")})
+    proc = start(tmp_path)
+    assert proc.wait(120) == 6, said(tmp_path)
+    assert "destroying loses 1 steps" in said(tmp_path) and "checkpoint.dir" in said(tmp_path), said(tmp_path)
+    assert "--allow-empty" not in said(tmp_path) and "relaunch evacuate" not in said(tmp_path), said(tmp_path)
