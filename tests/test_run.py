@@ -14,6 +14,7 @@ from pathlib import Path
 
 from e2e import cli_env, wait_for
 from injob_helpers import (  # noqa: F401  (end_what_was_started: the autouse fixture)
+    HERE,
     descendants,
     end_what_was_started,
     history,
@@ -254,3 +255,20 @@ def test_a_training_that_logs_steps_and_saves_nowhere_relaunch_looks_is_exit_6_n
     assert proc.wait(120) == 6, said(tmp_path)
     assert "destroying loses 1 steps" in said(tmp_path) and "checkpoint.dir" in said(tmp_path), said(tmp_path)
     assert "--allow-empty" not in said(tmp_path) and "relaunch evacuate" not in said(tmp_path), said(tmp_path)
+
+
+def test_a_launcher_that_ends_before_its_workers_is_waited_for_until_their_stop_save_is_made(tmp_path: Path) -> None:
+    """The command's first process (a shell here; torchrun's agent under Slurm, which a second
+    SIGTERM ends at once) exits as the stop comes, while the process that trains, in the same
+    session, still writes the stop's save: the training has ended only when its whole session has,
+    so the save copied and verified is the stop's own, not the one before it (CI: torchrun's agent
+    died 1.2 s after Slurm's and relaunch's SIGTERMs, and the copy did not wait for the workers)."""
+    trainer = (f"{sys.executable} {HERE / 'spot_trainer.py'} \"{{{{ checkpoint }}}}\" --out ~/ckpt --every 10 "
+               "--sleep 0.05 --size 20000 --keep 2 --stop-save 8")
+    job_recipe(tmp_path, run={"command": f"{trainer} & wait", "workdir": "~/work", "log": str(tmp_path / "train.log"),
+                              "stop": {"signal": "TERM", "timeout": 20}})
+    proc = start(tmp_path, "--grace", "60")
+    wait_saved(tmp_path, step=20, proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(90) == EXIT_REQUEUE, said(tmp_path)
+    assert stops(tmp_path) and newest_step(tmp_path) == stops(tmp_path)[-1], said(tmp_path) + log(tmp_path)

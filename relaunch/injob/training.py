@@ -43,6 +43,22 @@ def timeline_path(log: str) -> str:
     return f"{log}.timeline"
 
 
+def session_members(sid: int) -> list[int]:
+    """The live processes of session `sid` (zombies are done), from /proc."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()   # after comm, which may hold anything
+        except (OSError, IndexError):
+            continue                                              # gone meanwhile
+        if len(fields) > 3 and fields[3] == str(sid) and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
 class Training:
     """One start of run.command: start(), then poll(), stop(signal), wait()."""
 
@@ -152,15 +168,21 @@ class Training:
             return False
 
     def wait(self, seconds: float) -> int | None:
-        """Its exit status once it ended within `seconds` (and its output is copied), else None."""
+        """Its exit status once it ended within `seconds` (and its output is copied), else None.
+        It has ended once its whole session has: a launcher that exits first (torchrun's agent, which
+        a second SIGTERM ends at once; a shell's `cmd & wait`) leaves the processes that train still
+        writing the stop's save. Those still there at the end of `seconds` are left to the copy."""
         if self.proc is None:
             return None
+        end = time.monotonic() + max(seconds, 0)
         try:
             status = self.proc.wait(timeout=max(seconds, 0))
         except subprocess.TimeoutExpired:
             return None
+        while session_members(self.proc.pid) and time.monotonic() < end:
+            time.sleep(0.1)
         if self._pump is not None:
-            self._pump.join(5)
+            self._pump.join(max(min(5.0, end - time.monotonic()), 0.1))
         return status
 
     def ended(self, status: int) -> None:
