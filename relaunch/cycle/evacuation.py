@@ -66,9 +66,14 @@ def evacuate(recipe: Recipe, specs: HostSpec | list[HostSpec], ui: UI, stop: boo
         raise refusal from exc
 
 
+# what to do when the instance's progress is not in any checkpoint there (`relaunch run` says its own)
+EMPTY_HINT = "`relaunch evacuate --allow-empty` accepts it: what training did there is then lost with the instance"
+
+
 def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, executor: Executor, ui: UI,
                   rounds: int = 3, reverify: bool = True, require_newest: bool = True,
-                  allow_empty: bool = False, newest_only: bool = False) -> Report:
+                  allow_empty: bool = False, newest_only: bool = False,
+                  empty_hint: str = EMPTY_HINT) -> Report:
     """Copy the newest `keep` complete checkpoints (newest first) until the newest is verified;
     in a node group, each file from the node that holds it. Then the verdict, from what the store
     holds at that moment (verdicts.py): `report.safe`.
@@ -163,8 +168,7 @@ def evacuate_jobs(jobs: list[Job], remotes: dict[str, Remote], store: Store, exe
         report.safe, report.why = verdict.ok, verdict.why
         if require_newest and not report.safe:
             hint = (unseen.hint("evacuate", job.target) if unseen is not None else
-                    None if empty is None else "`relaunch evacuate --allow-empty` accepts it: what training did "
-                    "there is then lost with the instance")
+                    None if empty is None else empty_hint)
             refusal = EvacuationError(f"{job.host}: {verdict.why}", hint)
             refusal.result = report.as_dict()
             raise refusal

@@ -27,13 +27,19 @@ LOOK_EVERY = 2.0
 Round = Callable[[bool, float | None], Report]       # (final?, the stop's deadline) -> the round's report
 
 
+# a job's training logged steps and relaunch found no checkpoint of them: evacuate's --allow-empty
+# is no way out inside a job, where the training saves is what to look at
+NOTHING_SAVED_HINT = ("the training logged steps but no complete checkpoint is in checkpoint.dir: check "
+                      "checkpoint.dir, layout and pattern against where it saves (`relaunch check RECIPE --explain`)")
+
+
 def one_node_round(job: Job, shell: NodeShell, store: Store, executor: Executor, ui: UI) -> Round:
     """A round on one node: what `relaunch sync` does (final: what `evacuate` insists on, the
     newest checkpoint verified, else EvacuationError)."""
     def run(final: bool, deadline: float | None = None) -> Report:
         with store.lock(ui):
             return evacuate_jobs([job], {job.host: shell}, store, executor, ui, rounds=3 if final else 1,
-                                 reverify=False, require_newest=final)
+                                 reverify=False, require_newest=final, empty_hint=NOTHING_SAVED_HINT)
     return run
 
 

@@ -191,11 +191,6 @@ def _ended(outcome: Outcome, place: Placement, store: Store, training: Training,
     try:
         report = _final_round(copier, group, status == 0, ui, time.time() + 600)
     except RelaunchError as exc:        # the training's own failure is what this run reports (exit 4)
-        if status == 0 and isinstance(exc, EvacuationError) and exc.hint and "--allow-empty" in exc.hint:
-            # evacuate's way out does not apply to a job: what is wrong is where the training saves
-            raise EvacuationError(exc.message, "the training logged steps but no complete checkpoint is in "
-                                  "checkpoint.dir: check checkpoint.dir, layout and pattern against where it "
-                                  "saves (`relaunch check RECIPE --explain`)") from exc
         if status == 0:
             raise
         report = None
