@@ -197,7 +197,7 @@ def dist_job(folder: Path) -> tuple[Path, Path]:
         "checkpoint": {"dir": "~/ckpt", "layout": "dcp", "keep": 3, "remote": str(store)},
         "run": {"command": f"{bin_dir / 'torchrun'} --nnodes {{{{ nnodes }}}} --node-rank {{{{ node_rank }}}} "
                            "--nproc-per-node {{ nproc_per_node }} --master-addr {{ master_addr }} --master-port 29533 "
-                           f"{REPO / 'examples' / 'pytorch' / 'train_dist.py'} --out ~/ckpt --steps 200 --save-every 5 "
+                           f"{REPO / 'examples' / 'pytorch' / 'train_dist.py'} --out ~/ckpt --steps 400 --save-every 5 "
                            "--sleep 0.2 --global-batch 8 --micro 2 --grad-accum {{ grad_accum }} "
                            "--resume \"{{ checkpoint }}\"",
                 "workdir": "~/work", "log": f"{folder}/train-{{{{ node_rank }}}}.log", "nproc_per_node": 1,
@@ -228,7 +228,9 @@ def losses(text: str) -> dict[int, float]:
 def test_two_node_job_requeued_onto_one_node_keeps_the_global_batch(slurm_cluster, job_folder: Path) -> None:
     cluster, folder = slurm_cluster, job_folder
     script, store = dist_job(folder)
-    reference = uninterrupted(folder, 150)        # meanwhile, on this machine
+    # meanwhile, on this machine, as long as the job: its stop may come late (CI: step 171, when the
+    # copies of both nodes' parts were slow to succeed), and the steps after the resume are compared
+    reference = uninterrupted(folder, 400)
     try:
         check_two_nodes_onto_one(cluster, folder, script, store, reference)
     finally:
