@@ -43,10 +43,8 @@ from .keys import is_public_key, public_key_line
 from .network import TOOLS, TOOLS_COMMAND_LOG, netns_exists, require_tools, run, veths
 from .processes import (
     cmdline,
-    in_mount_namespaces,
     kill_recorded,
     log_tail,
-    mount_namespace,
     netns_pids,
     process_state,
     reap,
@@ -355,12 +353,10 @@ def _kill_all(name: str, folder: Path) -> None:
             cgroup.freeze(False)  # a frozen process does not die until thawed
     # who is there before anything is killed: killing the boot process group or a PID 1 kills others
     killed: dict[int, str | None] = {pid: start_time(pid) for pid in netns_pids(name)}
-    # the instance's disks live as long as a process holds its mount namespace, in the netns or not
-    mounts = {ns for pid in killed if (ns := mount_namespace(pid))} - {mount_namespace(os.getpid())}
     if folder.exists():
         kill_recorded(folder)
     deadline = time.monotonic() + 10
-    while pids := sorted(set(netns_pids(name)) | set(in_mount_namespaces(mounts))):
+    while pids := netns_pids(name):
         for pid in pids:
             killed.setdefault(pid, start_time(pid))
             with contextlib.suppress(ProcessLookupError):

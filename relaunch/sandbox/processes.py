@@ -84,22 +84,6 @@ def netns_pids(name: str) -> list[int]:
     return [int(p) for p in proc.stdout.split() if p.isdigit() and int(p) != os.getpid()]
 
 
-def mount_namespace(pid: int) -> str | None:
-    with contextlib.suppress(OSError):
-        return os.readlink(f"/proc/{pid}/ns/mnt")
-    return None
-
-
-def in_mount_namespaces(namespaces: set[str]) -> list[int]:
-    """The live processes in any of `namespaces` (a zombie has left its namespaces), wherever their
-    network is: the boot wrapper sits in the instance's mounts before it enters the netns."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and mount_namespace(int(entry.name)) in namespaces:
-            found.append(int(entry.name))
-    return found
-
-
 def reap(name: str, wait: bool = False) -> None:
     """Collect exit statuses of children this process started for `name` (no zombies)."""
     for proc in children.get(name, []):
