@@ -251,19 +251,13 @@ def test_destroy_leaves_nothing_behind(sandbox, ssh, package_index: Path, reques
     assert meta["address"].rsplit(".", 1)[0] + "." not in addrs
     assert not _via_sandbox_link(meta["address"])
     assert [p for p in pids if Path(f"/proc/{p}").exists() and _stat_state(p) != "Z"] == []
-    assert {p: _cmdline(p) for p in _pids_in_mnt_ns(mnt)} == {}  # nobody holds the instance's disk mount
+    # nobody holds the instance's disk mount
+    assert {p: _cmdline(Path(f"/proc/{p}")) for p in _pids_in_mnt_ns(mnt)} == {}
     assert not folder.exists()
     assert inst not in sb.list_instances()
     with pytest.raises(UsageError):
         sb.get(inst.name)
     assert sb.destroy(inst.name) is False  # idempotent
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "gone"
 
 
 def _stat_state(pid: int) -> str:
