@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from relaunch.sandbox.processes import cmdline
+
 # struct acct_v3 (linux/acct.h): 64 bytes; the times are comp_t in AHZ (100) ticks
 ACCT_V3 = struct.Struct("=BBHIIIIIIfHHHHHHHH16s")
 AHZ = 100
@@ -66,18 +68,10 @@ class Execs(threading.Thread):
                 # cn_msg (20 bytes), then proc_event: what, cpu, timestamp (16 bytes), then the event
                 if len(message) >= 44 and struct.unpack_from("=I", message, 20)[0] == PROC_EVENT_EXEC:
                     _, tgid = struct.unpack_from("=II", message, 36)
-                    self.seen[tgid].append((time.time(), command_line(tgid)))
+                    self.seen[tgid].append((time.time(), cmdline(tgid).decode(errors="replace").strip()[:400]))
                 if length == 0:
                     break
                 offset += (length + 3) & ~3
-
-
-def command_line(pid: int) -> str:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return ""
-    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)[:400]
 
 
 def kind(command: str) -> str:

@@ -26,6 +26,9 @@ from relaunch.manifest import StoreManifest
 
 HERE = Path(__file__).resolve().parent
 RELAUNCH = Path(sys.executable).parent / "relaunch"
+# the 2-node job's steps, and its uninterrupted reference's: its stop may come late (CI: step 171, when
+# the copies of both nodes' parts were slow to succeed), and the steps after the resume are compared
+DIST_STEPS = 400
 
 
 def one_node_job(folder: Path, *trainer_args: str) -> tuple[Path, Path]:
@@ -197,8 +200,8 @@ def dist_job(folder: Path) -> tuple[Path, Path]:
         "checkpoint": {"dir": "~/ckpt", "layout": "dcp", "keep": 3, "remote": str(store)},
         "run": {"command": f"{bin_dir / 'torchrun'} --nnodes {{{{ nnodes }}}} --node-rank {{{{ node_rank }}}} "
                            "--nproc-per-node {{ nproc_per_node }} --master-addr {{ master_addr }} --master-port 29533 "
-                           f"{REPO / 'examples' / 'pytorch' / 'train_dist.py'} --out ~/ckpt --steps 400 --save-every 5 "
-                           "--sleep 0.2 --global-batch 8 --micro 2 --grad-accum {{ grad_accum }} "
+                           f"{REPO / 'examples' / 'pytorch' / 'train_dist.py'} --out ~/ckpt --steps {DIST_STEPS} "
+                           "--save-every 5 --sleep 0.2 --global-batch 8 --micro 2 --grad-accum {{ grad_accum }} "
                            "--resume \"{{ checkpoint }}\"",
                 "workdir": "~/work", "log": f"{folder}/train-{{{{ node_rank }}}}.log", "nproc_per_node": 1,
                 "batch": {"global": 8, "micro": 2}, "stop": {"signal": "TERM", "timeout": 15}},
@@ -228,9 +231,7 @@ def losses(text: str) -> dict[int, float]:
 def test_two_node_job_requeued_onto_one_node_keeps_the_global_batch(slurm_cluster, job_folder: Path) -> None:
     cluster, folder = slurm_cluster, job_folder
     script, store = dist_job(folder)
-    # meanwhile, on this machine, as long as the job: its stop may come late (CI: step 171, when the
-    # copies of both nodes' parts were slow to succeed), and the steps after the resume are compared
-    reference = uninterrupted(folder, 400)
+    reference = uninterrupted(folder, DIST_STEPS)        # meanwhile, on this machine
     try:
         check_two_nodes_onto_one(cluster, folder, script, store, reference)
     finally:
